@@ -1,0 +1,184 @@
+"""A native checkpoint opened lazily: config, tensor index and headers now, bytes on demand.
+
+Accepts a directory (sharded with `model.safetensors.index.json`, or a single `model.safetensors`)
+or a Hugging Face repo id at a revision, resolved through huggingface_hub's cache (which also works
+offline once the files are cached).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantizer.checkpoint.dequant import dequantize
+from quantizer.checkpoint.safetensors_file import TensorEntry, read_header, read_tensor
+from quantizer.errors import UserError
+from quantizer.model.config import ModelConfig
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+ENGRAM_TABLE = re.compile(r"(^|\.)engram\.embed\.(weight|scale)$")
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class Checkpoint:
+    root: Path
+    config: ModelConfig
+    tensors: dict[str, TensorEntry]
+    shards: list[Path]
+    include_engram: bool = True
+
+    # ---- opening -----------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, src: str | Path, revision: str | None = None, include_engram: bool = True) -> "Checkpoint":
+        """Open a checkpoint directory or a repo id; with include_engram=False the Engram tables
+        (and shards that hold nothing else) are neither read nor required."""
+        root = _resolve(src, revision, include_engram)
+        config = ModelConfig.from_file(root / "config.json")
+        index_path = root / INDEX_NAME
+        if index_path.exists():
+            weight_map = _read_index(index_path)
+        elif (root / SINGLE_NAME).exists():
+            weight_map = None
+        else:
+            raise UserError(f"{root}: no {INDEX_NAME} and no {SINGLE_NAME}; not a safetensors checkpoint")
+
+        if weight_map is None:
+            header = read_header(root / SINGLE_NAME)
+            tensors = dict(header.tensors)
+            shards = [root / SINGLE_NAME]
+        else:
+            wanted = {n: f for n, f in weight_map.items() if include_engram or not ENGRAM_TABLE.search(n)}
+            shards = [root / f for f in sorted(set(wanted.values()))]
+            tensors = {}
+            for shard in shards:
+                header = read_header(shard)
+                for name, entry in header.tensors.items():
+                    if name in wanted:
+                        tensors[name] = entry
+            missing = sorted(set(wanted) - set(tensors))
+            if missing:
+                raise UserError(
+                    f"{root}: {INDEX_NAME} puts {missing[0]} in {wanted[missing[0]]} but that shard does not hold it"
+                    + (f" ({len(missing)} such tensors)" if len(missing) > 1 else "")
+                    + "; the index and shards are from different downloads"
+                )
+        if not include_engram:
+            tensors = {n: e for n, e in tensors.items() if not ENGRAM_TABLE.search(n)}
+        _check_scales(tensors)
+        return cls(root, config, tensors, shards, include_engram)
+
+    # ---- access ------------------------------------------------------------------------------
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise UserError(f"{self.root}: tensor {name} is not in the checkpoint")
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor as stored, read from disk now."""
+        return read_tensor(self.entry(name))
+
+    def scale_name(self, name: str) -> str | None:
+        """The `.scale` companion of an FP8/FP4 `X.weight` (stored as `X.scale`), if present."""
+        if name.endswith(".weight"):
+            s = name[: -len(".weight")] + ".scale"
+            if s in self.tensors:
+                return s
+        return None
+
+    def weight(self, name: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A tensor dequantized to `dtype` on `device` (FP8/FP4 with their E8M0 grids)."""
+        scale = self.scale_name(name)
+        return dequantize(self.raw(name), self.raw(scale) if scale else None, name, dtype, device)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(e.nbytes for e in self.tensors.values())
+
+    def file_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.shards)
+
+
+def _resolve(src: str | Path, revision: str | None, include_engram: bool) -> Path:
+    path = Path(src).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"{path}: expected a checkpoint directory (config.json + safetensors)")
+        if revision:
+            raise UserError(f"{path}: --revision applies to Hugging Face repo ids, not local directories")
+        return path
+    if not REPO_ID.match(str(src)):
+        raise UserError(f"{src}: no such directory, and not a Hugging Face repo id (owner/name)")
+    return _from_hub(str(src), revision, include_engram)
+
+
+def _from_hub(repo_id: str, revision: str | None, include_engram: bool) -> Path:
+    """Fetch (or find in the local cache) config, index and the shards this job needs."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    def fetch(filename: str) -> Path:
+        try:
+            return Path(hf_hub_download(repo_id, filename, revision=revision))
+        except LocalEntryNotFoundError:
+            raise UserError(
+                f"{repo_id}@{revision or 'main'}: {filename} is not in the local Hugging Face cache and the hub "
+                "cannot be reached; download it first or pass a local directory"
+            )
+        except HfHubHTTPError as e:
+            raise UserError(f"{repo_id}@{revision or 'main'}: cannot fetch {filename}: {e}")
+
+    config = fetch("config.json")
+    root = config.parent
+    try:
+        index = fetch(INDEX_NAME)
+    except UserError:
+        fetch(SINGLE_NAME)
+        return root
+    weight_map = _read_index(index)
+    for shard in sorted({f for n, f in weight_map.items() if include_engram or not ENGRAM_TABLE.search(n)}):
+        fetch(shard)
+    return root
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text())
+        weight_map = data["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise UserError(f"{path}: not a valid safetensors index (needs a weight_map object)")
+    if not isinstance(weight_map, dict):
+        raise UserError(f"{path}: weight_map is not an object")
+    return weight_map
+
+
+def _check_scales(tensors: dict[str, TensorEntry]) -> None:
+    """Every FP8/FP4 weight needs an E8M0 grid that tiles it; checked from headers alone."""
+    from quantizer.checkpoint.dequant import scale_block
+
+    for name, e in tensors.items():
+        if not name.endswith(".scale"):
+            continue
+        w = tensors.get(name[: -len(".scale")] + ".weight")
+        if w is None:
+            raise UserError(f"{e.path}: scale {name} has no matching .weight tensor")
+        if e.dtype != "F8_E8M0":
+            raise UserError(f"{e.path}: scale {name} has dtype {e.dtype}; native scales are F8_E8M0")
+        shape = w.shape if w.dtype != "I8" else (*w.shape[:-1], w.shape[-1] * 2)
+        scale_block(shape, e.shape, name)
+    for name, e in tensors.items():
+        if e.dtype in ("F8_E4M3", "I8") and not name.endswith(".scale"):
+            s = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
+            if s not in tensors:
+                raise UserError(f"{e.path}: {e.dtype} tensor {name} has no .scale grid; it cannot be dequantized")

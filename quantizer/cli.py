@@ -1,0 +1,45 @@
+"""The `quantizer` command: one sub-command per pipeline stage.
+
+User errors (bad input, impossible targets) print one line and exit 2; a stage that finds faults
+(verify, inspect) exits 1; nothing prints a traceback for something the user can fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from quantizer import __version__
+from quantizer.errors import UserError
+
+# Each module defines register(subparsers), which adds its sub-command with func=run.
+COMMANDS = (
+    "quantizer.inventory.cli",
+    "quantizer.tiny.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="quantizer", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"quantizer {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS:
+        importlib.import_module(module).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"quantizer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"quantizer {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

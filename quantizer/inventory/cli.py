@@ -1,0 +1,39 @@
+"""`quantizer inspect SRC [--json]`."""
+
+from __future__ import annotations
+
+import argparse
+
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.inventory.inventory import Inventory, take_inventory
+from quantizer.report import gib, table
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="classify every tensor of a native checkpoint and check it against its config")
+    p.add_argument("src", help="checkpoint directory or Hugging Face repo id")
+    p.add_argument("--revision", help="revision of a Hugging Face repo id")
+    p.add_argument("--no-engram", action="store_true", help="leave the Engram table shards out")
+    p.add_argument("--json", action="store_true", help="print the inventory as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    ck = Checkpoint.open(args.src, args.revision, include_engram=not args.no_engram)
+    inv = take_inventory(ck)
+    print(inv.to_json() if args.json else render(inv))
+    return 1 if inv.problems else 0
+
+
+def render(inv: Inventory) -> str:
+    rows = [[c.cls, f"{c.tensors:,}", f"{c.params:,}", f"{c.bytes:,}", gib(c.bytes)] for c in inv.classes]
+    rows.append(["total", f"{inv.tensors:,}", f"{inv.params:,}", f"{inv.bytes:,}", gib(inv.bytes)])
+    lines = [
+        f"{inv.source}  ({inv.arch}; routed experts: {inv.routed_layers} layers x {inv.routed_experts_per_layer})",
+        table(["class", "tensors", "params", "bytes", "GiB"], rows),
+    ]
+    if inv.problems:
+        lines += ["", f"{len(inv.problems)} problem(s):"] + [f"  - {p}" for p in inv.problems]
+    else:
+        lines += ["", "consistent with config.json: every implied tensor present with its shape and dtype"]
+    return "\n".join(lines)

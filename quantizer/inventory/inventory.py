@@ -1,0 +1,106 @@
+"""The inspect stage: every tensor classified, totals per class, and the checkpoint checked against
+the tensors its config implies (names, shapes, dtypes), from headers alone."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from quantizer.checkpoint.source import ENGRAM_TABLE as ENGRAM_TABLE_NAME
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.model.layout import TensorSpec, native_layout
+from quantizer.model.tensor_classes import CLASSES, ROUTED_EXPERT, VISION, classify
+
+EXAMPLES = 3
+
+
+@dataclass
+class ClassTotals:
+    cls: str
+    tensors: int = 0
+    params: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Inventory:
+    source: str
+    arch: str
+    tensors: int
+    params: int
+    bytes: int
+    classes: list[ClassTotals]
+    routed_layers: int
+    routed_experts_per_layer: int
+    problems: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Inventory":
+        data = json.loads(text)
+        data["classes"] = [ClassTotals(**c) for c in data["classes"]]
+        return cls(**data)
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+
+
+def take_inventory(ck: Checkpoint) -> Inventory:
+    totals = {c: ClassTotals(c) for c in CLASSES}
+    experts: dict[int, set[int]] = {}
+    params = 0
+    for name, e in ck.tensors.items():
+        c = classify(name)
+        spec = TensorSpec(name, e.shape, e.dtype)
+        t = totals[c.cls]
+        t.tensors += 1
+        t.params += spec.params
+        t.bytes += e.nbytes
+        params += spec.params
+        if c.cls == ROUTED_EXPERT:
+            experts.setdefault(c.layer, set()).add(c.expert)
+    return Inventory(
+        source=str(ck.root),
+        arch=ck.config.arch,
+        tensors=len(ck.tensors),
+        params=params,
+        bytes=ck.payload_bytes,
+        classes=[t for t in totals.values() if t.tensors],
+        routed_layers=len(experts),
+        routed_experts_per_layer=max((len(v) for v in experts.values()), default=0),
+        problems=check_against_config(ck),
+    )
+
+
+def check_against_config(ck: Checkpoint) -> list[str]:
+    """Differences between the stored tensors and the layout the config implies."""
+    # Vision tensor names are not published (see layout._vision), so vision is counted, not checked.
+    expected = {
+        s.name: s
+        for s in native_layout(ck.config)
+        if (ck.include_engram or not ENGRAM_TABLE_NAME.search(s.name)) and classify(s.name).cls != VISION
+    }
+    problems = []
+    missing = sorted(set(expected) - set(ck.tensors))
+    extra = sorted(n for n in set(ck.tensors) - set(expected) if classify(n).cls != VISION)
+    if missing:
+        problems.append(f"{len(missing)} tensors the config implies are missing, e.g. {', '.join(missing[:EXAMPLES])}")
+    if extra:
+        problems.append(f"{len(extra)} tensors the config does not explain, e.g. {', '.join(extra[:EXAMPLES])}")
+    for name in sorted(set(expected) & set(ck.tensors)):
+        want, have = expected[name], ck.tensors[name]
+        if tuple(have.shape) != want.shape or have.dtype != want.dtype:
+            problems.append(
+                f"{name}: stored as {have.dtype}{list(have.shape)}, config implies {want.dtype}{list(want.shape)}"
+            )
+    index = ck.root / "model.safetensors.index.json"
+    if index.exists():
+        declared = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        if declared is not None and ck.include_engram and int(declared) != ck.payload_bytes:
+            problems.append(f"index total_size is {declared} but the shards hold {ck.payload_bytes} payload bytes")
+    return problems

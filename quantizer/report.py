@@ -1,0 +1,23 @@
+"""Plain-text tables and human sizes for the CLI's reports."""
+
+from __future__ import annotations
+
+GIB = 1 << 30
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:,.2f}"
+
+
+def table(headers: list[str], rows: list[list], right: set[int] | None = None) -> str:
+    """A fixed-width table; columns in `right` (default: all but the first) are right-aligned."""
+    right = set(range(1, len(headers))) if right is None else right
+    cells = [[str(c) for c in r] for r in [headers, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells[1:]]
+    return "\n".join(out)
