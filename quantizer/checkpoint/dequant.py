@@ -42,13 +42,16 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
 
 def scale_block(weight_shape: tuple[int, ...], grid_shape: tuple[int, ...], name: str) -> tuple[int, int]:
-    """The block (rows, cols) that a scale grid of `grid_shape` tiles a weight of `weight_shape` with."""
+    """The block (rows, cols) that a scale grid of `grid_shape` tiles a weight of `weight_shape` with.
+
+    Blocks are powers of two (DeepSeek uses 128x128, 32x32 and 1x32); the last block may be partial.
+    """
     if len(weight_shape) != 2 or len(grid_shape) != 2:
         raise UserError(f"{name}: scale grid {list(grid_shape)} does not fit weight {list(weight_shape)} (need 2-D)")
     block = []
     for dim, cells in zip(weight_shape, grid_shape):
         b = -(-dim // cells) if cells else 0
-        if cells == 0 or -(-dim // b) != cells:
+        if cells == 0 or b & (b - 1) or -(-dim // b) != cells:
             raise UserError(
                 f"{name}: scale grid {list(grid_shape)} does not tile weight {list(weight_shape)}; "
                 "the checkpoint is corrupt or mixes tensors of different models"

@@ -1,0 +1,186 @@
+"""Checkpoint IO: opening every source kind lazily, and one clear error for every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantizer.checkpoint import safetensors_file
+from quantizer.checkpoint.safetensors_file import planned, read_header, write_safetensors
+from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
+from quantizer.cli import main
+from quantizer.errors import UserError
+
+
+def copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ck"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def shard_of(ck_dir: Path, tensor: str) -> Path:
+    index = json.loads((ck_dir / INDEX_NAME).read_text())
+    return ck_dir / index["weight_map"][tensor]
+
+
+def test_open_reads_headers_only_until_a_tensor_is_asked_for(tiny_v41, monkeypatch):
+    reads = []
+    real = safetensors_file.read_bytes
+    monkeypatch.setattr(safetensors_file, "read_bytes", lambda e: reads.append(e.name) or real(e))
+    ck = Checkpoint.open(tiny_v41)
+    assert len(ck.tensors) == 990 and reads == []
+    w = ck.weight("layers.2.attn.wq_a.weight")
+    assert w.shape == (128, 256) and w.dtype == torch.float32
+    assert reads == ["layers.2.attn.wq_a.weight", "layers.2.attn.wq_a.scale"]
+
+
+def test_dequantized_fp4_expert_and_bf16_on_request(tiny_v41):
+    ck = Checkpoint.open(tiny_v41)
+    e = ck.weight("layers.0.ffn.experts.3.w2.weight", dtype=torch.bfloat16)
+    assert e.shape == (256, 128) and e.dtype == torch.bfloat16 and e.abs().sum() > 0
+    tid = ck.weight("layers.0.ffn.gate.bias")
+    assert tid.dtype == torch.float32
+
+
+def test_integer_tables_stay_integers(tiny_v4):
+    ck = Checkpoint.open(tiny_v4)
+    table = ck.weight("layers.0.ffn.gate.tid2eid")
+    assert table.dtype == torch.int64 and table.shape == (4096, 2)
+    assert (table[:, 0] != table[:, 1]).all() and table.max() < 8
+
+
+def test_single_file_checkpoint(tiny_v4, tmp_path):
+    ck = Checkpoint.open(tiny_v4)
+    names = ["layers.1.attn.wkv.weight", "layers.1.attn.wkv.scale", "embed.weight"]
+    single = tmp_path / "single"
+    single.mkdir()
+    shutil.copy(tiny_v4 / "config.json", single / "config.json")
+    write_safetensors(single / "model.safetensors", [planned(n, ck.raw(n), ck.entry(n).dtype) for n in names], align=1)
+    one = Checkpoint.open(single)
+    assert set(one.tensors) == set(names)
+    assert torch.equal(one.weight(names[0]), ck.weight(names[0]))
+
+
+def test_leaving_engram_out_needs_no_table_shards(tiny_v41, tmp_path):
+    ck_dir = copy(tiny_v41, tmp_path)
+    ck = Checkpoint.open(ck_dir, include_engram=False)
+    assert not any(".engram.embed." in n for n in ck.tensors)
+    assert "layers.1.engram.wkv.weight" in ck.tensors
+    full = Checkpoint.open(ck_dir)
+    assert "layers.1.engram.embed.weight" in full.tensors
+
+
+def test_hub_repo_id_resolves_through_the_local_cache(tiny_v41, tmp_path, monkeypatch):
+    """Offline: a cache laid out the way huggingface_hub stores snapshots."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--deepseek-ai--Tiny-V41"
+    snap = repo / "snapshots" / commit
+    shutil.copytree(tiny_v41, snap)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    ck = Checkpoint.open("deepseek-ai/Tiny-V41", revision=commit)
+    assert len(ck.tensors) == 990 and ck.root == snap
+    assert Checkpoint.open("deepseek-ai/Tiny-V41").root == snap
+    with pytest.raises(UserError, match="not in the local Hugging Face cache"):
+        Checkpoint.open("deepseek-ai/Other-Model")
+
+
+# ---- bad input: one clear line naming the file or tensor ------------------------------------
+
+
+def test_missing_shard(tiny_v41, tmp_path):
+    ck_dir = copy(tiny_v41, tmp_path)
+    victim = shard_of(ck_dir, "embed.weight")
+    victim.unlink()
+    with pytest.raises(UserError, match=f"{victim.name}: shard is missing"):
+        Checkpoint.open(ck_dir)
+
+
+def test_truncated_shard(tiny_v41, tmp_path):
+    ck_dir = copy(tiny_v41, tmp_path)
+    victim = shard_of(ck_dir, "embed.weight")
+    size = victim.stat().st_size
+    with open(victim, "r+b") as f:
+        f.truncate(size - 1000)
+    with pytest.raises(UserError, match=f"{victim.name}: truncated: tensor .* re-download"):
+        Checkpoint.open(ck_dir)
+
+
+def test_index_entry_that_no_shard_holds(tiny_v41, tmp_path):
+    ck_dir = copy(tiny_v41, tmp_path)
+    index = json.loads((ck_dir / INDEX_NAME).read_text())
+    index["weight_map"]["layers.0.attn.phantom.weight"] = index["weight_map"]["embed.weight"]
+    (ck_dir / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(UserError, match="puts layers.0.attn.phantom.weight in .* does not hold it"):
+        Checkpoint.open(ck_dir)
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        rest = f.read()
+    edit(header)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + rest)
+
+
+def test_scale_grid_that_does_not_tile_its_weight(tiny_v4, tmp_path):
+    ck = Checkpoint.open(tiny_v4)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(tiny_v4 / "config.json", bad / "config.json")
+    weight = ck.raw("layers.1.attn.wq_b.weight")  # [512, 128]: a 128x128 grid is [4, 1]
+    grid = torch.full((3, 1), 127, dtype=torch.uint8)
+    write_safetensors(
+        bad / "model.safetensors",
+        [planned("layers.1.attn.wq_b.weight", weight), planned("layers.1.attn.wq_b.scale", grid, "F8_E8M0")],
+    )
+    with pytest.raises(UserError, match=r"layers\.1\.attn\.wq_b\.scale: scale grid \[3, 1\] does not tile weight \[512, 128\]"):
+        Checkpoint.open(bad)
+
+
+def test_dtype_the_format_does_not_allow(tiny_v41, tmp_path):
+    ck_dir = copy(tiny_v41, tmp_path)
+    shard = shard_of(ck_dir, "norm.weight")
+    _rewrite_header(shard, lambda h: h["norm.weight"].update(dtype="Q4_K"))
+    with pytest.raises(UserError, match="tensor norm.weight has dtype 'Q4_K', which safetensors does not define"):
+        read_header(shard)
+
+
+def test_unknown_architecture(tiny_v41, tmp_path):
+    ck_dir = copy(tiny_v41, tmp_path)
+    cfg = json.loads((ck_dir / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["model_type"] = "llama"
+    (ck_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="unknown architecture LlamaForCausalLM"):
+        Checkpoint.open(ck_dir)
+
+
+def test_not_a_checkpoint_and_not_a_repo_id(tmp_path):
+    with pytest.raises(UserError, match="no such directory, and not a Hugging Face repo id"):
+        Checkpoint.open(str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(UserError, match="not valid JSON"):
+        Checkpoint.open(tmp_path)
+
+
+def test_cli_prints_one_line_and_exits_2(tiny_v41, tmp_path, capsys):
+    ck_dir = copy(tiny_v41, tmp_path)
+    shard_of(ck_dir, "embed.weight").unlink()
+    assert main(["inspect", str(ck_dir)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("quantizer inspect: error: ") and "shard is missing" in err[0]

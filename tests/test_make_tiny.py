@@ -1,0 +1,39 @@
+"""make-tiny: refuses what it cannot do safely."""
+
+from __future__ import annotations
+
+import pytest
+
+from quantizer.cli import main
+from quantizer.errors import UserError
+from quantizer.tiny.make import make_tiny
+
+
+def test_full_size_needs_sparse(tmp_path):
+    with pytest.raises(UserError, match="add --sparse"):
+        make_tiny(tmp_path / "out", "v41", full_size=True)
+
+
+def test_refuses_a_non_empty_directory_and_leaves_it_alone(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(UserError, match="not empty"):
+        make_tiny(tmp_path, "v41")
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_seed_makes_it_reproducible(tmp_path):
+    a = make_tiny(tmp_path / "a", "v4", seed=3)
+    b = make_tiny(tmp_path / "b", "v4", seed=3)
+    c = make_tiny(tmp_path / "c", "v4", seed=4)
+    for shard in sorted(a.glob("*.safetensors")):
+        assert shard.read_bytes() == (b / shard.name).read_bytes()
+    assert any(s.read_bytes() != (c / s.name).read_bytes() for s in a.glob("*.safetensors"))
+
+
+def test_v4_full_size_layout(tmp_path, capsys):
+    assert main(["make-tiny", str(tmp_path / "v4"), "--arch", "v4", "--full-size", "--sparse"]) == 0
+    assert main(["inspect", str(tmp_path / "v4"), "--json"]) == 0
+    import json
+
+    inv = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    assert (inv["tensors"], inv["bytes"]) == (72_317, 166_878_536_440)
