@@ -1,0 +1,26 @@
+"""Text and token inputs: the one place that turns user text, JSONL or token files into token rows.
+
+`calibrate`, `ppl` and the small model's training read their tokens through `rows_from_file` (or
+`default_text` for the sets shipped in `calibration/`), so every stage accepts the same inputs and
+reports bad ones the same way.
+"""
+
+from quantizer.textdata.files import read_texts, read_tokens
+from quantizer.textdata.rows import check_ids, rows_from_file, token_rows
+from quantizer.textdata.shipped_sets import SET_FILES, default_text, default_tokenizer, shipped_text_path
+from quantizer.textdata.tokenizer import SPECIAL_TOKENS, encode_texts, load_tokenizer
+
+__all__ = [
+    "SET_FILES",
+    "SPECIAL_TOKENS",
+    "check_ids",
+    "default_text",
+    "default_tokenizer",
+    "encode_texts",
+    "load_tokenizer",
+    "read_texts",
+    "read_tokens",
+    "rows_from_file",
+    "shipped_text_path",
+    "token_rows",
+]

@@ -1,0 +1,48 @@
+"""The text sets and tokenizer shipped in `calibration/` (see calibration/PROVENANCE.md).
+
+`calibration` is the default calibration text, `heldout` the default perplexity/KL text, `train`
+the small model's training text; they share no document. The train set stays in the repository
+only (the wheel would grow by its size for no user's benefit), so it is found in a source checkout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from quantizer.errors import UserError
+from quantizer.shipped import shipped
+from quantizer.textdata.files import read_texts
+from quantizer.textdata.tokenizer import load_tokenizer
+
+SET_FILES = {"train": "train.jsonl.zst", "calibration": "calibration.jsonl", "heldout": "heldout.jsonl"}
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def _shipped_file(name: str) -> Path:
+    try:
+        path = shipped("calibration", name)
+    except FileNotFoundError as e:
+        raise UserError(f"{e}; reinstall quantizer") from None
+    if not path.is_file():
+        hint = "it is kept in the source repository only; use a checkout" if name == SET_FILES["train"] else "reinstall quantizer"
+        raise UserError(f"{path}: shipped file is missing; {hint}")
+    return path
+
+
+def shipped_text_path(name: str) -> Path:
+    """Where a shipped set lives: `name` is "calibration", "heldout" or "train"."""
+    if name not in SET_FILES:
+        raise UserError(f"unknown text set {name!r}; shipped sets are {', '.join(SET_FILES)}")
+    return _shipped_file(SET_FILES[name])
+
+
+def default_text(name: str) -> list[str]:
+    """The documents of a shipped set."""
+    return read_texts(shipped_text_path(name))
+
+
+def default_tokenizer() -> Tokenizer:
+    """The byte-level BPE trained on the train set (training/tokenizer.py), the small model's tokenizer."""
+    return load_tokenizer(_shipped_file(TOKENIZER_FILE))
