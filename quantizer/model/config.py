@@ -142,7 +142,10 @@ class ModelConfig:
         text = data.get("text_config") if arch == V41 else data
         if not isinstance(text, dict):
             raise UserError(f"{source}: a deepseek_v41 config needs a text_config object")
-        quant = data.get("quantization_config") or text.get("quantization_config") or {}
+        # A pack's config keeps the source's native quantization (for its passthrough FP8/FP4 tensors)
+        # under original_quantization_config; quantization_config then describes EXL3.
+        quant = (data.get("original_quantization_config") or data.get("quantization_config")
+                 or text.get("quantization_config") or {})
         get = _getter(text, source)
 
         layers = get("num_hidden_layers")

@@ -1,7 +1,9 @@
 """What each native tensor is: its class, and for routed experts the layer, expert and projection.
 
 Classes decide everything downstream (what is quantized, at what floor, what is split across
-Sparks, what lives on NVMe), so they are defined once, here. A `.scale` grid belongs to its weight.
+Sparks, what lives on NVMe), so they are defined once, here. A `.scale` grid belongs to its weight,
+and so do the leaves an EXL3 linear stores in its place (`.trellis`, `.suh`, `.svh`, the `.mul1` /
+`.mcg` codebook marker, `.bias`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class TensorClass:
     proj: str | None = None  # w1 (gate), w2 (down), w3 (up) for experts
 
 
-_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
+_EXPERT = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale|trellis|suh|svh|mul1|mcg|bias)$")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _MTP = re.compile(r"^mtp\.(\d+)\.")
 _MTP_EXPERT = re.compile(r"^mtp\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.")
@@ -78,7 +80,7 @@ def classify(name: str) -> TensorClass:
         return TensorClass(VISION)
     if name == "embed.weight":
         return TensorClass(EMBED)
-    if name in ("head.weight", "norm.weight"):
+    if name == "norm.weight" or name.startswith("head."):
         return TensorClass(HEAD)
     if name.startswith("hc_head_"):
         return TensorClass(MHC)

@@ -1,0 +1,113 @@
+"""`quantizer fit PACK | --model-config C (--recipe R.yaml | --bpw B | --plan P.json)` on 1, 2 or 4 Sparks.
+
+Prints a per-rank table and a verdict; exit 0 when it fits, 1 when it does not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from quantizer.errors import UserError
+from quantizer.fit.hardware import load_hardware
+from quantizer.fit.memory import TOPOLOGIES, FitReport, fit
+from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES
+from quantizer.fit.stored import stored_from_pack, stored_from_plan
+from quantizer.plan.cli import add_model_arguments, add_plan_arguments, load_model_config
+from quantizer.plan.plan import Plan, check_plan
+from quantizer.plan.recipe import plan_from_recipe, read_recipe
+from quantizer.plan.uniform import uniform_plan
+from quantizer.report import table
+
+_TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+
+
+def tokens(text: str) -> int:
+    """`1048576`, `1M` (= 1,048,576) or `128K` (= 131,072)."""
+    m = _TOKENS.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: a token count such as 131072, 128K or 1M")
+    return int(float(m[1]) * {"": 1, "k": 1 << 10, "m": 1 << 20}[m[2].lower()])
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fit", help="per-rank memory of a pack (or recipe / bpw) on 1, 2 or 4 DGX Sparks")
+    add_model_arguments(p, "pack directory (headers are read), or a checkpoint whose config.json "
+                           "gives the shape for --recipe/--bpw/--plan")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--recipe", help="an exllamav3 recipe.yaml (with --model-config)")
+    src.add_argument("--bpw", type=float, help="a uniform plan at this bpw (with --model-config)")
+    src.add_argument("--plan", help="a plan.json written by `quantizer plan` (with --model-config)")
+    add_plan_arguments(p)
+    p.add_argument("--sparks", type=int, choices=TOPOLOGIES, default=2, help="DGX Sparks (tensor-parallel ranks)")
+    p.add_argument("--context", type=tokens, help="tokens per stream (default: the model's max positions)")
+    p.add_argument("--streams", type=int, default=1, help="concurrent streams, each holding --context tokens")
+    p.add_argument("--engine", help="engine profile from the hardware file (default: its default_engine)")
+    p.add_argument("--split", choices=SPLITS, default="tp",
+                   help="routed experts: tensor-parallel slices (tp) or whole experts per rank (ep)")
+    p.add_argument("--engram", choices=ENGRAM_MODES, default="nvme")
+    p.add_argument("--drafter", choices=DRAFTER_MODES, default="split", help="DSpark drafter placement")
+    p.add_argument("--vision", choices=VISION_MODES, default="rank0")
+    p.add_argument("--guard", type=float, help="guard floor in GiB (default from the hardware file)")
+    p.add_argument("--kv-bits", type=float, help="K of exllamav3's packed DSA pool (fp16 pools otherwise)")
+    p.add_argument("--hardware", help="a hardware profile JSON (default: the shipped GB10 profile)")
+    p.add_argument("--explain", action="store_true", help="show every term with its source")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    hw = load_hardware(args.hardware)
+    stored_at_bpw = None
+    if args.src and not (args.recipe or args.bpw is not None or args.plan):
+        cfg, stored = stored_from_pack(args.src)
+        source = str(args.src)
+    else:
+        cfg = load_model_config(args.src, args.model_config)
+        if args.recipe:
+            plan, source = plan_from_recipe(cfg, read_recipe(args.recipe), args.codebook), args.recipe
+        elif args.plan:
+            plan, source = Plan.load(args.plan), args.plan
+            check_plan(cfg, plan)
+        elif args.bpw is not None:
+            plan, source = _uniform(cfg, args, args.bpw), f"uniform plan at {args.bpw:g} bpw"
+            stored_at_bpw = lambda b: stored_from_plan(cfg, _uniform(cfg, args, b))  # noqa: E731
+        else:
+            raise UserError("with --model-config give --recipe R.yaml, --bpw B or --plan P.json")
+        stored = stored_from_plan(cfg, plan)
+    report = fit(
+        cfg, stored, args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
+        args.streams, args.engine, split=args.split, engram=args.engram, drafter=args.drafter,
+        vision=args.vision, guard_gib=args.guard, kv_bits=args.kv_bits, hardware=hw, source=source,
+        stored_at_bpw=stored_at_bpw, bpw=args.bpw,
+    )
+    print(report.to_json() if args.json else render(report, args.explain))
+    return 0 if report.fits else 1
+
+
+def _uniform(cfg, args, bpw: float):
+    return uniform_plan(cfg, bpw, args.codebook, args.head_bits, args.drafter_bits)
+
+
+def render(r: FitReport, explain: bool = False) -> str:
+    guard = "reserve" if any("replaces the guard" in t.name for t in r.terms) else "guard"
+    headers = ["rank", "visible", "weights", "KV pool", "SWA rings", "prefill", "runtime", "OS", guard,
+               "Engram cache", "free", "max context"]
+    rows = [[m.rank] + [f"{v:,.2f}" for v in (
+        m.visible_gib, m.weights_gib, m.kv_pool_gib, m.swa_rings_gib, m.prefill_gib, m.runtime_gib,
+        m.os_gib, m.guard_gib, m.engram_cache_gib, m.free_gib)] + [f"{m.max_context:,}"] for m in r.ranks]
+    lines = [
+        f"{r.source}: {r.arch} on {r.sparks} Spark{'s' if r.sparks > 1 else ''}, engine {r.engine}, "
+        f"split {r.split}, Engram {r.engram}, drafter {r.drafter}, vision {r.vision}; "
+        f"{r.context:,} tokens x {r.streams} stream(s) at {r.kv_bytes_per_token:,.0f} B/token (GiB)",
+        table(headers, rows),
+        "",
+        ("FITS: " if r.fits else "DOES NOT FIT: ") + r.verdict,
+    ]
+    if explain:
+        classes = sorted({c for m in r.ranks for c in m.weights_by_class_gib})
+        lines += ["", "weights by class (GiB):",
+                  table(["class"] + [f"rank {m.rank}" for m in r.ranks],
+                        [[c] + [f"{m.weights_by_class_gib.get(c, 0.0):,.3f}" for m in r.ranks] for c in classes])]
+        lines += ["", "terms:"] + [f"  {t.name}: {t.value}\n      source: {t.source}" for t in r.terms]
+    return "\n".join(lines)

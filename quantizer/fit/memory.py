@@ -1,0 +1,377 @@
+"""The per-rank memory model: does a pack fit N Sparks at a context, and what would fit if not.
+
+Per rank: visible memory (the head's; workers a little less) minus resident weights (placement.py),
+the KV pool (replicated: one latent KV head cannot be split by heads), SWA rings per stream, the
+prefill transient, engine runtime, the OS reserve and the guard floor (or the engine's own reserve
+rule), and the Engram row cache when the tables stay on NVMe. `free` is what is left; a pack fits
+when every rank's free is >= 0. Every term carries its source (configs/hardware/gb10.json).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+from quantizer.errors import UserError
+from quantizer.fit.hardware import GIB, Hardware, kv_bytes_per_token, load_hardware, swa_ring_bytes
+from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES, Options, rank_weights
+from quantizer.fit.stored import StoredTensor
+from quantizer.model.config import ModelConfig
+
+TOPOLOGIES = (1, 2, 4)
+
+
+@dataclass
+class RankMemory:
+    rank: int
+    visible_gib: float
+    weights_gib: float
+    kv_pool_gib: float
+    swa_rings_gib: float
+    prefill_gib: float
+    runtime_gib: float
+    os_gib: float
+    guard_gib: float
+    engram_cache_gib: float
+    free_gib: float
+    weights_by_class_gib: dict[str, float] = field(default_factory=dict)
+    max_context: int = 0  # per stream, uncapped, on this rank alone
+
+
+@dataclass
+class Explained:
+    """One line of --explain: a term of the model, its value here, and its source."""
+
+    name: str
+    value: str
+    source: str
+
+
+@dataclass
+class FitReport:
+    source: str
+    arch: str
+    sparks: int
+    engine: str
+    split: str
+    engram: str
+    drafter: str
+    vision: str
+    context: int
+    streams: int
+    kv_bytes_per_token: float
+    ranks: list[RankMemory]
+    fits: bool
+    short_gib: float  # how much the worst rank lacks (0 when it fits)
+    worst_rank: int
+    max_context: int  # largest per-stream context that fits every rank, capped at the model's positions
+    max_context_capped: bool
+    would_fit: dict  # smallest_sparks, max_context_here, highest_bpw (for --bpw inputs)
+    verdict: str
+    terms: list[Explained]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Everything but the weights: topology, engine, context and placement choices."""
+
+    sparks: int
+    context: int
+    streams: int
+    engine: str
+    split: str = "tp"
+    engram: str = "nvme"
+    drafter: str = "split"
+    vision: str = "rank0"
+    guard_gib: float | None = None
+    kv_bits: float | None = None
+
+    def options(self) -> Options:
+        return Options(self.sparks, self.split, self.engram, self.drafter, self.vision)
+
+
+def _check(s: Scenario, hw: Hardware) -> None:
+    for value, allowed, flag in ((s.split, SPLITS, "--split"), (s.engram, ENGRAM_MODES, "--engram"),
+                                 (s.drafter, DRAFTER_MODES, "--drafter"), (s.vision, VISION_MODES, "--vision")):
+        if value not in allowed:
+            raise UserError(f"{flag} {value!r}; choose one of {', '.join(allowed)}")
+    if s.sparks not in TOPOLOGIES:
+        raise UserError(f"--sparks {s.sparks}; choose 1, 2 or 4")
+    if s.context < 0 or s.streams < 1:
+        raise UserError("--context must be >= 0 and --streams >= 1")
+    engine = hw.engine(s.engine)
+    if s.sparks > engine.max_sparks.value:
+        raise UserError(f"engine {engine.name} runs on at most {int(engine.max_sparks.value)} Spark(s) "
+                        f"({engine.max_sparks.source}); pick another --engine for {s.sparks}")
+
+
+def _rank_terms(
+    cfg: ModelConfig, s: Scenario, hw: Hardware, weights: list[dict[str, int]]
+) -> tuple[list[RankMemory], float]:
+    engine = hw.engine(s.engine)
+    kvb = kv_bytes_per_token(cfg, engine, s.kv_bits)
+    per_token = s.streams * kvb + engine.prefill_bytes_per_context_token
+    rings = s.streams * swa_ring_bytes(cfg, engine, s.drafter != "off") / GIB
+    runtime = sum(r.gib for r in engine.runtime)
+    cache = 0.0
+    if s.engram != "resident" and cfg.engram_layer_ids:
+        row = cfg.engram_head_dim + cfg.engram_head_dim // 32
+        cache = len(cfg.engram_layer_ids) * hw.engram_cache_rows_per_table.value * row / GIB
+    ranks = []
+    for r, by_class in enumerate(weights):
+        visible = hw.visible(r)
+        guard = engine.reserve_rule.gib(visible) if engine.reserve_rule else (
+            hw.guard_gib.value if s.guard_gib is None else s.guard_gib)
+        weights_gib = sum(by_class.values()) / GIB
+        fixed = weights_gib + rings + engine.prefill_fixed_gib + runtime + hw.os_reserve_gib.value + guard + cache
+        kv = s.streams * s.context * kvb / GIB
+        prefill = engine.prefill_fixed_gib + s.context * engine.prefill_bytes_per_context_token / GIB
+        base = visible - fixed
+        ranks.append(RankMemory(
+            rank=r, visible_gib=visible, weights_gib=weights_gib, kv_pool_gib=kv,
+            swa_rings_gib=rings, prefill_gib=prefill, runtime_gib=runtime, os_gib=hw.os_reserve_gib.value,
+            guard_gib=guard, engram_cache_gib=cache, free_gib=base - s.context * per_token / GIB,
+            weights_by_class_gib={c: n / GIB for c, n in sorted(by_class.items())},
+            max_context=_max_context(base, per_token, cfg),
+        ))
+    return ranks, kvb
+
+
+def _max_context(base_gib: float, per_token: float, cfg: ModelConfig) -> int:
+    """Tokens per stream that fit in what the fixed terms leave (0 if they alone overflow)."""
+    if base_gib < 0:
+        return 0
+    return math.floor(base_gib * GIB / per_token) if per_token > 0 else cfg.max_position_embeddings
+
+
+def evaluate(cfg: ModelConfig, stored: list[StoredTensor], s: Scenario, hw: Hardware) -> list[RankMemory]:
+    """Per-rank memory of one scenario, without verdicts (the cheap inner step of searches)."""
+    _check(s, hw)
+    return _rank_terms(cfg, s, hw, rank_weights(cfg, stored, s.options()).by_class)[0]
+
+
+def _fits(ranks: list[RankMemory]) -> bool:
+    return all(r.free_gib >= 0 for r in ranks)
+
+
+def fit(
+    cfg: ModelConfig,
+    stored: list[StoredTensor],
+    sparks: int,
+    context: int,
+    streams: int = 1,
+    engine: str | None = None,
+    *,
+    split: str = "tp",
+    engram: str = "nvme",
+    drafter: str = "split",
+    vision: str = "rank0",
+    guard_gib: float | None = None,
+    kv_bits: float | None = None,
+    hardware: Hardware | None = None,
+    source: str = "",
+    stored_at_bpw: Callable[[float], list[StoredTensor]] | None = None,
+    bpw: float | None = None,
+) -> FitReport:
+    """Fit `stored` on `sparks` GB10s. When it does not fit, say by how much and what would:
+    the smallest topology that fits, the context that fits here, and (given `stored_at_bpw`, a
+    function that builds the pack at another bpw) the highest bpw that fits here."""
+    hw = hardware or load_hardware()
+    s = Scenario(sparks, context, streams, engine or hw.default_engine, split, engram, drafter, vision,
+                 guard_gib, kv_bits)
+    _check(s, hw)
+    _check_context(cfg, context)
+    ranks, kvb = _rank_terms(cfg, s, hw, rank_weights(cfg, stored, s.options()).by_class)
+    fits = _fits(ranks)
+    worst = min(ranks, key=lambda r: r.free_gib)
+    raw_max = min(r.max_context for r in ranks)
+    max_context = min(raw_max, cfg.max_position_embeddings)
+    would: dict = {"max_context_here": max_context}
+    if not fits:
+        would["smallest_sparks"] = _smallest_topology(cfg, stored, s, hw)
+        if stored_at_bpw is not None and bpw is not None:
+            would["highest_bpw"] = _highest_bpw(cfg, s, hw, stored_at_bpw, bpw)
+    report = FitReport(
+        source=source, arch=cfg.arch, sparks=sparks, engine=s.engine, split=split, engram=engram,
+        drafter=drafter, vision=vision, context=context, streams=streams, kv_bytes_per_token=kvb,
+        ranks=ranks, fits=fits, short_gib=max(0.0, -worst.free_gib), worst_rank=worst.rank,
+        max_context=max_context, max_context_capped=raw_max > cfg.max_position_embeddings,
+        would_fit=would, verdict="", terms=explain_terms(cfg, s, hw),
+    )
+    report.verdict = verdict(report)
+    return report
+
+
+def _check_context(cfg: ModelConfig, context: int) -> None:
+    if context > cfg.max_position_embeddings:
+        raise UserError(f"--context {context:,} is beyond the model's {cfg.max_position_embeddings:,} positions; "
+                        "use --streams for more tokens in flight")
+
+
+def _smallest_topology(cfg, stored, s: Scenario, hw: Hardware) -> int | None:
+    engine = hw.engine(s.engine)
+    for n in TOPOLOGIES:
+        if n <= s.sparks or n > engine.max_sparks.value:
+            continue
+        if _fits(evaluate(cfg, stored, replace(s, sparks=n), hw)):
+            return n
+    return None
+
+
+BPW_STEP = 0.05
+BPW_FLOOR = 1.0
+
+
+def _highest_bpw(cfg, s: Scenario, hw: Hardware, stored_at_bpw, bpw: float) -> float | None:
+    """The highest bpw on a 0.05 grid from 1.0 that fits: regula falsi on the worst rank's free
+    memory (nearly linear in bpw), falling back to bisection when a step does not halve the bracket.
+    Grid points below what a plan can take (its floors leave no routed budget) are skipped."""
+    def at(i: int) -> float:
+        return round(BPW_FLOOR + i * BPW_STEP, 2)
+
+    def worst_free(i: int) -> float | None:
+        try:
+            stored = stored_at_bpw(at(i))
+        except UserError:
+            return None
+        return min(r.free_gib for r in evaluate(cfg, stored, s, hw))
+
+    lo, hi = 0, math.ceil((bpw - BPW_FLOOR) / BPW_STEP - 1e-9)
+    f_lo = worst_free(lo)
+    while f_lo is None and lo < hi:
+        lo += 1
+        f_lo = worst_free(lo)
+    if f_lo is None or f_lo < 0:
+        return None
+    f_hi = worst_free(hi)
+    if f_hi is not None and f_hi >= 0:
+        return at(hi)
+    interpolate = True
+    while hi - lo > 1:
+        width = hi - lo
+        if interpolate:
+            guess = lo + math.floor(width * f_lo / (f_lo - f_hi))
+        else:
+            guess = (lo + hi) // 2
+        guess = min(max(guess, lo + 1), hi - 1)
+        f = worst_free(guess)
+        if f >= 0:
+            lo, f_lo = guess, f
+        else:
+            hi, f_hi = guess, f
+        interpolate = hi - lo <= width // 2
+    return at(lo)
+
+
+def fit_table(
+    cfg: ModelConfig,
+    stored: list[StoredTensor],
+    *,
+    context: int,
+    streams: int = 1,
+    engines: tuple[str, ...] | None = None,
+    split: str = "tp",
+    engram: str = "nvme",
+    drafter: str = "split",
+    vision: str = "rank0",
+    hardware: Hardware | None = None,
+) -> dict:
+    """Fit on 1, 2 and 4 Sparks for every engine that runs there (JSON-able, for manifest.json)."""
+    hw = hardware or load_hardware()
+    _check_context(cfg, context)
+    names = engines or tuple(hw.engines)
+    table: dict = {"context": context, "streams": streams, "split": split, "engram": engram,
+                   "drafter": drafter, "vision": vision, "hardware": hw.name, "topologies": {}}
+    for n in TOPOLOGIES:
+        weights = None
+        row = {}
+        for name in names:
+            if n > hw.engine(name).max_sparks.value:
+                continue
+            s = Scenario(n, context, streams, name, split, engram, drafter, vision)
+            _check(s, hw)
+            weights = weights or rank_weights(cfg, stored, s.options()).by_class
+            ranks, _ = _rank_terms(cfg, s, hw, weights)
+            row[name] = {
+                "fits": _fits(ranks),
+                "weights_gib": [round(r.weights_gib, 3) for r in ranks],
+                "free_gib": [round(r.free_gib, 3) for r in ranks],
+                "max_context": min(min(r.max_context for r in ranks), cfg.max_position_embeddings),
+            }
+        table["topologies"][str(n)] = row
+    return table
+
+
+def verdict(r: FitReport) -> str:
+    where = f"{r.sparks} Spark{'s' if r.sparks > 1 else ''} ({r.engine}, {r.split})"
+    ctx = f"{r.context:,} tokens x {r.streams} stream{'s' if r.streams > 1 else ''}"
+    cap = " (the model's limit)" if r.max_context_capped else ""
+    if r.fits:
+        free = r.ranks[r.worst_rank].free_gib
+        return (f"fits {where} at {ctx}; worst rank {r.worst_rank} keeps {free:.2f} GiB free; "
+                f"largest context {r.max_context:,} tokens per stream{cap}")
+    parts = [f"does not fit {where} at {ctx}: rank {r.worst_rank} is short by {r.short_gib:.2f} GiB"]
+    if r.max_context > 0:
+        parts.append(f"fits here at up to {r.max_context:,} tokens per stream")
+    else:
+        parts.append("does not fit here at any context")
+    n = r.would_fit.get("smallest_sparks")
+    if n:
+        parts.append(f"fits {n} Sparks at this context")
+    elif "smallest_sparks" in r.would_fit:
+        parts.append(f"no larger topology with {r.engine} fits it at this context")
+    if "highest_bpw" in r.would_fit:
+        b = r.would_fit["highest_bpw"]
+        sparks = f"{r.sparks} Spark{'s' if r.sparks > 1 else ''}"
+        parts.append(f"--bpw {b:g} fits {sparks}" if b else "no bpw >= 1.0 fits here")
+    return "; ".join(parts)
+
+
+def explain_terms(cfg: ModelConfig, s: Scenario, hw: Hardware) -> list[Explained]:
+    """Every number the model used, with its source."""
+    e = hw.engine(s.engine)
+    kvb = kv_bytes_per_token(cfg, e, s.kv_bits)
+    rings = swa_ring_bytes(cfg, e, s.drafter != "off")
+    terms = [
+        Explained("visible memory per Spark", f"{hw.visible_gib.value:g} GiB", hw.visible_gib.source),
+        Explained("worker shortfall", f"{hw.worker_shortfall_gib.value:g} GiB on ranks 1..{s.sparks - 1}"
+             if s.sparks > 1 else "n/a (one Spark)", hw.worker_shortfall_gib.source),
+        Explained("OS reserve", f"{hw.os_reserve_gib.value:g} GiB", hw.os_reserve_gib.source),
+    ]
+    if e.reserve_rule:
+        terms.append(Explained(f"{e.name} reserve (replaces the guard)",
+                          f"max({e.reserve_rule.min_gib:g} GiB, {e.reserve_rule.fraction_of_visible:g} x visible)",
+                          e.reserve_rule.source))
+    else:
+        g = hw.guard_gib.value if s.guard_gib is None else s.guard_gib
+        terms.append(Explained("guard floor", f"{g:g} GiB", hw.guard_gib.source if s.guard_gib is None else "--guard"))
+    terms += [Explained(f"{e.name}: {r.name}", f"{r.gib:g} GiB", r.source) for r in e.runtime]
+    terms += [
+        Explained("KV + index keys per token per rank (replicated)", f"{kvb:,.1f} B" + _derived(e.kv_derive, s.kv_bits),
+             e.kv_source),
+        Explained("SWA rings per stream", f"{rings:,.0f} B", f"{e.swa_rows_source}; {e.swa_row_source}"),
+        Explained("prefill transient",
+             f"{e.prefill_fixed_gib:g} GiB + {e.prefill_bytes_per_context_token:,.0f} B per context token",
+             e.prefill_source),
+        Explained("weights", f"split {s.split}, drafter {s.drafter}, vision {s.vision}",
+             "ref/packs-and-gb10.md 3.3; EXL3 splits on 128-wide blocks (jayleaton FOUR_SPARKS.md)"),
+    ]
+    if cfg.engram_layer_ids:
+        src = {"nvme": hw.engram_cache_rows_per_table.source, "scales": hw.engram_scales_source,
+               "resident": "tables resident, split across ranks by hash heads (jayleaton FOUR_SPARKS.md)"}[s.engram]
+        terms.append(Explained("Engram tables", s.engram, src))
+    return terms
+
+
+def _derived(fmt: str | None, kv_bits: float | None) -> str:
+    if fmt is None:
+        return ""
+    return f" (derived, {fmt}" + (f", k_bits {kv_bits:g})" if kv_bits else ")")

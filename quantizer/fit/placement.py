@@ -1,0 +1,186 @@
+"""Which rank holds which bytes (ref/packs-and-gb10.md 3.3).
+
+Replicated on every rank: fused Q-A and KV projections, router, compressor, indexer, norms, mHC,
+Engram's q/k weights. Split by columns (output features): attention Q-B (by heads), WO-A (by
+group), expert and shared-expert gate/up, head and embedding (by vocab). Split by rows (input
+features): WO-B, expert and shared-expert down, Engram wkv (by hash heads). EXL3 rotates 128-wide
+Hadamard blocks, so every split lands on a 128-feature block edge and ranks can differ by a block:
+2304 = 18 blocks -> TP4 640/640/512/512; vocab 129,280 = 1,010 blocks -> 32,384/32,384/32,256/32,256.
+Routed experts split the same way under `tp`, or stay whole under `ep` (E/ranks experts each).
+Engram tables stay on NVMe (`nvme`), keep their scale rows resident (`scales`), or are resident
+(`resident`), split across ranks by hash heads. Vision runs on rank 0 or is off; the DSpark drafter
+is split like the trunk, held whole by rank 0, or off.
+"""
+
+from __future__ import annotations
+
+import re
+from bisect import bisect_right
+from collections import defaultdict
+from itertools import accumulate
+from dataclasses import dataclass
+
+from quantizer.fit.stored import EXL3, NATIVE, StoredTensor, exl3_key
+from quantizer.model.config import ModelConfig
+from quantizer.model.tensor_classes import (
+    ATTENTION, DRAFTER, ENGRAM_RESIDENT, ENGRAM_TABLE, HEAD, ROUTED_EXPERT, SHARED_EXPERT, VISION, classify,
+)
+from quantizer.plan.targets import EXL3_ALIGN, classified_layout, target_map
+
+SPLITS = ("tp", "ep")
+ENGRAM_MODES = ("nvme", "scales", "resident")
+DRAFTER_MODES = ("split", "rank0", "off")
+VISION_MODES = ("rank0", "off")
+
+IN, OUT = "in", "out"
+# projection -> the feature axis its tensor-parallel split cuts
+_AXIS = {
+    ROUTED_EXPERT: {"w1": OUT, "w3": OUT, "w2": IN},
+    SHARED_EXPERT: {"w1": OUT, "w3": OUT, "w2": IN},
+    ATTENTION: {"wq_b": OUT, "wo_a": OUT, "wo_b": IN},
+    ENGRAM_RESIDENT: {"wkv": IN},
+    HEAD: {"head": OUT},  # by vocab
+}
+# leaves of a linear that span each axis (suh is per input, svh/bias per output)
+_SPANS = {IN: {"trellis", "suh", "weight", "scale"}, OUT: {"trellis", "svh", "bias", "weight", "scale"}}
+_MTP_PREFIX = re.compile(r"^mtp\.\d+\.")
+_TABLE = ".engram.embed."
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
+_EXPERT_NUMBER = re.compile(r"\.experts\.(\d+)\.")
+# the drafter's vocab-sized tables (V4.1 embed/head, V4 markov_w1/w2), split by vocab like embed
+_VOCAB_ROWS = (".markov_head.embed", ".markov_head.head", ".markov_head.markov_w1", ".markov_head.markov_w2")
+
+
+@dataclass(frozen=True)
+class Options:
+    sparks: int
+    split: str = "tp"
+    engram: str = "nvme"
+    drafter: str = "split"
+    vision: str = "rank0"
+
+
+def distribute(units: int, ranks: int) -> list[int]:
+    """`units` dealt to ranks, the first ranks taking one more when they do not divide evenly."""
+    base, extra = divmod(units, ranks)
+    return [base + (1 if r < extra else 0) for r in range(ranks)]
+
+
+def block_split(features: int, ranks: int) -> list[int]:
+    """Features per rank when a dimension is cut on 128-wide blocks (2304/4 -> 640,640,512,512);
+    a ragged last block comes off the last ranks."""
+    sizes = [b * EXL3_ALIGN for b in distribute(-(-features // EXL3_ALIGN), ranks)]
+    excess = sum(sizes) - features
+    for r in reversed(range(ranks)):
+        cut = min(excess, sizes[r])
+        sizes[r] -= cut
+        excess -= cut
+    return sizes
+
+
+def _shares(nbytes: int, parts: list[int]) -> list[int]:
+    """nbytes spread in proportion to parts; rounding left on the first rank keeps the total exact."""
+    total = sum(parts)
+    out = [nbytes * p // total for p in parts]
+    out[0] += nbytes - sum(out)
+    return out
+
+
+class Placer:
+    """Per-rank bytes of stored tensors under one topology and set of options."""
+
+    def __init__(self, cfg: ModelConfig, options: Options):
+        self.cfg, self.o, self.ranks = cfg, options, options.sparks
+        self.targets = target_map(cfg)
+        hash_heads = max(1, (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads)
+        self.head_parts = distribute(hash_heads, self.ranks)
+        self._axis_cache: dict[tuple[int, int], list[int]] = {}
+
+    def _split(self, nbytes: int, features: int) -> list[int]:
+        key = (features, self.ranks)
+        if key not in self._axis_cache:
+            self._axis_cache[key] = block_split(features, self.ranks)
+        return _shares(nbytes, self._axis_cache[key])
+
+    def _whole(self, nbytes: int, rank: int) -> list[int]:
+        out = [0] * self.ranks
+        out[rank] = nbytes
+        return out
+
+    def place(self, t: StoredTensor) -> tuple[str, list[int]]:
+        """(tensor class, bytes on each rank) of one stored tensor."""
+        c = classify(t.name)
+        if c.cls == ENGRAM_TABLE:
+            keep = self.o.engram == "resident" or (self.o.engram == "scales" and t.name.endswith(".scale"))
+            return c.cls, _shares(t.nbytes, self.head_parts) if keep else [0] * self.ranks
+        if c.cls == VISION:
+            return c.cls, self._whole(t.nbytes, 0) if self.o.vision == "rank0" else [0] * self.ranks
+        if c.cls == DRAFTER:
+            if self.o.drafter == "off":
+                return c.cls, [0] * self.ranks
+            if self.o.drafter == "rank0":
+                return c.cls, self._whole(t.nbytes, 0)
+            inner = classify(_MTP_PREFIX.sub("layers.0.", t.name, count=1))
+            return c.cls, self._tp(t, inner.cls, inner.expert, self.cfg.experts_in("mtp"))
+        return c.cls, self._tp(t, c.cls, c.expert, self.cfg.n_routed_experts)
+
+    def _tp(self, t: StoredTensor, cls: str, expert: int | None, experts: int) -> list[int]:
+        if self.ranks == 1:
+            return [t.nbytes]
+        if cls == ROUTED_EXPERT and self.o.split == "ep":
+            edges = list(accumulate(distribute(experts, self.ranks)))
+            return self._whole(t.nbytes, bisect_right(edges, expert))
+        parsed = exl3_key(t.name) if t.storage == EXL3 else None
+        key, leaf = parsed if parsed else t.name.rpartition(".")[::2]
+        if key == "embed" or key.endswith(_VOCAB_ROWS):
+            return self._split(t.nbytes, self.cfg.vocab_size)  # native [vocab, dim] tables
+        axis = _AXIS.get(cls, {}).get(key.rsplit(".", 1)[-1])
+        target = self.targets.get(key)
+        if axis is None or target is None or leaf not in _SPANS[axis]:
+            return [t.nbytes] * self.ranks  # replicated
+        return self._split(t.nbytes, target.in_features if axis == IN else target.out_features)
+
+
+def with_engram_tables(cfg: ModelConfig, stored: list[StoredTensor], engram: str) -> list[StoredTensor]:
+    """Packs usually leave the Engram tables in the source's own shards (47/48); when they are to be
+    resident (or their scale rows are), count them from the model's native layout."""
+    if engram == "nvme" or not cfg.engram_layer_ids or any(_TABLE in t.name for t in stored):
+        return stored
+    tables = [StoredTensor(s.name, s.nbytes, s.shape, NATIVE, None)
+              for s, cls in classified_layout(cfg) if cls == ENGRAM_TABLE]
+    return [*stored, *tables]
+
+
+@dataclass
+class RankWeights:
+    """Resident weight bytes per rank, by tensor class."""
+
+    by_class: list[dict[str, int]]
+
+    @property
+    def totals(self) -> list[int]:
+        return [sum(d.values()) for d in self.by_class]
+
+
+def rank_weights(cfg: ModelConfig, stored: list[StoredTensor], options: Options) -> RankWeights:
+    """Sum placed bytes per rank and class. Tensors that differ only in layer/expert numbers place
+    alike (same shape, same rule), so each kind is placed once and counted; under `ep` the expert
+    number decides the rank and stays in the kind."""
+    stored = with_engram_tables(cfg, stored, options.engram)
+    ep = options.split == "ep" and options.sparks > 1
+    kinds: dict[tuple, int] = defaultdict(int)
+    examples: dict[tuple, StoredTensor] = {}
+    for t in stored:
+        expert = _EXPERT_NUMBER.search(t.name) if ep else None
+        kind = (_NUMBER.sub("#", t.name), t.nbytes, t.storage, expert[1] if expert else None)
+        kinds[kind] += 1
+        if kind not in examples:
+            examples[kind] = t
+    placer = Placer(cfg, options)
+    by_class: list[dict[str, int]] = [defaultdict(int) for _ in range(options.sparks)]
+    for kind, count in kinds.items():
+        cls, per_rank = placer.place(examples[kind])
+        for r, n in enumerate(per_rank):
+            if n:
+                by_class[r][cls] += n * count
+    return RankWeights([dict(d) for d in by_class])

@@ -1,0 +1,216 @@
+"""The plan: what K every EXL3 target gets, which cold experts alias warm ones, and the bytes that
+follow. It is the contract between planning (uniform or allocator) and the quantize/pack stages.
+
+K None means the tensor keeps its native storage; 16 means an unquantized fp16 linear. In "stock"
+mode every routed (and drafter) expert of one layer shares one K per projection, which stock
+exllamav3, vllm-exl3 and TensorFold load; "mixedk" allows K per expert (per-expert kernels).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from quantizer.errors import UserError
+from quantizer.model.config import ModelConfig
+from quantizer.model.tensor_classes import ENGRAM_TABLE
+from quantizer.plan.sizes import CODEBOOKS, budget_bpw, check_k, exl3_bytes
+from quantizer.plan.targets import DRAFT, ROUTED, classified_layout, target_map, targets
+
+STOCK = "stock"
+MIXEDK = "mixedk"
+MODES = (STOCK, MIXEDK)
+FORMAT = "quantizer-plan"
+VERSION = 1
+TOTAL = "total"
+TOTAL_RESIDENT = "total_without_engram_tables"
+
+
+@dataclass
+class Plan:
+    arch: str
+    codebook: str
+    mode: str
+    k: dict[str, float | None]  # every EXL3 target key of the model -> K, or None = native
+    target_bpw: float | None = None
+    aliases: dict[str, str] = field(default_factory=dict)  # cold expert -> warm expert of its layer
+    expected_bytes: dict[str, int] = field(default_factory=dict)  # per tensor class, plus totals
+    achieved_bpw: float = 0.0  # exllamav3's `bits`: sum(numel*K)/sum(numel) over budgeted targets
+    made_by: str = ""
+
+    @property
+    def head_bits(self) -> float | None:
+        return self.k.get("head")
+
+    def content_hash(self) -> str:
+        """sha256 of what decides the pack's tensors: K map, aliases, codebook, mode, arch."""
+        body = {"arch": self.arch, "codebook": self.codebook, "mode": self.mode,
+                "k": self.k, "aliases": self.aliases}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    # ---- persistence -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT, "version": VERSION, "arch": self.arch, "codebook": self.codebook,
+            "mode": self.mode, "target_bpw": self.target_bpw, "achieved_bpw": self.achieved_bpw,
+            "head_bits": self.head_bits, "made_by": self.made_by, "content_hash": self.content_hash(),
+            "expected_bytes": self.expected_bytes, "aliases": self.aliases, "k": self.k,
+        }
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically (temp name, then rename)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=0) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"{path}: plan file not found")
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); "
+                            "write it again with `quantizer plan`")
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise UserError(f"{path}: not a quantizer plan (no \"format\": \"{FORMAT}\")")
+        if data.get("version") != VERSION:
+            raise UserError(f"{path}: plan version {data.get('version')}; this quantizer reads version {VERSION}")
+        try:
+            plan = cls(
+                arch=data["arch"], codebook=data["codebook"], mode=data["mode"],
+                k={key: (None if v is None else float(v)) for key, v in data["k"].items()},
+                target_bpw=data.get("target_bpw"), aliases=dict(data.get("aliases") or {}),
+                expected_bytes={c: int(n) for c, n in (data.get("expected_bytes") or {}).items()},
+                achieved_bpw=float(data.get("achieved_bpw", 0.0)), made_by=data.get("made_by", ""),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{path}: malformed plan ({e}); write it again with `quantizer plan`")
+        stored = data.get("content_hash")
+        if stored and stored != plan.content_hash():
+            raise UserError(f"{path}: content_hash does not match the K map (edited by hand?); "
+                            "delete the content_hash field to accept the edit")
+        return plan
+
+
+def make_plan(
+    cfg: ModelConfig,
+    k: dict[str, float | None],
+    codebook: str = "mul1",
+    mode: str = STOCK,
+    target_bpw: float | None = None,
+    aliases: dict[str, str] | None = None,
+    made_by: str = "",
+) -> Plan:
+    """A checked plan with its expected bytes; every target of `cfg` must have an entry in `k`."""
+    k = {key: (None if v is None else float(v)) for key, v in k.items()}
+    plan = Plan(cfg.arch, codebook, mode, k, target_bpw, dict(aliases or {}), made_by=made_by)
+    check_plan(cfg, plan)
+    plan.expected_bytes = expected_bytes(cfg, plan)
+    plan.achieved_bpw = achieved_bpw(cfg, plan)
+    return plan
+
+
+def check_plan(cfg: ModelConfig, plan: Plan) -> None:
+    """Every target has a K it may take; stock mode holds one K per projection per layer; aliases
+    point cold experts at warm experts of the same layer. UserError names the first problem."""
+    if plan.codebook not in CODEBOOKS:
+        raise UserError(f"plan codebook {plan.codebook!r}; choose one of {', '.join(CODEBOOKS)}")
+    if plan.mode not in MODES:
+        raise UserError(f"plan mode {plan.mode!r}; choose stock or mixedk")
+    if plan.arch != cfg.arch:
+        raise UserError(f"plan is for arch {plan.arch}, the model is {cfg.arch}")
+    tmap = target_map(cfg)
+    unknown = sorted(set(plan.k) - set(tmap))
+    if unknown:
+        raise UserError(f"plan names {len(unknown)} tensor(s) the model has no EXL3 target for, e.g. {unknown[0]}")
+    missing = [key for key in tmap if key not in plan.k]
+    if missing:
+        raise UserError(f"plan has no K for {len(missing)} target(s), e.g. {missing[0]}")
+    for key, value in plan.k.items():
+        if value is not None:
+            check_k(value, plan.codebook, tmap[key].integer_only, key)
+    _check_aliases(cfg, plan)
+    if plan.mode == STOCK:
+        _check_stock(tmap, plan)
+
+
+def expert_of(key: str) -> str:
+    """`layers.3.ffn.experts.5.w1` -> `layers.3.ffn.experts.5` (the unit an alias replaces)."""
+    return key.rsplit(".", 1)[0]
+
+
+def aliased_keys(plan: Plan) -> set[str]:
+    return {key for key in plan.k if expert_of(key) in plan.aliases}
+
+
+def _check_aliases(cfg: ModelConfig, plan: Plan) -> None:
+    experts = {expert_of(t.key): t for t in targets(cfg) if t.group in (ROUTED, DRAFT) and t.expert is not None}
+    for cold, warm in plan.aliases.items():
+        for e in (cold, warm):
+            if e not in experts:
+                raise UserError(f"alias {cold} -> {warm}: {e} is not a routed expert of this model")
+        if cold.split(".ffn.")[0] != warm.split(".ffn.")[0]:
+            raise UserError(f"alias {cold} -> {warm}: a cold expert must alias an expert of the same layer")
+        if warm in plan.aliases:
+            raise UserError(f"alias {cold} -> {warm}: {warm} is itself aliased; point at a stored expert")
+
+
+def _check_stock(tmap, plan: Plan) -> None:
+    cold = aliased_keys(plan)
+    seen: dict[tuple, tuple[str, float | None]] = {}
+    for key, value in plan.k.items():
+        t = tmap[key]
+        if t.expert is None or key in cold:
+            continue
+        unit = (t.group, t.layer, t.proj)
+        if unit not in seen:
+            seen[unit] = (key, value)
+        elif seen[unit][1] != value:
+            first, k0 = seen[unit]
+            raise UserError(
+                f"stock plans need one K per projection per layer: {first} has {_show(k0)} but {key} has "
+                f"{_show(value)}; use mode mixedk (per-expert kernels) or give the layer one K"
+            )
+
+
+def _show(k: float | None) -> str:
+    return "native" if k is None else f"K {k:g}"
+
+
+def expected_bytes(cfg: ModelConfig, plan: Plan) -> dict[str, int]:
+    """Stored bytes per tensor class if the plan is packed, with totals (Engram tables included
+    in `total`, left out of `total_without_engram_tables`, since they normally stay on NVMe)."""
+    tmap = target_map(cfg)
+    cold = aliased_keys(plan)
+    by_class: dict[str, int] = defaultdict(int)
+    for spec, cls in classified_layout(cfg):
+        key = spec.name.rsplit(".", 1)[0]
+        t = tmap.get(key)
+        if t is None or plan.k[key] is None:
+            by_class[cls] += spec.nbytes
+        elif key in cold:
+            continue
+        elif spec.name.endswith(".weight"):
+            by_class[cls] += exl3_bytes(t.in_features, t.out_features, plan.k[key], plan.codebook)
+        # a quantized target's native .scale grid is not stored
+    out = dict(sorted(by_class.items()))
+    out[TOTAL] = sum(by_class.values())
+    out[TOTAL_RESIDENT] = out[TOTAL] - by_class.get(ENGRAM_TABLE, 0)
+    return out
+
+
+def achieved_bpw(cfg: ModelConfig, plan: Plan) -> float:
+    """exllamav3's `bits` over the budgeted targets; a native target counts at its source precision."""
+    return budget_bpw([
+        (t.numel, plan.k[t.key] if plan.k[t.key] is not None else 8 * t.native_bytes / t.numel)
+        for t in targets(cfg) if t.budgeted
+    ])

@@ -1,0 +1,158 @@
+"""Which native tensors become EXL3 linears, and which of those count against the bpw budget.
+
+The EXL3 key of a linear is its native weight name minus `.weight` (`layers.3.ffn.experts.5.w1`),
+the name exllamav3 gives the Linear. A target is budgeted when exllamav3's allocator spends `--bits`
+on it: the trunk's routed and shared experts, attention, the indexer's query and Engram's `wkv`.
+The head (`head_bits`), the DSpark drafter (`mtp_bits`) and vision sit outside the budget
+(ref/exllamav3-internals.md 2.4, 3.1). Everything that is not a target keeps its native storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping
+
+from quantizer.model.config import ModelConfig
+from quantizer.model.layout import TensorSpec, native_layout
+from quantizer.model.tensor_classes import (
+    ATTENTION, DRAFTER, ENGRAM_RESIDENT, HEAD, INDEXER, ROUTED_EXPERT, SHARED_EXPERT, classify,
+)
+
+# Target groups: the unit of floors in a uniform plan and of patterns in a recipe.
+ROUTED = "routed"
+SHARED = "shared"
+ATTN = "attention"
+INDEX = "indexer"
+ENGRAM = "engram"
+HEAD_GROUP = "head"
+DRAFT = "drafter"
+GROUPS = (ROUTED, SHARED, ATTN, INDEX, ENGRAM, HEAD_GROUP, DRAFT)
+BUDGETED_GROUPS = (ROUTED, SHARED, ATTN, INDEX, ENGRAM)
+
+EXL3_ALIGN = 128  # EXL3 rotates 128-wide Hadamard blocks: in and out features must be multiples
+ATTENTION_PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+DRAFTER_EXTRA_LINEARS = ("main_proj",)  # markov/confidence heads stay native, as in exllamav3's MTP
+
+
+@dataclass(frozen=True)
+class Target:
+    key: str  # EXL3 key: native weight name minus ".weight"
+    group: str
+    cls: str  # tensor class of the native weight
+    layer: int | None  # trunk layer, or drafter block for the drafter group
+    expert: int | None
+    proj: str  # w1/w2/w3 for experts, wq_a/... for attention, "head", "main_proj", "wkv"
+    in_features: int
+    out_features: int
+    native_bytes: int  # the source's weight + its E8M0 scale grid
+
+    @property
+    def numel(self) -> int:
+        return self.in_features * self.out_features
+
+    @property
+    def budgeted(self) -> bool:
+        return self.group in BUDGETED_GROUPS
+
+    @property
+    def integer_only(self) -> bool:
+        """exllamav3's DSV4 attention modules (indexer query included) set q_half_bits=False."""
+        return self.group in (ATTN, INDEX) or (self.group == DRAFT and self.proj in ATTENTION_PROJECTIONS)
+
+
+def weight_features(spec: TensorSpec) -> tuple[int, int]:
+    """(in, out) features of a native `[out, in]` weight; MXFP4 bytes hold two inputs each."""
+    out, inp = spec.shape
+    return (2 * inp if spec.dtype == "I8" else inp), out
+
+
+def _group(name: str) -> tuple[str, str] | None:
+    """(group, projection) of a native weight that EXL3 can hold, or None for native-only tensors."""
+    if not name.endswith(".weight"):
+        return None
+    key = name[: -len(".weight")]
+    leaf = key.rsplit(".", 1)[-1]
+    c = classify(name)
+    if c.cls == ROUTED_EXPERT:
+        return ROUTED, c.proj
+    if c.cls == SHARED_EXPERT:
+        return SHARED, leaf
+    if c.cls == ATTENTION and leaf in ATTENTION_PROJECTIONS and key.endswith(f".attn.{leaf}"):
+        return ATTN, leaf
+    if c.cls == INDEXER and key.endswith(".attn.indexer.wq_b"):
+        return INDEX, "wq_b"
+    if c.cls == ENGRAM_RESIDENT and key.endswith(".engram.wkv"):
+        return ENGRAM, "wkv"
+    if c.cls == HEAD and key == "head":
+        return HEAD_GROUP, "head"
+    if c.cls == DRAFTER:
+        rest = key.split(".", 2)[2]  # drop "mtp.N."
+        inner = classify(f"layers.0.{rest}.weight")
+        if inner.cls == ROUTED_EXPERT:
+            return DRAFT, inner.proj
+        if inner.cls == SHARED_EXPERT or rest in DRAFTER_EXTRA_LINEARS:
+            return DRAFT, leaf
+        if inner.cls == ATTENTION and leaf in ATTENTION_PROJECTIONS and rest == f"attn.{leaf}":
+            return DRAFT, leaf
+    return None
+
+
+def _target(spec: TensorSpec, scale_bytes: int) -> Target | None:
+    found = _group(spec.name)
+    if found is None or len(spec.shape) != 2:
+        return None
+    inp, out = weight_features(spec)
+    if inp % EXL3_ALIGN or out % EXL3_ALIGN:
+        return None
+    group, proj = found
+    c = classify(spec.name)
+    key = spec.name[: -len(".weight")]
+    return Target(key, group, c.cls, c.layer, c.expert, proj, inp, out, spec.nbytes + scale_bytes)
+
+
+def quantizable(cfg: ModelConfig, name: str) -> bool:
+    """True when the native weight `name` (e.g. `layers.3.ffn.experts.5.w1.weight`) becomes an EXL3 linear."""
+    return name.endswith(".weight") and name[: -len(".weight")] in target_map(cfg)
+
+
+def targets(cfg: ModelConfig) -> tuple[Target, ...]:
+    """Every EXL3 target of the model, in native layout order (computed once per model shape)."""
+    return _index(cfg).targets
+
+
+def target_map(cfg: ModelConfig) -> Mapping[str, Target]:
+    """Targets by EXL3 key (read-only)."""
+    return _index(cfg).by_key
+
+
+def classified_layout(cfg: ModelConfig) -> tuple[tuple[TensorSpec, str], ...]:
+    """The native layout with each tensor's class, computed once per model shape."""
+    return _index(cfg).layout
+
+
+@dataclass(frozen=True)
+class _ModelIndex:
+    targets: tuple[Target, ...]
+    by_key: Mapping[str, Target]
+    layout: tuple[tuple[TensorSpec, str], ...]
+
+
+_CACHE: dict[str, _ModelIndex] = {}
+_CACHE_SIZE = 4
+
+
+def _index(cfg: ModelConfig) -> _ModelIndex:
+    key = repr(cfg)  # every shape field; ModelConfig holds dicts, so it is not hashable itself
+    if key not in _CACHE:
+        specs = native_layout(cfg)
+        scales = {s.name: s.nbytes for s in specs if s.name.endswith(".scale")}
+        found = tuple(
+            t for t in (_target(s, scales.get(s.name[: -len(".weight")] + ".scale", 0)) for s in specs)
+            if t is not None
+        )
+        layout = tuple((s, classify(s.name).cls) for s in specs)
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = _ModelIndex(found, MappingProxyType({t.key: t for t in found}), layout)
+    return _CACHE[key]

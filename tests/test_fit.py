@@ -1,0 +1,210 @@
+"""fit: 128-block splits, placement per class, KV bytes per engine, and the real V4.1-Flash shape on
+1/2/4 Sparks at 2.5/2.9/3.5 bpw checked against what users report (ref/packs-and-gb10.md)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from quantizer.errors import UserError
+from quantizer.fit.hardware import Term, derived_kv_bytes_per_token, load_hardware, swa_ring_bytes
+from quantizer.fit.memory import fit, fit_table
+from quantizer.fit.placement import Options, block_split, rank_weights
+from quantizer.fit.stored import stored_from_plan
+from quantizer.model.config import ModelConfig
+from quantizer.plan.uniform import uniform_plan
+from quantizer.shipped import model_config_path
+
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def v41():
+    return ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
+
+
+@pytest.fixture(scope="module")
+def pack(v41):
+    """Stored tensors of the uniform plan at a bpw, built once per bpw."""
+    cache = {}
+
+    def at(bpw: float):
+        if bpw not in cache:
+            cache[bpw] = stored_from_plan(v41, uniform_plan(v41, bpw))
+        return cache[bpw]
+
+    return at
+
+
+def test_block_splits():
+    # ref/packs-and-gb10.md 3.3: EXL3 splits land on 128-wide blocks
+    assert block_split(2304, 4) == [640, 640, 512, 512]
+    assert block_split(2304, 2) == [1152, 1152]
+    assert block_split(129_280, 4) == [32_384, 32_384, 32_256, 32_256]
+    assert block_split(5120, 1) == [5120]
+    assert block_split(200, 2) == [128, 72]  # a ragged last block comes off the last rank
+
+
+def test_kv_and_ring_bytes_from_the_architecture(v41):
+    v4 = ModelConfig.from_file(model_config_path("deepseek-v4-flash-0731.json"))
+    assert derived_kv_bytes_per_token(v41, "native") == 890  # 2.5 x (288 + 68)
+    assert derived_kv_bytes_per_token(v4, "native") == 3514.25  # 5.40625 x 584 + 5.25 x 68
+    assert derived_kv_bytes_per_token(v41, "fp16") == 3200  # 2.5 x (512 + 128) x 2
+    assert derived_kv_bytes_per_token(v41, "fp16", kv_bits=4) == 2.5 * (448 / 2 + 128 + 28) + 2.5 * 256
+    hw = load_hardware()
+    # 1-Spark bf16 engine: SWA rings 180,355,072 B = 43 rings x 4,096 rows x 1,024 B
+    assert swa_ring_bytes(v41, hw.engine("exllamav3"), drafter_on=True) == 180_355_072
+    assert swa_ring_bytes(v41, hw.engine("native"), drafter_on=False) == 40 * 128 * 528  # 2.70 MB
+
+
+def test_placement_tp4_and_ep(v41, pack):
+    stored = pack(2.9)
+    tp = rank_weights(v41, stored, Options(4)).by_class
+    # routed gate/up split 640/640/512/512 on 128-blocks: two ranks carry more
+    assert tp[0]["routed_expert"] == tp[1]["routed_expert"] > tp[2]["routed_expert"] == tp[3]["routed_expert"]
+    trellis_ratio = (tp[0]["routed_expert"] - tp[2]["routed_expert"]) / sum(d["routed_expert"] for d in tp)
+    assert 0.05 < trellis_ratio < 0.06  # (640 - 512) / 2304 of the trellis bytes
+    for cls in ("router", "compressor", "indexer", "mhc", "norm"):
+        assert len({d[cls] for d in tp}) == 1  # replicated
+    assert tp[0]["vision"] > 0 and all("vision" not in d for d in tp[1:])
+    assert all("engram_table" not in d for d in tp)  # on NVMe by default
+    ep = rank_weights(v41, stored, Options(4, split="ep")).by_class
+    routed_total = sum(t.nbytes for t in stored if ".ffn.experts." in t.name and t.name.startswith("layers."))
+    assert [d["routed_expert"] for d in ep] == [routed_total // 4] * 4  # 96 whole experts per rank
+    one = rank_weights(v41, stored, Options(1)).by_class[0]
+    assert sum(one.values()) == sum(t.nbytes for t in stored if "engram.embed" not in t.name)
+    off = rank_weights(v41, stored, Options(2, drafter="off", vision="off")).by_class
+    assert all("dspark_drafter" not in d and "vision" not in d for d in off)
+    rank0 = rank_weights(v41, stored, Options(2, drafter="rank0")).by_class
+    assert rank0[0]["dspark_drafter"] == one["dspark_drafter"] and "dspark_drafter" not in rank0[1]
+
+
+# Anchors (ref/packs-and-gb10.md): what users ran, and what our model says about it.
+
+def test_29_fits_two_sparks_at_1m_on_tensorfold_not_one(v41, pack):
+    # jayleaton / bertholomus / soumyarupsarkar serve the 2.9 bpw pack at 1,048,576 positions on
+    # two Sparks with TensorFold
+    r = fit(v41, pack(2.9), 2, 1_048_576, 1, "tensorfold")
+    assert r.fits and r.max_context == 1_048_576 and r.max_context_capped
+    assert 97 < r.ranks[0].weights_gib < 101 and r.ranks[1].visible_gib == 119.6
+    one = fit(v41, pack(2.9), 1, 1_048_576, 1, "tensorfold")
+    assert not one.fits and one.short_gib > 80 and one.max_context == 0
+    assert one.would_fit["smallest_sparks"] == 2
+    assert f"short by {one.short_gib:.2f} GiB" in one.verdict and "fits 2 Sparks at this context" in one.verdict
+
+
+def test_29_on_vllm_two_sparks_near_mias_614k(v41, pack):
+    # Mia's vLLM kit runs the 2.9 pack at TP2 with max_model_len 614,400 (2.5 GiB KV pool)
+    r = fit(v41, pack(2.9), 2, 524_288, 1, "vllm")
+    assert r.fits and 500_000 < r.max_context < 700_000
+
+
+def test_35_needs_four_sparks_with_12_gib_skew(v41, pack):
+    # Pollard 3.51 runs vLLM TP4/TP3, not TP2; on TP4 the 640-wide ranks carry ~12 GiB more (tonyd2wild)
+    assert not fit(v41, pack(3.5), 2, 262_144, 1, "vllm").fits
+    r = fit(v41, pack(3.5), 4, 1_048_576, 1, "vllm")
+    routed = [m.weights_by_class_gib["routed_expert"] for m in r.ranks]
+    assert r.fits and 11.5 < routed[0] - routed[2] < 13 and routed[0] == routed[1]
+    assert 12 < r.ranks[1].weights_gib - r.ranks[2].weights_gib < 14  # drafter experts split alike
+
+
+def test_25_fits_two_sparks(v41, pack):
+    assert fit(v41, pack(2.5), 2, 1_048_576, 1, "vllm").fits
+    assert not fit(v41, pack(2.5), 1, 65_536, 1, "vllm").fits
+
+
+def test_475_body_needs_four_sparks_ep(v41, pack):
+    # "not a practical two-Spark body"; vcruz305 serves 4.75 with vLLM TP4+EP4
+    assert not fit(v41, pack(4.75), 2, 8192, 1, "vllm").fits
+    r = fit(v41, pack(4.75), 4, 1_048_576, 1, "vllm", split="ep")
+    assert r.fits and max(m.weights_gib for m in r.ranks) - min(m.weights_gib for m in r.ranks) < 1.5
+
+
+def test_16_streams_sharing_2m_on_four_sparks(v41, pack):
+    # bertholomus: TP4 serves 16 streams sharing a 2,097,152-position window on the 2.9 pack
+    assert fit(v41, pack(2.9), 4, 131_072, 16, "tensorfold").fits
+
+
+def test_159_class_fits_one_spark(v41, pack):
+    # SAGE 1.59 runs on one Spark with exllamav3 TP1, ~107-111 GiB resident, no drafter or vision
+    r = fit(v41, pack(1.59), 1, 32_768, 1, "exllamav3", drafter="off", vision="off")
+    assert r.fits and 100 < r.ranks[0].weights_gib < 112 and r.max_context >= 32_768
+    assert not fit(v41, pack(1.59), 1, 32_768, 1, "exllamav3").fits  # with the drafter and vision
+
+
+def test_resident_engram_does_not_fit(v41, pack):
+    # fattchris: TP4 resident Engram at 8K reached ~121 GiB used, ~0.5 GiB available -> CAPACITY_FAIL;
+    # TP2 would need ~94 GiB of tables per node (jayleaton)
+    two = fit(v41, pack(2.9), 2, 8192, 1, "vllm", engram="resident")
+    assert not two.fits and two.ranks[0].weights_by_class_gib["engram_table"] == pytest.approx(188.83 / 2, abs=0.01)
+    four = fit(v41, pack(2.9), 4, 8192, 1, "tensorfold", engram="resident")
+    assert not four.fits and four.short_gib < 3
+    assert fit(v41, pack(2.9), 4, 8192, 1, "tensorfold").fits
+
+
+def test_highest_bpw_is_the_boundary():
+    # the search on the tiny model with a Spark shrunk to ~14 MiB, so the boundary sits mid-range
+    tiny = ModelConfig.from_file(model_config_path("tiny-v41.json"))
+    hw = load_hardware()
+    small = replace(hw, visible_gib=Term(14 / 1024, "test"), worker_shortfall_gib=Term(0, "test"),
+                    os_reserve_gib=Term(0, "test"), guard_gib=Term(0, "test"),
+                    engram_cache_rows_per_table=Term(0, "test"))
+    stored_at = lambda b: stored_from_plan(tiny, uniform_plan(tiny, b))  # noqa: E731
+    r = fit(tiny, stored_at(5.0), 1, 64, 1, "native", hardware=small, stored_at_bpw=stored_at, bpw=5.0)
+    best = r.would_fit["highest_bpw"]
+    assert not r.fits and 2.5 < best < 5.0 and f"--bpw {best:g} fits 1 Spark" in r.verdict
+    assert fit(tiny, stored_at(best), 1, 64, 1, "native", hardware=small).fits
+    assert not fit(tiny, stored_at(round(best + 0.05, 2)), 1, 64, 1, "native", hardware=small).fits
+
+
+def test_report_json_and_bad_inputs(v41, pack):
+    r = fit(v41, pack(2.9), 4, 1_048_576, 2, "vllm")
+    data = json.loads(r.to_json())
+    assert [m["weights_gib"] for m in data["ranks"]] == [m.weights_gib for m in r.ranks]
+    assert {"fits", "verdict", "max_context", "short_gib", "worst_rank", "would_fit", "terms"} <= set(data)
+    assert data["ranks"][0]["kv_pool_gib"] == pytest.approx(2 * 1_048_576 * 3752 / GIB)
+    assert all(t["source"] for t in data["terms"])
+    with pytest.raises(UserError, match="at most 1 Spark"):
+        fit(v41, pack(2.9), 2, 8192, 1, "exllamav3")
+    with pytest.raises(UserError, match="unknown --engine"):
+        fit(v41, pack(2.9), 2, 8192, 1, "sglang")
+    with pytest.raises(UserError, match="--kv-bits applies"):
+        fit(v41, pack(2.9), 2, 8192, 1, "vllm", kv_bits=4)
+    with pytest.raises(UserError, match="beyond the model's 1,048,576 positions"):
+        fit(v41, pack(2.9), 4, 2_097_152, 1, "vllm")
+
+
+def test_fit_table_for_the_manifest(v41, pack):
+    table = fit_table(v41, pack(2.9), context=1_048_576)
+    assert json.loads(json.dumps(table)) == table
+    assert set(table["topologies"]) == {"1", "2", "4"}
+    assert set(table["topologies"]["1"]) == {"native", "vllm", "tensorfold", "exllamav3"}
+    assert "exllamav3" not in table["topologies"]["2"]
+    assert table["topologies"]["2"]["tensorfold"]["fits"] and not table["topologies"]["1"]["vllm"]["fits"]
+    assert len(table["topologies"]["4"]["vllm"]["weights_gib"]) == 4
+
+
+def test_engram_tables_left_out_of_a_pack_count_when_resident(v41, pack):
+    with_tables = pack(2.9)
+    without = [t for t in with_tables if ".engram.embed." not in t.name]
+    for engram in ("resident", "scales"):
+        a = rank_weights(v41, with_tables, Options(2, engram=engram)).by_class
+        b = rank_weights(v41, without, Options(2, engram=engram)).by_class
+        assert a == b and a[0]["engram_table"] > 0
+    scales = rank_weights(v41, without, Options(2, engram="scales")).by_class[0]["engram_table"]
+    assert scales == sum(v41.engram_rows(L) * 8 for L in (1, 14)) // 2  # 8 E8M0 bytes per row, half the heads
+
+
+def test_v4_0731_shape_fits():
+    # V4-Flash-0731 (155 GiB native): the same code sizes the V4 layout, its FP8 KV entries included
+    v4 = ModelConfig.from_file(model_config_path("deepseek-v4-flash-0731.json"))
+    plan = uniform_plan(v4, 2.5)
+    stored = stored_from_plan(v4, plan)
+    r = fit(v4, stored, 1, 65_536, 1, "native")
+    assert r.kv_bytes_per_token == 3514.25 and r.fits
+    assert r.ranks[0].weights_gib * GIB == plan.expected_bytes["total"]  # one rank holds it all
+    four = fit(v4, stored, 4, 65_536, 1, "vllm")
+    head = [m.weights_by_class_gib["head"] for m in four.ranks]  # vocab 32,384 / 32,384 / 32,256 / 32,256
+    assert four.fits and head[0] == head[1] > head[2] == head[3]

@@ -1,0 +1,134 @@
+"""fit from a pack directory (headers only) and the `quantizer fit` / `quantizer plan` commands:
+tables, --json, --explain, exit codes 0 (fits), 1 (does not fit), 2 (bad input)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from quantizer.checkpoint.safetensors_file import PlannedTensor, read_header, write_safetensors
+from quantizer.cli import main
+from quantizer.errors import UserError
+from quantizer.fit.memory import fit
+from quantizer.fit.stored import stored_from_pack, stored_from_plan
+from quantizer.model.config import ModelConfig
+from quantizer.plan.plan import Plan
+from quantizer.plan.sizes import exl3_leaves
+from quantizer.plan.targets import classified_layout, target_map
+from quantizer.plan.uniform import uniform_plan
+from quantizer.shipped import model_config_path
+
+TINY = model_config_path("tiny-v41.json")
+
+
+def write_fake_pack(out, cfg: ModelConfig, plan: Plan):
+    """A pack as issue 4 lays it out (shards, index, config.json with quantization_config), with the
+    tensor data left as holes: fit reads headers only."""
+    tmap = target_map(cfg)
+    tensors = []
+    for spec, _ in classified_layout(cfg):
+        key = spec.name.rsplit(".", 1)[0]
+        k = plan.k.get(key) if key in tmap else None
+        if k is None:
+            tensors.append(PlannedTensor(spec.name, spec.dtype, spec.shape, None))
+        elif spec.name.endswith(".weight"):
+            t = tmap[key]
+            tensors += [PlannedTensor(s.name, s.dtype, s.shape, None)
+                        for s in exl3_leaves(key, t.in_features, t.out_features, k, plan.codebook)]
+    out.mkdir()
+    half = len(tensors) // 2
+    weight_map = {}
+    for i, part in enumerate((tensors[:half], tensors[half:])):
+        name = f"model-{i + 1:05d}-of-00002.safetensors"
+        write_safetensors(out / name, part, align=64)
+        weight_map.update({t.name: name for t in part})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads(TINY.read_text())
+    config["quantization_config"] = {"quant_method": "exl3", "bits": 3, "bpw": plan.achieved_bpw,
+                                     "head_bits": 6, "codebook": plan.codebook}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_pack(tmp_path_factory):
+    cfg = ModelConfig.from_file(TINY)
+    plan = uniform_plan(cfg, 2.5)
+    return write_fake_pack(tmp_path_factory.mktemp("pack") / "tiny-2.5", cfg, plan), cfg, plan
+
+
+def test_pack_headers_give_the_plans_tensors(tiny_pack):
+    pack, cfg, plan = tiny_pack
+    assert any(n.startswith("__align_pad__.") for n in read_header(next(pack.glob("*.safetensors"))).tensors)
+    pack_cfg, stored = stored_from_pack(pack)
+    assert pack_cfg.num_layers == cfg.num_layers
+    want = sorted((t.name, t.nbytes, t.storage, t.K) for t in stored_from_plan(cfg, plan))
+    assert sorted((t.name, t.nbytes, t.storage, t.K) for t in stored) == want
+    from_headers = {t.name[: -len(".trellis")]: t.K for t in stored if t.name.endswith(".trellis")}
+    assert from_headers == {key: k for key, k in plan.k.items() if k is not None}
+    assert len(set(from_headers.values())) >= 3  # K read from trellis.shape[-1] / 16, half rates included
+    for sparks in (1, 2, 4):
+        a = fit(pack_cfg, stored, sparks, 4096, 1, "vllm")
+        b = fit(cfg, stored_from_plan(cfg, plan), sparks, 4096, 1, "vllm")
+        assert [m.weights_gib for m in a.ranks] == [m.weights_gib for m in b.ranks]
+
+
+def test_pack_missing_svh_is_reported(tiny_pack, tmp_path):
+    pack, _, _ = tiny_pack
+    broken = tmp_path / "broken"
+    shutil.copytree(pack, broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    shard = broken / index["weight_map"]["head.svh"]
+    kept = [PlannedTensor(e.name, e.dtype, e.shape, None) for e in read_header(shard).tensors.values()
+            if e.name != "head.svh" and not e.name.startswith("__align_pad__.")]
+    write_safetensors(shard, kept, align=64)
+    del index["weight_map"]["head.svh"]
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match="head.trellis has no head.suh/.svh"):
+        stored_from_pack(broken)
+
+
+def test_cli_on_a_pack_json_and_explain(tiny_pack, capsys):
+    pack, _, _ = tiny_pack
+    assert main(["fit", str(pack), "--sparks", "4", "--context", "64K", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["ranks"]) == 4 and all(r["weights_gib"] > 0 for r in data["ranks"]) and data["fits"]
+    assert data["context"] == 65_536
+    assert main(["fit", str(pack), "--sparks", "2", "--engine", "tensorfold", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "FITS:" in out and "weights by class" in out and out.count("source:") >= 8
+
+
+def test_cli_does_not_fit_exits_1_with_the_verdict(capsys):
+    code = main(["fit", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.9", "--sparks", "1",
+                 "--engine", "tensorfold", "--context", "1M"])
+    out = capsys.readouterr().out
+    assert code == 1
+    verdict = [line for line in out.splitlines() if line.startswith("DOES NOT FIT")]
+    assert len(verdict) == 1 and "short by" in verdict[0] and "fits 2 Sparks" in verdict[0]
+    assert "--bpw 1." in verdict[0]  # the highest bpw that fits one Spark
+
+
+def test_cli_bad_inputs_exit_2(tmp_path, capsys):
+    assert main(["fit", "--model-config", str(TINY), "--bpw", "3", "--sparks", "2", "--engine", "exllamav3"]) == 2
+    assert "at most 1 Spark" in capsys.readouterr().err
+    assert main(["fit", "--model-config", "no-such-model", "--bpw", "3"]) == 2
+    assert "no shipped shape" in capsys.readouterr().err
+    assert main(["fit", "--model-config", str(TINY)]) == 2
+    assert "--recipe" in capsys.readouterr().err
+    assert main(["fit", str(tmp_path)]) == 2  # not a pack
+    capsys.readouterr()
+
+
+def test_plan_cli_writes_plan_and_recipe(tmp_path, capsys):
+    assert main(["plan", "--model-config", str(TINY), "--bpw", "2.5", "--out", str(tmp_path / "p.json"),
+                 "--recipe-out", str(tmp_path / "r.yaml"), "--drafter-bits", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "routed experts by layer: L0" in out and "without Engram tables" in out
+    plan = Plan.load(tmp_path / "p.json")
+    assert plan.k["mtp.0.ffn.experts.0.w1"] == 4.0
+    assert main(["fit", "--model-config", str(TINY), "--plan", str(tmp_path / "p.json"), "--sparks", "1"]) == 0
+    assert main(["fit", "--model-config", str(TINY), "--recipe", str(tmp_path / "r.yaml"), "--sparks", "1"]) == 0
+    capsys.readouterr()

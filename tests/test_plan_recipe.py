@@ -1,0 +1,132 @@
+"""exllamav3 recipe.yaml: matching rules (last entry wins, every budgeted tensor covered, every
+entry matches), our `native` and `mtp.` extensions, round trips, and the shipped named recipes."""
+
+from __future__ import annotations
+
+import fnmatch
+
+import pytest
+
+from quantizer.cli import main
+from quantizer.errors import UserError
+from quantizer.model.config import ModelConfig
+from quantizer.plan.plan import MIXEDK, make_plan
+from quantizer.plan.recipe import _KeyPool, plan_from_recipe, read_recipe, recipe_entries, write_recipe
+from quantizer.plan.sizes import exl3_bytes
+from quantizer.plan.targets import target_map
+from quantizer.plan.uniform import uniform_plan
+from quantizer.shipped import model_config_path, shipped
+
+RECIPE_HEAD = 'target_bpw: 3\nhead_bits: 6\ntensors:\n  "layers.*.ffn.experts.*": 3\n' \
+              '  "layers.*.ffn.shared_experts.*": 4\n  "layers.*.attn.*": 4\n  "layers.*.engram.*": 4\n'
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return ModelConfig.from_file(model_config_path("tiny-v41.json"))
+
+
+@pytest.fixture(scope="module")
+def v41():
+    return ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
+
+
+def _recipe(tmp_path, body: str, name="r.yaml"):
+    path = tmp_path / name
+    path.write_text(body)
+    return read_recipe(path)
+
+
+def test_last_matching_entry_wins(tiny, tmp_path):
+    r = _recipe(tmp_path, RECIPE_HEAD + '  "layers.*.ffn.experts.*.w2": 2\n  layers.3.ffn.experts.1.w2: 1.5\n'
+                '  "layers.3.ffn.experts.*.w2": 2.5\n')
+    plan = plan_from_recipe(tiny, r, mode=MIXEDK)
+    assert plan.k["layers.3.ffn.experts.1.w2"] == 2.5  # the later pattern overrides the exact key
+    assert plan.k["layers.4.ffn.experts.1.w2"] == 2.0 and plan.k["layers.4.ffn.experts.1.w1"] == 3.0
+    assert plan.k["layers.2.attn.indexer.wq_b"] == 4.0  # `layers.*.attn.*` also covers the indexer
+    assert plan.k["head"] == 6.0 and plan.k["mtp.0.attn.wq_a"] is None and plan.target_bpw == 3.0
+
+
+def test_pattern_that_matches_nothing(tiny, tmp_path, capsys):
+    r = _recipe(tmp_path, RECIPE_HEAD + '  "layers.*.ffn.expert.*": 2\n')
+    with pytest.raises(UserError, match=r"pattern 'layers\.\*\.ffn\.expert\.\*' matches no budgeted tensor"):
+        plan_from_recipe(tiny, r)
+    # the CLI prints one line and exits 2
+    tiny_config = str(model_config_path("tiny-v41.json"))
+    code = main(["fit", "--model-config", tiny_config, "--recipe", str(tmp_path / "r.yaml")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "layers.*.ffn.expert.*" in err[0] and "matches no" in err[0]
+
+
+def test_uncovered_and_invalid_values(tiny, tmp_path):
+    r = _recipe(tmp_path, 'tensors:\n  "layers.*.ffn.experts.*": 3\n')
+    with pytest.raises(UserError, match="budgeted tensor.*match no entry, e.g. layers.0.attn.wq_a"):
+        plan_from_recipe(tiny, r)
+    r = _recipe(tmp_path, RECIPE_HEAD + '  "layers.*.attn.*": 3.5\n')
+    with pytest.raises(UserError, match="integer K only"):
+        plan_from_recipe(tiny, r)
+    r = _recipe(tmp_path, RECIPE_HEAD + '  "layers.*.ffn.experts.*": 2.5\n')
+    with pytest.raises(UserError, match="needs the mul1 codebook"):
+        plan_from_recipe(tiny, r, codebook="mcg")
+    with pytest.raises(UserError, match="value 'four'"):
+        _recipe(tmp_path, RECIPE_HEAD + '  "layers.*.attn.*": four\n')
+    with pytest.raises(UserError, match="not valid YAML.*quote keys"):
+        _recipe(tmp_path, "tensors:\n  *.ffn.experts.*: 3\n")
+    with pytest.raises(UserError, match="needs a `tensors:` mapping"):
+        _recipe(tmp_path, "target_bpw: 3\n")
+
+
+def test_native_16_and_drafter_entries(tiny, tmp_path):
+    r = _recipe(tmp_path, RECIPE_HEAD + '  "layers.*.attn.*": native\n  layers.0.ffn.shared_experts.w2: 16\n'
+                '  "mtp.*.ffn.experts.*": 4\nhead_bits: native\n')
+    plan = plan_from_recipe(tiny, r)
+    tmap = target_map(tiny)
+    assert plan.k["layers.0.attn.wq_b"] is None and plan.k["head"] is None
+    assert plan.k["mtp.1.ffn.experts.3.w2"] == 4.0 and plan.k["mtp.1.attn.wq_a"] is None
+    base = plan_from_recipe(tiny, _recipe(tmp_path, RECIPE_HEAD, "base.yaml"))
+    attention_native = sum(t.native_bytes for t in tmap.values() if t.group == "attention")
+    attention_exl3 = sum(exl3_bytes(t.in_features, t.out_features, 4) for t in tmap.values() if t.group == "attention")
+    assert plan.expected_bytes["attention"] - base.expected_bytes["attention"] == attention_native - attention_exl3
+    w2 = tmap["layers.0.ffn.shared_experts.w2"]
+    assert plan.expected_bytes["shared_expert"] - base.expected_bytes["shared_expert"] == \
+        2 * w2.numel - exl3_bytes(w2.in_features, w2.out_features, 4)
+    # an `mtp.` entry must match a drafter tensor; budgeted entries never touch the drafter
+    with pytest.raises(UserError, match="matches no drafter tensor"):
+        plan_from_recipe(tiny, _recipe(tmp_path, RECIPE_HEAD + '  "mtp.*.engram.*": 4\n'))
+
+
+def test_written_recipes_round_trip(v41, tiny, tmp_path):
+    plan = uniform_plan(v41, 2.9)
+    write_recipe(v41, plan, tmp_path / "r.yaml", header="a header\nline two")
+    text = (tmp_path / "r.yaml").read_text()
+    assert text.startswith("# a header\n# line two\n")
+    back = plan_from_recipe(v41, read_recipe(tmp_path / "r.yaml"))
+    assert back.k == plan.k and back.content_hash() == plan.content_hash()
+    assert len(recipe_entries(v41, plan)) == 15  # default + 10 middle layers + 4 floors
+    # a per-expert (mixedk) plan with native and drafter entries round-trips too
+    k = dict(uniform_plan(tiny, 2.5, drafter_bits=3).k)
+    k.update({"layers.3.ffn.experts.1.w2": 4.0, "layers.0.attn.wkv": None, "mtp.2.ffn.experts.0.w1": None})
+    mixed = make_plan(tiny, k, mode=MIXEDK)
+    write_recipe(tiny, mixed, tmp_path / "m.yaml")
+    assert plan_from_recipe(tiny, read_recipe(tmp_path / "m.yaml"), mode=MIXEDK).k == mixed.k
+
+
+@pytest.mark.parametrize("bpw", ["2.5", "2.9", "3.5"])
+def test_shipped_recipes_are_what_uniform_plan_writes(v41, bpw, tmp_path, capsys):
+    shipped_path = shipped("configs", "recipes", f"{bpw}.yaml")
+    fresh = tmp_path / f"{bpw}.yaml"
+    assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--bpw", bpw, "--recipe-out", str(fresh)]) == 0
+    capsys.readouterr()
+    assert fresh.read_text() == shipped_path.read_text(), "regenerate configs/recipes with the command in its header"
+    plan = plan_from_recipe(v41, read_recipe(shipped_path))
+    assert plan.achieved_bpw <= float(bpw) and plan.mode == "stock"
+
+
+def test_glob_regex_agrees_with_fnmatch():
+    names = ["layers.3.ffn.experts.5.w1", "layers.13.ffn.experts.5.w1", "layers.3.attn.indexer.wq_b", "head",
+             "mtp.0.ffn.experts.12.w3", "layers.3.ffn.shared_experts.w2", "a[b"]
+    patterns = ["layers.*.ffn.experts.*", "layers.?.ffn.*", "layers.[13].*", "layers.[!1]*", "*.w[12]", "*",
+                "layers.3.*.w1", "a[b", "mtp.*.ffn.experts.1?.w3", "*indexer*"]
+    pool = _KeyPool(names)
+    for p in patterns:
+        assert pool.match(p) == [n for n in names if fnmatch.fnmatchcase(n, p)], p
