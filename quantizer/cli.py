@@ -17,6 +17,11 @@ from quantizer.errors import UserError
 COMMANDS = (
     "quantizer.inventory.cli",
     "quantizer.tiny.cli",
+    "quantizer.ppl.cli",
+    "quantizer.plan.cli",
+    "quantizer.fit.cli",
+    "quantizer.build.cli",
+    "quantizer.verify.cli",
 )
 
 

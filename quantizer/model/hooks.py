@@ -1,0 +1,37 @@
+"""Observation and override points of the reference forward, for calibration and quality checks.
+
+Hooks never change outputs (an override changes the weight used, by the caller's choice). Every
+linear reports its input under its native weight name (`layers.3.attn.wq_a.weight`), the last
+dimension of the reported tensor being the weight's input features: grouped `wo_a` reports
+[tokens, groups, in/group], since all groups share its input space. Routers report their choices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RoutingEvent:
+    layer: str  # "layers.3"
+    scores: torch.Tensor  # [tokens, experts] sqrt(softplus(logits)), fp32, before the selection bias
+    expert_ids: torch.Tensor  # [tokens, k]
+    weights: torch.Tensor  # [tokens, k] as applied (normalised, times routed_scaling_factor)
+
+
+@dataclass
+class ForwardHooks:
+    """linear_input(name, x): called with each linear's (detached) input before it is applied.
+    routing(event): called once per MoE layer and forward chunk.
+    weight_override(name, weight) -> tensor or None: a replacement weight for this call, e.g. a
+    decoded EXL3 weight; None keeps the model's own.
+    all_experts: every token also goes through every routed expert so that linear_input sees
+    each expert's input for all tokens (Hessians); the MoE output still uses the top-k only."""
+
+    linear_input: Callable[[str, torch.Tensor], None] | None = None
+    routing: Callable[[RoutingEvent], None] | None = None
+    weight_override: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None
+    all_experts: bool = False

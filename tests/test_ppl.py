@@ -1,0 +1,51 @@
+"""`quantizer ppl` on the tiny V4.1 checkpoint: numbers equal the whole model's own NLL."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from quantizer.checkpoint.safetensors_file import planned, write_safetensors
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.cli import main
+from quantizer.model.transformer import DeepseekModel
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return torch.from_numpy(np.random.default_rng(0).integers(3, 4096, size=(3, 48)))
+
+
+def test_ppl_json_matches_the_whole_model(tiny_v41, rows, tmp_path, capsys):
+    path = tmp_path / "rows.npy"
+    np.save(path, rows.numpy())
+    assert main(["ppl", str(tiny_v41), "--tokens", str(path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) == {"ppl", "nll", "nll_stderr", "tokens"}
+
+    model = DeepseekModel.from_checkpoint(Checkpoint.open(tiny_v41))
+    with torch.no_grad():
+        logits = model(rows)
+    nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, rows[:, 1:, None])[..., 0].double().flatten()
+    assert result["tokens"] == nll.numel() == 3 * 47
+    assert result["nll"] == pytest.approx(float(nll.mean()), abs=1e-5)
+    assert result["nll_stderr"] == pytest.approx(float(nll.std()) / math.sqrt(nll.numel()), rel=1e-4)
+    assert result["ppl"] == pytest.approx(math.exp(result["nll"]), rel=1e-9)
+
+
+def test_ppl_cuts_a_safetensors_stream_into_rows(tiny_v41, rows, tmp_path, capsys):
+    path = tmp_path / "stream.safetensors"
+    write_safetensors(path, [planned("input_ids", rows.flatten())])
+    assert main(["ppl", str(tiny_v41), "--tokens", str(path), "--cols", "40", "--rows", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 2 * 39
+
+
+def test_ppl_text_without_tokenizer_is_a_user_error(tiny_v41, tmp_path, capsys):
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n")
+    assert main(["ppl", str(tiny_v41), "--text", str(text)]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err
