@@ -13,7 +13,8 @@ class BuildPy(build_py):
 
 
 setup(
-    packages=find_packages(include=["quantizer", "quantizer.*"]) + ["quantizer.configs", "quantizer.calibration"],
+    packages=find_packages(include=["quantizer", "quantizer.*"])
+    + ["quantizer.configs", "quantizer.calibration", "quantizer.small_model"],
     package_dir={"quantizer.configs": "configs", "quantizer.calibration": "calibration"},
     cmdclass={"build_py": BuildPy},
 )

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import zstandard
 
 from quantizer.checkpoint.safetensors_file import read_header, read_tensor
 from quantizer.errors import UserError
@@ -29,6 +28,8 @@ def _read_bytes(path: Path) -> bytes:
     except FileNotFoundError:
         raise UserError(f"{path}: file not found; check the path") from None
     if path.name.lower().endswith(".zst"):
+        import zstandard  # only compressed inputs need it (GPU images without it still read plain text)
+
         try:
             # A stream reader also handles frames written without a content size (zstd CLI from a pipe).
             data = zstandard.ZstdDecompressor().stream_reader(data).read()
