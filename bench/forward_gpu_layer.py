@@ -44,6 +44,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", type=int)
     p.add_argument("--cols", type=int)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="also print the top operators of the top-k pass")
     return p.parse_args(argv)
 
 
@@ -87,6 +88,19 @@ def peak_bytes(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
+def profile(fn, device: torch.device) -> None:
+    """Where the time of one pass goes: the top operators by device (or CPU) time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.no_grad(), torch_profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
     config = "tiny-v41.json" if args.tiny else "deepseek-v4.1-flash.json"
@@ -125,6 +139,8 @@ def main(argv=None) -> dict:
             "ratio_to_matmul": flops / seconds / reference, "peak_gib": (peak_bytes(device) or 0) / 2**30,
             "finite": bool(torch.isfinite(out).all()),
         })
+    if args.profile:
+        profile(lambda: block(streams, ForwardState.start(cfg, tokens, dtype), None, None), device)
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "config": config, "layer": args.layer, "ratio": cfg.ratio(args.layer),
