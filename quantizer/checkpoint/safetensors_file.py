@@ -183,12 +183,12 @@ def planned(name: str, tensor: torch.Tensor, dtype: str | None = None) -> Planne
     return PlannedTensor(name, label, tuple(tensor.shape), tensor)
 
 
-def layout(tensors: Iterable[PlannedTensor], align: int, metadata: dict[str, str] | None = None):
+def layout(tensors: Iterable[PlannedTensor], align: int, metadata: dict[str, str] | None = None, tag: str = ""):
     """Header bytes and (offset, tensor) pairs with every tensor `align`-aligned in the file.
 
-    Safetensors forbids holes, so gaps become small U8 tensors named `__align_pad__.N` (the name
-    the GB10 alignment tools already skip). Tensors whose size is a multiple of `align` go first so
-    pads are rare.
+    Safetensors forbids holes, so gaps become small U8 tensors named `__align_pad__.<tag>.N` (the
+    prefix the GB10 alignment tools already skip; the tag, the file's name, keeps pad names unique
+    across the shards of a pack). Tensors whose size is a multiple of `align` go first so pads are rare.
     """
     items = sorted(tensors, key=lambda t: (t.nbytes % align != 0, t.name))
     entries: dict[str, dict] = {}
@@ -200,7 +200,7 @@ def layout(tensors: Iterable[PlannedTensor], align: int, metadata: dict[str, str
     for t in items:
         at = -(-pos // align) * align
         if at > pos:
-            entries[f"{PAD_PREFIX}{pads}"] = {"dtype": "U8", "shape": [at - pos], "data_offsets": [pos, at]}
+            entries[f"{PAD_PREFIX}{tag}{pads}"] = {"dtype": "U8", "shape": [at - pos], "data_offsets": [pos, at]}
             pads += 1
         entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
         placed.append((at, t))
@@ -222,7 +222,7 @@ def write_safetensors(
     Tensors with `data=None` are left as holes (zeros) in a sparse file. Returns the file size.
     """
     path = Path(path)
-    head, placed, data_len = layout(tensors, align, metadata)
+    head, placed, data_len = layout(tensors, align, metadata, tag=f"{path.stem}.")
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(head)
