@@ -1,0 +1,109 @@
+"""`manifest.json`: what a pack claims about itself, written by the pack stage and checked by verify.
+
+Schema (manifest_version 1):
+
+- `tool`: name, version, torch, `exllamav3_target` (the format version the pack is written for) and
+  `exllamav3` (the version that encoded it on the GPU, or null for the CPU codec);
+- `source`: path, revision, arch and fingerprint of the native checkpoint;
+- `plan`: hash, loader_mode, codebook, head_bits;  `settings`: seed, device, encoder, calibration;
+- `quantization`: the integer `bits`, the `bpw` and the K histogram written into config.json;
+- `shards`: [{file, bytes, sha256, engram}] in file order;
+- `tensors`: every tensor in the shards (alignment pads excepted) -> {shard, K, class}; K is the
+  linear's bits per weight (16 for an fp16 linear) or "native" for a pass-through tensor;
+- `sources`: every source tensor -> "native" (passed through unchanged), {"exl3": [keys]} (replaced
+  by those EXL3 linears; a fused wo_a by its exllamav3 slices), {"fp16": key} (K 16: an unquantized
+  fp16 weight) or {"alias": key} (a cold expert served by another expert's tensors);
+- `aliases`: EXL3 key -> the key whose tensors stand in for it;
+- `totals`: per tensor class {tensors, bytes, params, bpw} (bpw = stored bits per source parameter);
+- `loader_features`: what a loader must support ("per-expert-K", "expert-aliases");
+- `fit`: `quantizer.fit.fit_table` for 1, 2 and 4 Sparks at the model's full context, per engine:
+  fits, weights and free GiB per rank, largest context.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from quantizer.errors import UserError
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 1
+NATIVE = "native"
+HASH_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    file: str
+    bytes: int
+    sha256: str
+    engram: bool = False
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    shard: str
+    K: float | int | str  # EXL3 bits per weight of the linear it belongs to, or "native"
+    cls: str
+
+
+@dataclass
+class Manifest:
+    tool: dict
+    source: dict
+    plan: dict
+    settings: dict
+    quantization: dict
+    shards: list[ShardRecord]
+    tensors: dict[str, TensorRecord]
+    sources: dict[str, object]
+    aliases: dict[str, str] = field(default_factory=dict)
+    totals: dict[str, dict] = field(default_factory=dict)
+    loader_features: list[str] = field(default_factory=list)
+    fit: dict | None = None
+
+    def to_dict(self) -> dict:
+        data = {"manifest_version": MANIFEST_VERSION, **asdict(self)}
+        data["tensors"] = {n: {"shard": t.shard, "K": t.K, "class": t.cls} for n, t in self.tensors.items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str) -> "Manifest":
+        try:
+            version = data.pop("manifest_version")
+            if version != MANIFEST_VERSION:
+                raise UserError(f"{where}: manifest_version {version} is not {MANIFEST_VERSION}; use a matching quantizer")
+            data["shards"] = [ShardRecord(**s) for s in data["shards"]]
+            data["tensors"] = {n: TensorRecord(t["shard"], t["K"], t["class"]) for n, t in data["tensors"].items()}
+            return cls(**data)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"{where}: not a valid pack manifest ({type(e).__name__}: {e}); rebuild the pack")
+
+    @classmethod
+    def load(cls, pack: Path) -> "Manifest":
+        path = Path(pack) / MANIFEST_NAME
+        if not path.is_file():
+            raise UserError(f"{path}: no manifest; this is not a pack written by quantizer (or it is incomplete)")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); the manifest is corrupt")
+        return cls.from_dict(data, str(path))
+
+    def exl3_keys(self) -> dict[str, float | int]:
+        """EXL3 linear key -> K, from the `.trellis` tensors the manifest lists."""
+        return {n[: -len(".trellis")]: t.K for n, t in self.tensors.items() if n.endswith(".trellis")}
+
+
+def sha256_file(path: Path, progress=None) -> str:
+    """Hex sha256 of a file, read in chunks; `progress(n)` is called with each chunk's size."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+            if progress:
+                progress(len(chunk))
+    return h.hexdigest()

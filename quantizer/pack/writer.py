@@ -1,0 +1,238 @@
+"""The pack stage: quantized results + native pass-through tensors -> a loadable, verifiable pack.
+
+Everything is written into `<out>.partial/` and renamed to `<out>` last, so a half-written pack never
+looks complete. Every source tensor is accounted for: it is passed through byte-identical, replaced
+by the EXL3 (or fp16) linear(s) the plan gave it, or served by the expert it is aliased to; nothing is
+dropped silently (a missing quantized result stops the stage with the key to redo).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from quantizer import __version__
+from quantizer.checkpoint.fingerprint import source_fingerprint
+from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
+from quantizer.codec.codebook import parse_codebook
+from quantizer.errors import UserError
+from quantizer.fit import fit_table, stored_from_pack
+from quantizer.model.layout import TensorSpec
+from quantizer.model.tensor_classes import classify
+from quantizer.pack.exl3_config import EXLLAMAV3_TARGET, pack_config, quantization_config, tensor_storage
+from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, ShardRecord, TensorRecord, sha256_file
+from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, write_shards
+from quantizer.plan.plan import MIXEDK, Plan, achieved_bpw, expert_of
+from quantizer.plan.sizes import UNQUANTIZED, exl3_leaves
+from quantizer.plan.targets import targets
+from quantizer.quantize.job import require_free_space, write_json_atomic
+from quantizer.quantize.linears import StoredLinear, stored_linears
+from quantizer.quantize.results import ResultStore
+from quantizer.report import GIB
+
+DEFAULT_SHARD_SIZE = 8 << 30
+SKIPPED_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+WRITTEN_FILES = ("config.json", INDEX_NAME, "quantization_config.json", MANIFEST_NAME)
+
+
+@dataclass(frozen=True)
+class PackSettings:
+    shard_size: int = DEFAULT_SHARD_SIZE
+    revision: str | None = None  # of a Hugging Face source, for the manifest
+    job_settings: dict | None = None  # the quantize stage's settings record (seed, device, encoder, ...)
+
+
+def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, settings: PackSettings) -> Manifest:
+    out = Path(out)
+    check_new_pack_dir(out)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+
+    linears = stored_linears(ck.config, plan)
+    tensors, sources = _pack_tensors(ck, plan, linears, ResultStore(work))
+    shards = assign_shards(tensors, settings.shard_size)
+    size = sum(s.nbytes for s in shards)
+    print(f"pack: {len(tensors):,} tensors in {len(shards)} shards, {size / GIB:,.2f} GiB to write in {partial}")
+    require_free_space(partial, size, "the pack")
+    write_shards(partial, shards)
+    records = _shard_records(partial, shards)
+    _write_index(partial, shards)
+    qcfg = _write_configs(ck, plan, tensors, partial, _calibration(settings))
+    _copy_side_files(ck.root, partial)
+    manifest = _manifest(ck, plan, linears, shards, records, sources, qcfg, settings, _fit(partial))
+    write_json_atomic(partial / MANIFEST_NAME, manifest.to_dict())
+    if out.exists():
+        out.rmdir()
+    partial.rename(out)
+    return manifest
+
+
+def check_new_pack_dir(out: Path) -> None:
+    """A pack is written once: an existing non-empty directory is never overwritten."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out}: already exists and is not empty; delete it or choose another --out")
+
+
+def _pack_tensors(ck: Checkpoint, plan: Plan, linears: list[StoredLinear], store: ResultStore):
+    """Every pack tensor with the bytes it copies, and what became of every source tensor."""
+    results = store.entries()
+    by_target: dict[str, list[StoredLinear]] = defaultdict(list)
+    for s in linears:
+        by_target[s.target.key].append(s)
+    replaced: dict[str, object] = {}
+    for t in targets(ck.config):
+        k = plan.k[t.key]
+        if k is None:
+            continue
+        if alias_of(plan, t.key):
+            fate = {"alias": alias_of(plan, t.key)}
+        elif k == UNQUANTIZED:
+            fate = {"fp16": t.key}
+        else:
+            fate = {"exl3": [s.key for s in by_target[t.key]]}
+        for leaf in (".weight", ".scale"):
+            if t.key + leaf in ck.tensors:
+                replaced[t.key + leaf] = fate
+    tensors: list[PackTensor] = []
+    sources: dict[str, object] = {}
+    for name, entry in ck.tensors.items():
+        sources[name] = replaced.get(name, NATIVE)
+        if name not in replaced:
+            tensors.append(PackTensor(name, entry, NATIVE, classify(name).cls))
+    for s in linears:
+        for spec in exl3_leaves(s.key, s.in_features, s.out_features, s.K, plan.codebook):
+            entry = results.get(spec.name)
+            if entry is None or entry.shape != spec.shape or entry.dtype != spec.dtype:
+                found = "missing" if entry is None else f"{entry.dtype}{list(entry.shape)}"
+                raise UserError(
+                    f"{store.dir}: quantized result {spec.name} is {found}, expected {spec.dtype}{list(spec.shape)}; "
+                    "rerun the quantize stage (build) with the same work directory"
+                )
+            tensors.append(PackTensor(spec.name, entry, _k(s.K), s.target.cls))
+    return tensors, sources
+
+
+def alias_of(plan: Plan, key: str) -> str | None:
+    """The linear that serves an aliased expert's `key` (same projection of the warm expert)."""
+    expert = expert_of(key)
+    return plan.aliases[expert] + key[len(expert):] if expert in plan.aliases else None
+
+
+def _k(k: float):
+    return int(k) if float(k).is_integer() else float(k)
+
+
+def _shard_records(pack: Path, shards: list[ShardPlan]) -> list[ShardRecord]:
+    """sha256 of every shard as written (a read-back, so the manifest pins what is on disk)."""
+    records = []
+    total = sum((pack / s.file).stat().st_size for s in shards)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="sha256") as bar:
+        for s in shards:
+            path = pack / s.file
+            records.append(ShardRecord(s.file, path.stat().st_size, sha256_file(path, bar.update), s.engram))
+    return records
+
+
+def _write_index(pack: Path, shards: list[ShardPlan]) -> None:
+    weight_map = {t.name: s.file for s in shards for t in s.tensors}
+    index = {
+        "metadata": {"total_size": sum(s.nbytes for s in shards)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    write_json_atomic(pack / INDEX_NAME, index)
+
+
+def _calibration(settings: PackSettings) -> dict | None:
+    """{rows, cols} of the calibration the Hessians came from, or None for an uncalibrated pack."""
+    cal = (settings.job_settings or {}).get("calibration")
+    return {"rows": cal["rows"], "cols": cal["cols"]} if cal else None
+
+
+def _write_configs(ck: Checkpoint, plan: Plan, tensors: list[PackTensor], pack: Path, calibration: dict | None) -> dict:
+    source_config = json.loads((ck.root / "config.json").read_text())
+    codebook = parse_codebook(plan.codebook)
+    qcfg = quantization_config(source_config, achieved_bpw(ck.config, plan), _head_bits(plan), codebook, calibration)
+    write_json_atomic(pack / "config.json", pack_config(source_config, qcfg))
+    write_json_atomic(pack / "quantization_config.json", {**qcfg, "tensor_storage": tensor_storage(tensors, codebook)})
+    return qcfg
+
+
+def _head_bits(plan: Plan) -> float | int:
+    """K of the head; 16 (exllamav3's "unquantized") when it stays native or fp16."""
+    return _k(plan.head_bits) if plan.head_bits is not None else 16
+
+
+def _copy_side_files(src: Path, pack: Path) -> None:
+    """Tokenizer, generation config and the like; weights and the files the pack writes itself are not copied."""
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.endswith(SKIPPED_FILES) and f.name not in WRITTEN_FILES:
+            shutil.copyfile(f, pack / f.name)
+
+
+def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackSettings, fit: dict) -> Manifest:
+    tensors = {t.name: TensorRecord(s.file, t.K, t.cls) for s in shards for t in s.tensors}
+    aliases = {t.key: alias_of(plan, t.key) for t in targets(ck.config) if alias_of(plan, t.key)}
+    features = (["per-expert-K"] if plan.mode == MIXEDK else []) + (["expert-aliases"] if aliases else [])
+    return Manifest(
+        tool={
+            "name": "quantizer", "version": __version__, "torch": torch.__version__.split("+")[0],
+            "exllamav3_target": EXLLAMAV3_TARGET, "exllamav3": _encoder_version(settings),
+        },
+        source={"path": str(ck.root), "revision": settings.revision, "arch": ck.config.arch,
+                "fingerprint": source_fingerprint(ck)},
+        plan={"hash": plan.content_hash(), "loader_mode": plan.mode, "codebook": plan.codebook,
+              "head_bits": qcfg["head_bits"]},
+        settings=dict(settings.job_settings or {}),
+        quantization={"bits": qcfg["bits"], "bpw": qcfg["bpw"], "k_histogram": _histogram(linears)},
+        shards=records,
+        tensors=tensors,
+        sources=sources,
+        aliases=aliases,
+        totals=_totals(ck, shards),
+        loader_features=features,
+        fit=fit,
+    )
+
+
+def _fit(pack: Path) -> dict:
+    """The fit table for 1, 2 and 4 Sparks at the model's full context, from the pack's own headers."""
+    cfg, stored = stored_from_pack(pack)
+    return fit_table(cfg, stored, context=cfg.max_position_embeddings)
+
+
+def _encoder_version(settings: PackSettings) -> str | None:
+    """The exllamav3 that encoded the pack (GPU runs), read from package metadata without importing it."""
+    if (settings.job_settings or {}).get("device") != "cuda":
+        return None
+    return metadata.version("exllamav3")
+
+
+def _histogram(linears: list[StoredLinear]) -> dict[str, int]:
+    counts = Counter(f"{s.K:g}" for s in linears)
+    return dict(sorted(counts.items(), key=lambda kv: float(kv[0])))
+
+
+def _totals(ck: Checkpoint, shards: list[ShardPlan]) -> dict[str, dict]:
+    """Per tensor class: pack tensors, pack bytes, source parameters and stored bits per parameter."""
+    params: Counter = Counter()
+    for name, e in ck.tensors.items():
+        params[classify(name).cls] += TensorSpec(name, e.shape, e.dtype).params
+    count: Counter = Counter()
+    nbytes: Counter = Counter()
+    for s in shards:
+        for t in s.tensors:
+            count[t.cls] += 1
+            nbytes[t.cls] += t.nbytes
+    return {
+        cls: {"tensors": count[cls], "bytes": nbytes[cls], "params": params[cls],
+              "bpw": round(8 * nbytes[cls] / params[cls], 4) if params[cls] else None}
+        for cls in sorted(count)
+    }

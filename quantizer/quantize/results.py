@@ -1,0 +1,72 @@
+"""`WORK/quantized/`: one safetensors file per finished work unit, written atomically.
+
+A unit is one EXL3 linear (CPU) or a batch of same-shape linears encoded together (GPU). Its file holds
+exactly the tensors exllamav3 stores for each of its linears; the file's metadata names the linears
+and their proxy errors. A file that exists is finished (it appears by rename); one that cannot be read
+back is deleted and its unit redone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantizer.checkpoint.safetensors_file import PAD_PREFIX, TensorEntry, planned, read_header, write_safetensors
+from quantizer.errors import UserError
+
+RESULTS_DIR = "quantized"
+SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Linears encoded in one call and saved in one file; all share K (and, batched, a shape)."""
+
+    name: str
+    keys: tuple[str, ...]
+    K: float | int
+    weights: int  # in*out summed over the keys: the progress measure
+
+
+class ResultStore:
+    def __init__(self, work: Path):
+        self.dir = Path(work) / RESULTS_DIR
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob("*.tmp"):
+            stale.unlink()  # a write that a kill interrupted; its unit is not done
+
+    def path(self, unit: Unit) -> Path:
+        return self.dir / (unit.name + SUFFIX)
+
+    def done(self, unit: Unit) -> bool:
+        path = self.path(unit)
+        if not path.exists():
+            return False
+        try:
+            names = read_header(path).tensors
+        except UserError:
+            names = {}
+        if all(f"{k}.trellis" in names or f"{k}.weight" in names for k in unit.keys):
+            return True
+        path.unlink()
+        return False
+
+    def save(self, unit: Unit, tensors: dict[str, torch.Tensor], proxy_err: dict[str, float | None]) -> None:
+        metadata = {"keys": json.dumps(list(unit.keys)), "K": f"{unit.K:g}", "proxy_err": json.dumps(proxy_err)}
+        write_safetensors(self.path(unit), [planned(n, t) for n, t in tensors.items()], metadata=metadata, align=64)
+
+    def entries(self) -> dict[str, TensorEntry]:
+        """Every stored tensor of every finished unit, by name."""
+        out: dict[str, TensorEntry] = {}
+        for path in sorted(self.dir.glob("*" + SUFFIX)):
+            out.update({n: e for n, e in read_header(path).tensors.items() if not n.startswith(PAD_PREFIX)})
+        return out
+
+    def proxy_errors(self) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for path in sorted(self.dir.glob("*" + SUFFIX)):
+            out.update(json.loads(read_header(path).metadata.get("proxy_err", "{}")))
+        return out

@@ -1,0 +1,298 @@
+"""`quantizer verify`: check that a pack is what its manifest says, from headers (and with --full, bytes).
+
+Every check yields a Finding; a FAULT names the shard or tensor and what is wrong. Header-level checks
+catch truncated, replaced, missing and extra shards, tensors beyond EOF, misalignment, an index that
+disagrees with the shards, dropped tensors and trellis shapes that disagree with the K the manifest
+claims; --full adds the sha256 of every shard, which catches any flipped byte.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from quantizer.checkpoint.safetensors_file import PAD_PREFIX, SafetensorsHeader, TensorEntry, read_header
+from quantizer.checkpoint.source import ENGRAM_TABLE, INDEX_NAME
+from quantizer.codec.codebook import Codebook, parse_codebook
+from quantizer.errors import UserError
+from quantizer.pack.manifest import NATIVE, Manifest, sha256_file
+
+ALIGN = 64
+EXL3_SCALES = ("suh", "svh")
+
+
+@dataclass(frozen=True)
+class Finding:
+    ok: bool
+    subject: str
+    what: str
+
+    def line(self) -> str:
+        return f"{'OK   ' if self.ok else 'FAULT'} {self.subject}: {self.what}"
+
+
+@dataclass
+class VerifyReport:
+    pack: Path
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def faults(self) -> list[Finding]:
+        return [f for f in self.findings if not f.ok]
+
+    def ok(self, subject: str, what: str) -> None:
+        self.findings.append(Finding(True, subject, what))
+
+    def fault(self, subject: str, what: str) -> None:
+        self.findings.append(Finding(False, subject, what))
+
+    def render(self) -> str:
+        lines = [f.line() for f in self.findings]
+        n = len(self.faults)
+        lines.append(f"{self.pack}: " + (f"{n} fault(s)" if n else "clean"))
+        return "\n".join(lines)
+
+
+def verify_pack(pack: str | Path, full: bool = False) -> VerifyReport:
+    """All checks; raises UserError only when there is nothing to check against (no pack, no manifest)."""
+    pack = Path(pack)
+    if not pack.is_dir():
+        raise UserError(f"{pack}: not a directory; pass the pack directory that holds manifest.json")
+    manifest = Manifest.load(pack)
+    report = VerifyReport(pack)
+    headers = _check_shards(pack, manifest, report)
+    _check_extra_files(pack, manifest, report)
+    _check_tensors(manifest, headers, report)
+    _check_index(pack, headers, report)
+    _check_exl3(manifest, headers, report)
+    _check_aliases(manifest, report)
+    _check_sources(manifest, report)
+    _check_configs(pack, manifest, report)
+    if full:
+        _check_hashes(pack, manifest, report)
+    return report
+
+
+def _check_shards(pack: Path, manifest: Manifest, report: VerifyReport) -> dict[str, SafetensorsHeader]:
+    """Existence, byte size, header bounds and 64-byte alignment of every shard the manifest lists."""
+    headers: dict[str, SafetensorsHeader] = {}
+    for shard in manifest.shards:
+        path = pack / shard.file
+        if not path.is_file():
+            report.fault(shard.file, "missing")
+            continue
+        size = path.stat().st_size
+        if size != shard.bytes:
+            report.fault(shard.file, f"{size:,} bytes but the manifest says {shard.bytes:,} (truncated or replaced)")
+        try:
+            header = read_header(path)
+        except UserError as e:
+            report.fault(shard.file, _without_path(str(e), path))
+            continue
+        headers[shard.file] = header
+        misaligned = [e.name for e in _real(header) if e.offset % ALIGN]
+        if misaligned:
+            report.fault(shard.file, f"{len(misaligned)} tensor(s) not {ALIGN}-byte aligned, e.g. {misaligned[0]}")
+        elif size == shard.bytes:
+            report.ok(shard.file, f"{size:,} bytes, {len(_real(header))} tensors, header in bounds, {ALIGN}-byte aligned")
+    return headers
+
+
+def _check_extra_files(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """A loader reads every *.safetensors in the folder, so a stray one changes the model."""
+    listed = {s.file for s in manifest.shards}
+    for path in sorted(pack.glob("*.safetensors")):
+        if path.name not in listed:
+            report.fault(path.name, "shard not in the manifest; loaders would read it too")
+
+
+def _check_tensors(manifest: Manifest, headers: dict[str, SafetensorsHeader], report: VerifyReport) -> None:
+    """Every tensor the manifest lists is in its shard, and no shard holds a tensor it does not list."""
+    held = {name: shard for shard, h in headers.items() for name in _names(h)}
+    missing = [n for n, t in manifest.tensors.items() if t.shard in headers and held.get(n) != t.shard]
+    extra = [n for n in held if n not in manifest.tensors]
+    for name in missing[:10]:
+        report.fault(name, f"listed in {manifest.tensors[name].shard} but not found there")
+    for name in extra[:10]:
+        report.fault(name, f"in {held[name]} but not in the manifest")
+    if len(missing) + len(extra) > 20:
+        report.fault("tensors", f"{len(missing)} missing and {len(extra)} unlisted in all")
+    engram_files = {s.file for s in manifest.shards if s.engram}
+    for shard, header in headers.items():
+        is_table = [ENGRAM_TABLE.search(n) is not None for n in _names(header)]
+        if shard in engram_files and not all(is_table):
+            report.fault(shard, f"Engram shard also holds {is_table.count(False)} non-table tensor(s)")
+        if shard not in engram_files and any(is_table):
+            report.fault(shard, "holds Engram table tensors outside the Engram shards")
+    if not missing and not extra:
+        report.ok("tensors", f"all {len(manifest.tensors):,} manifest tensors in their shards, none unlisted")
+
+
+def _check_index(pack: Path, headers: dict[str, SafetensorsHeader], report: VerifyReport) -> None:
+    """The index maps exactly the tensors the shards hold, each to the shard that holds it."""
+    path = pack / INDEX_NAME
+    try:
+        index = json.loads(path.read_text())
+        weight_map = index["weight_map"]
+        total = index["metadata"]["total_size"]
+    except FileNotFoundError:
+        report.fault(INDEX_NAME, "missing")
+        return
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        report.fault(INDEX_NAME, f"not a valid index ({type(e).__name__}: {e})")
+        return
+    held = {name: shard for shard, h in headers.items() for name in _names(h)}
+    faults = 0
+    for name, shard in weight_map.items():
+        if shard not in headers:
+            continue  # that shard's own fault is already reported
+        if held.get(name) != shard:
+            faults += 1
+            if faults <= 10:
+                report.fault(INDEX_NAME, f"maps {name} to {shard}, which does not hold it")
+    for name, shard in held.items():
+        if name not in weight_map:
+            faults += 1
+            if faults <= 10:
+                report.fault(INDEX_NAME, f"does not name {name} (held by {shard})")
+    payload = sum(e.nbytes for h in headers.values() for e in _real(h))
+    if set(weight_map.values()) <= headers.keys() and total != payload:
+        faults += 1
+        report.fault(INDEX_NAME, f"total_size {total:,} but the shards hold {payload:,} bytes of tensors")
+    if not faults:
+        report.ok(INDEX_NAME, f"names exactly the {len(held):,} tensors of the shards")
+
+
+def _check_exl3(manifest: Manifest, headers: dict[str, SafetensorsHeader], report: VerifyReport) -> None:
+    """Each EXL3 linear's K (from trellis.shape[-1]/16) matches the manifest; suh/svh/marker fit the trellis."""
+    entries = {name: e for h in headers.values() for name, e in h.tensors.items()}
+    codebook = parse_codebook(manifest.plan["codebook"])
+    keys = manifest.exl3_keys()
+    bad = 0
+    for key, K in keys.items():
+        problem = _exl3_problem(key, K, codebook, entries)
+        if problem:
+            bad += 1
+            if bad <= 10:
+                report.fault(key, problem)
+    if bad > 10:
+        report.fault("exl3", f"{bad} EXL3 linears with faults in all")
+    if not bad:
+        report.ok("exl3", f"{len(keys):,} EXL3 linears: K matches trellis shapes, suh/svh/{codebook.value} consistent")
+
+
+def _exl3_problem(key: str, K, codebook: Codebook, entries: dict[str, TensorEntry]) -> str | None:
+    trellis = entries.get(f"{key}.trellis")
+    if trellis is None:
+        return None  # reported as a missing tensor already
+    if trellis.dtype != "I16" or len(trellis.shape) != 3:
+        return f"trellis is {trellis.dtype}{list(trellis.shape)}, not I16 (in/16, out/16, 16K)"
+    stored_k = trellis.shape[2] / 16
+    if stored_k != float(K):
+        return f"trellis holds K={stored_k:g} but the manifest says K={K}"
+    for scale, dim in zip(EXL3_SCALES, (trellis.shape[0] * 16, trellis.shape[1] * 16)):
+        e = entries.get(f"{key}.{scale}")
+        if e is None:
+            return f"{scale} is missing"
+        if e.dtype != "F16" or e.shape != (dim,):
+            return f"{scale} is {e.dtype}{list(e.shape)}, trellis needs F16[{dim}]"
+    for cb in (Codebook.MUL1, Codebook.MCG):
+        present = f"{key}.{cb.value}" in entries
+        if present != (cb is codebook):
+            return f"codebook marker .{cb.value} {'present' if present else 'missing'} in a {codebook.value} pack"
+    return None
+
+
+def _check_aliases(manifest: Manifest, report: VerifyReport) -> None:
+    """An aliased expert stores nothing; the linear it points to must be stored (EXL3 or native)."""
+    stored = _stored_linears(manifest)
+    bad = 0
+    for alias, target in manifest.aliases.items():
+        if alias in stored:
+            bad += 1
+            report.fault(alias, "aliased but also stored")
+        elif target not in stored:
+            bad += 1
+            report.fault(alias, f"aliased to {target}, which the pack does not store")
+    if manifest.aliases and not bad:
+        report.ok("aliases", f"{len(manifest.aliases)} aliased linears point at stored ones")
+
+
+def _check_sources(manifest: Manifest, report: VerifyReport) -> None:
+    """Nothing dropped: every source tensor is in the pack as it was, or as the linear(s) that replace it."""
+    stored = _stored_linears(manifest)
+    lost = []
+    for name, fate in manifest.sources.items():
+        if fate == NATIVE:
+            ok = name in manifest.tensors and manifest.tensors[name].K == NATIVE
+        elif "exl3" in fate:
+            ok = bool(fate["exl3"]) and all(k in stored for k in fate["exl3"])
+        else:
+            ok = (fate.get("fp16") or fate.get("alias")) in stored
+        if not ok:
+            lost.append(name)
+    for name in lost[:10]:
+        report.fault(name, f"source tensor ({manifest.sources[name]}) is not in the pack")
+    if len(lost) > 10:
+        report.fault("sources", f"{len(lost)} source tensors missing from the pack in all")
+    if not lost:
+        report.ok("sources", f"all {len(manifest.sources):,} source tensors accounted for (native, EXL3, fp16 or alias)")
+
+
+def _check_configs(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """config.json announces EXL3 with the manifest's bits/bpw; quantization_config.json agrees on K."""
+    try:
+        qcfg = json.loads((pack / "config.json").read_text())["quantization_config"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
+        report.fault("config.json", f"no readable quantization_config ({type(e).__name__})")
+        return
+    want = {"quant_method": "exl3", "bits": manifest.quantization["bits"], "bpw": manifest.quantization["bpw"]}
+    wrong = {k: qcfg.get(k) for k, v in want.items() if qcfg.get(k) != v}
+    if wrong or not isinstance(qcfg.get("bits"), int):
+        report.fault("config.json", f"quantization_config has {wrong or qcfg.get('bits')}, manifest expects {want}")
+    else:
+        report.ok("config.json", f"quant_method exl3, bits {want['bits']}, bpw {want['bpw']}")
+    try:
+        storage = json.loads((pack / "quantization_config.json").read_text())["tensor_storage"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
+        report.fault("quantization_config.json", f"no readable tensor_storage ({type(e).__name__})")
+        return
+    keys = manifest.exl3_keys()
+    wrong_k = [k for k, K in keys.items() if storage.get(k, {}).get("bits_per_weight") != K]
+    if wrong_k:
+        report.fault("quantization_config.json", f"bits_per_weight disagrees with the manifest for {len(wrong_k)} linears, e.g. {wrong_k[0]}")
+    else:
+        report.ok("quantization_config.json", f"bits_per_weight of all {len(keys):,} EXL3 linears as in the manifest")
+
+
+def _check_hashes(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
+    present = [s for s in manifest.shards if (pack / s.file).is_file()]
+    total = sum((pack / s.file).stat().st_size for s in present)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="sha256") as bar:
+        for shard in present:
+            digest = sha256_file(pack / shard.file, bar.update)
+            if digest != shard.sha256:
+                report.fault(shard.file, f"sha256 {digest[:16]}... differs from the manifest's {shard.sha256[:16]}... (corrupt)")
+            else:
+                report.ok(shard.file, "sha256 matches")
+
+
+def _stored_linears(manifest: Manifest) -> set[str]:
+    """Keys the pack stores a linear under: EXL3 (a trellis) or a plain `.weight` (native or fp16)."""
+    return set(manifest.exl3_keys()) | {n[: -len(".weight")] for n in manifest.tensors if n.endswith(".weight")}
+
+
+def _real(header: SafetensorsHeader) -> list[TensorEntry]:
+    return [e for n, e in header.tensors.items() if not n.startswith(PAD_PREFIX)]
+
+
+def _names(header: SafetensorsHeader) -> list[str]:
+    return [e.name for e in _real(header)]
+
+
+def _without_path(message: str, path: Path) -> str:
+    prefix = f"{path}: "
+    return message[len(prefix):] if message.startswith(prefix) else message

@@ -1,0 +1,89 @@
+"""Packs we write load in stock exllamav3 1.6.5 and decode to what our CPU decoder reads from them.
+
+Run on the GPU machine: `source .device-cache/setup.sh && python -m pytest tests/gpu/test_pack_exllamav3.py -q`.
+Two packs of the tiny V4 checkpoint: one quantized on CUDA by exllamav3 (uniform plan, every target),
+one by our CPU codec (a few attention linears, wo_a among them, so the fused-wo_a slicing is covered).
+For each: exllamav3 loads it (Config.from_directory, Model.from_config, model.load()), every EXL3
+linear holds exactly the trellis the pack stores, its CUDA `reconstruct` equals our rotated-basis decode
+bit for bit, its original-basis weight matches ours to fp16 rounding, and its logits track the native
+checkpoint's logits in exllamav3 (which catches a wrongly sliced or transposed tensor that would
+still decode consistently).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantizer.build.build import BuildRequest, build
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.codec import EXL3Linear, decode_rotated, dequantize
+from quantizer.plan.plan import make_plan
+from quantizer.plan.targets import targets
+from quantizer.quantize.settings import QuantizeSettings
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and exllamav3")
+
+CPU_KEYS = {"layers.0.attn.wq_a": 4.0, "layers.0.attn.wo_a": 4.0}
+MIN_COSINE = {"cpu": 0.99, "cuda": 0.9}  # logits vs the native checkpoint: 3 linears at K4 vs all at 4 bpw
+
+
+@pytest.fixture(scope="module")
+def packs(tiny_v4, tmp_path_factory):
+    root = tmp_path_factory.mktemp("packs")
+    cuda = build(BuildRequest(str(tiny_v4), root / "cuda", bpw=4.0, quantize=QuantizeSettings(device="cuda")))
+    cfg = Checkpoint.open(tiny_v4).config
+    plan = make_plan(cfg, {t.key: CPU_KEYS.get(t.key) for t in targets(cfg)})
+    cpu = build(BuildRequest(str(tiny_v4), root / "cpu", plan=plan, quantize=QuantizeSettings(device="cpu")))
+    for result in (cuda, cpu):
+        assert not result.verify.faults, result.verify.render()
+    return {"cuda": cuda.out, "cpu": cpu.out}
+
+
+def _load(pack: Path):
+    from exllamav3 import Config, Model
+
+    model = Model.from_config(Config.from_directory(str(pack)))
+    model.load()
+    return model
+
+
+def _stored(pack: Path, key: str) -> EXL3Linear:
+    ck = Checkpoint.open(pack)
+    return EXL3Linear.from_tensors({n: ck.raw(n) for n in ck.tensors if n.startswith(key + ".")}, key)
+
+
+def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    model = _load(path)
+    out = model.forward(ids.cuda(), {"attn_mode": "flash_attn_nc"}).float().cpu()
+    model.unload()
+    return out
+
+
+@pytest.mark.parametrize("which", ["cuda", "cpu"])
+def test_exllamav3_loads_our_pack_and_decodes_as_we_do(packs, which, tiny_v4):
+    from quantizer.codec.exllamav3_adapter import reconstruct_rotated
+
+    pack = packs[which]
+    keys = sorted(n[: -len(".trellis")] for n in Checkpoint.open(pack).tensors if n.endswith(".trellis"))
+    if which == "cpu":
+        assert keys == ["layers.0.attn.wo_a.slice.0", "layers.0.attn.wo_a.slice.1", "layers.0.attn.wq_a"]
+    else:
+        assert any(".ffn.experts." in k for k in keys) and "head" in keys
+    model = _load(pack)
+    checked = keys if which == "cpu" else keys[:: max(1, len(keys) // 24)]
+    for key in checked:
+        q = _stored(pack, key)
+        inner = model.find_module(key).inner
+        assert torch.equal(inner.trellis.cpu(), q.trellis), key
+        assert torch.equal(reconstruct_rotated(q), decode_rotated(q.trellis.cuda(), q.K, q.codebook)), key
+        theirs = inner.get_weight_tensor().float().cpu()  # (in, out), fp16 steps in between
+        ours = dequantize(q).t()
+        assert (theirs - ours).abs().max() <= 4e-3 * ours.abs().max(), key
+    model.unload()
+    ids = torch.randint(3, 4000, (1, 64), generator=torch.Generator().manual_seed(0))
+    logits, native = _logits(pack, ids), _logits(tiny_v4, ids)
+    cosine = torch.nn.functional.cosine_similarity(logits.flatten(), native.flatten(), dim=0)
+    assert torch.isfinite(logits).all() and cosine > MIN_COSINE[which], float(cosine)

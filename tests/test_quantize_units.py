@@ -1,0 +1,72 @@
+"""From a plan to stored linears and work units; seeds; the job file's refusal messages; fingerprints."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from quantizer.checkpoint.fingerprint import source_fingerprint
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.errors import UserError
+from quantizer.plan.plan import make_plan
+from quantizer.plan.targets import targets
+from quantizer.plan.uniform import uniform_plan
+from quantizer.quantize.job import JobSpec, open_job
+from quantizer.quantize.linears import GPU_BATCH_BYTES, stored_linears, tensor_seed, work_units
+from quantizer.tiny.make import make_tiny
+
+
+def _spec(plan, fingerprint="sha256:a", seed=0) -> JobSpec:
+    return JobSpec({"fingerprint": fingerprint}, {"hash": plan.content_hash(), "K": plan.k}, {"seed": seed})
+
+
+def test_wo_a_is_stored_as_exllamav3_slices_and_fp16_keeps_it_fused(tiny_v41):
+    cfg = Checkpoint.open(tiny_v41).config
+    k = {t.key: None for t in targets(cfg)}
+    k.update({"layers.0.attn.wo_a": 4.0, "layers.1.attn.wo_a": 16.0, "layers.0.attn.wq_a": 4.0})
+    linears = {s.key: s for s in stored_linears(cfg, make_plan(cfg, k))}
+    width = cfg.o_lora_rank
+    assert set(linears) == {"layers.0.attn.wq_a", "layers.0.attn.wo_a.slice.0", "layers.0.attn.wo_a.slice.1",
+                            "layers.1.attn.wo_a"}
+    assert linears["layers.0.attn.wo_a.slice.1"].rows == (width, 2 * width)
+    assert linears["layers.0.attn.wo_a.slice.1"].out_features == width
+    assert linears["layers.1.attn.wo_a"].rows is None
+
+
+def test_units_one_per_linear_on_cpu_experts_batched_per_layer_and_projection_on_cuda(tiny_v41):
+    cfg = Checkpoint.open(tiny_v41).config
+    linears = stored_linears(cfg, uniform_plan(cfg, 2.5))
+    cpu = work_units(linears, "cpu")
+    cuda = work_units(linears, "cuda")
+    assert [u.keys for u in cpu] == [(s.key,) for s in linears]
+    batch = next(u for u in cuda if u.name.startswith("layers.3.ffn.experts.w2."))
+    assert batch.keys == tuple(f"layers.3.ffn.experts.{e}.w2" for e in range(cfg.n_routed_experts))
+    assert sorted(k for u in cuda for k in u.keys) == sorted(s.key for s in linears)
+    assert all(u.weights * 4 <= GPU_BATCH_BYTES for u in cuda)
+
+
+def test_seeds_depend_on_the_job_seed_and_the_key_only():
+    assert tensor_seed(0, "layers.1.attn.wq_a") == tensor_seed(0, "layers.1.attn.wq_a")
+    assert len({tensor_seed(s, k) for s in (0, 1) for k in ("head", "layers.1.attn.wq_a")}) == 4
+
+
+def test_resume_is_refused_naming_what_changed(tmp_path, tiny_v41):
+    cfg = Checkpoint.open(tiny_v41).config
+    a, b = uniform_plan(cfg, 2.5), uniform_plan(cfg, 3.0)
+    assert open_job(tmp_path, _spec(a)) is False
+    assert open_job(tmp_path, _spec(a)) is True
+    with pytest.raises(UserError, match=r"plan differs: layers\.0\.attn\.wkv K 4 -> 5; .*more tensors change K"):
+        open_job(tmp_path, _spec(b))
+    with pytest.raises(UserError, match="source fingerprint differs: sha256:a vs sha256:b; seed differs: 0 -> 1"):
+        open_job(tmp_path, _spec(a, "sha256:b", seed=1))
+
+
+def test_fingerprint_tells_checkpoints_apart_by_config_and_weights(tmp_path, tiny_v41):
+    copy = shutil.copytree(tiny_v41, tmp_path / "copy")
+    other = make_tiny(tmp_path / "other", "v41", seed=1)  # same layout, other weights
+    fp = source_fingerprint(Checkpoint.open(tiny_v41))
+    assert source_fingerprint(Checkpoint.open(copy)) == fp
+    assert source_fingerprint(Checkpoint.open(other)) != fp
+    (copy / "config.json").write_text((copy / "config.json").read_text() + "\n")
+    assert source_fingerprint(Checkpoint.open(copy)) != fp

@@ -1,0 +1,135 @@
+"""verify: a clean pack passes; a flipped byte, a truncated, deleted or stray shard, a tampered index and a
+misaligned tensor each fail with the file named; no manifest is unusable input (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from quantizer.checkpoint.safetensors_file import PlannedTensor, read_header, read_tensor, write_safetensors
+from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
+from quantizer.cli import main
+from quantizer.pack.manifest import MANIFEST_NAME, sha256_file
+from quantizer.plan.plan import make_plan
+from quantizer.plan.targets import targets
+
+CAP = "4M"
+
+
+@pytest.fixture(scope="module")
+def pack(tiny_v41, tmp_path_factory):
+    """A pack with fp16 (K 16) attention linears and native everything else: no encoding, so it is instant."""
+    root = tmp_path_factory.mktemp("verify")
+    cfg = Checkpoint.open(tiny_v41).config
+    plan = make_plan(cfg, {t.key: (16.0 if t.key.startswith("layers.0.attn.") else None) for t in targets(cfg)})
+    plan.save(root / "plan.json")
+    assert main(["build", str(tiny_v41), "--plan", str(root / "plan.json"), "--out", str(root / "pack"),
+                 "--shard-size", CAP]) == 0
+    return root / "pack"
+
+
+@pytest.fixture
+def copy(pack, tmp_path):
+    return shutil.copytree(pack, tmp_path / "pack")
+
+
+def _shards(pack):
+    return [s["file"] for s in json.loads((pack / MANIFEST_NAME).read_text())["shards"]]
+
+
+def _verify(pack, capsys, *flags):
+    code = main(["verify", str(pack), *flags])
+    return code, capsys.readouterr().out
+
+
+def test_a_clean_pack_verifies_at_header_level_and_in_full(pack, capsys):
+    for flags in ((), ("--full",)):
+        code, out = _verify(pack, capsys, *flags)
+        assert code == 0 and "FAULT" not in out and out.rstrip().endswith("clean")
+
+
+def test_one_flipped_byte_fails_full_verify_naming_the_shard(copy, capsys):
+    shard = copy / _shards(copy)[2]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(data)
+    assert _verify(copy, capsys)[0] == 0  # headers, sizes and alignment are intact: only a hash can tell
+    code, out = _verify(copy, capsys, "--full")
+    assert code == 1 and f"FAULT {shard.name}: sha256" in out
+
+
+def test_a_truncated_shard_fails_naming_it(copy, capsys):
+    shard = copy / _shards(copy)[1]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 1000)
+    code, out = _verify(copy, capsys)
+    assert code == 1 and f"FAULT {shard.name}: " in out and "truncated" in out
+
+
+def test_a_deleted_shard_fails_naming_it(copy, capsys):
+    name = _shards(copy)[0]
+    (copy / name).unlink()
+    code, out = _verify(copy, capsys)
+    assert code == 1 and f"FAULT {name}: missing" in out
+
+
+def test_a_stray_shard_fails_because_loaders_would_read_it(copy, capsys):
+    shutil.copyfile(copy / _shards(copy)[0], copy / "model-extra.safetensors")
+    code, out = _verify(copy, capsys)
+    assert code == 1 and "FAULT model-extra.safetensors: shard not in the manifest" in out
+
+
+def test_a_tampered_index_fails_naming_the_tensor(copy, capsys):
+    index = json.loads((copy / INDEX_NAME).read_text())
+    dropped = "layers.3.ffn.gate.bias_vl"
+    moved = "embed.weight"
+    del index["weight_map"][dropped]
+    index["weight_map"][moved] = _shards(copy)[-1]
+    (copy / INDEX_NAME).write_text(json.dumps(index))
+    code, out = _verify(copy, capsys)
+    assert code == 1
+    assert f"FAULT {INDEX_NAME}: does not name {dropped}" in out
+    assert f"FAULT {INDEX_NAME}: maps {moved} to {_shards(copy)[-1]}, which does not hold it" in out
+
+
+def _rewrite_shard(pack, name, align, drop=()):
+    """Rewrite one shard (optionally without some tensors) and make the manifest and index agree with it,
+    as a writer with that bug would have."""
+    header = read_header(pack / name)
+    tensors = [PlannedTensor(n, e.dtype, e.shape, read_tensor(e)) for n, e in header.tensors.items()
+               if not n.startswith("__align_pad__") and n not in drop]
+    write_safetensors(pack / name, tensors, metadata=header.metadata, align=align)
+    manifest = json.loads((pack / MANIFEST_NAME).read_text())
+    for s in manifest["shards"]:
+        if s["file"] == name:
+            s["bytes"], s["sha256"] = (pack / name).stat().st_size, sha256_file(pack / name)
+    for n in drop:
+        del manifest["tensors"][n]
+    (pack / MANIFEST_NAME).write_text(json.dumps(manifest))
+    index = json.loads((pack / INDEX_NAME).read_text())
+    index["weight_map"] = {n: f for n, f in index["weight_map"].items() if n not in drop}
+    index["metadata"]["total_size"] -= sum(header.tensors[n].nbytes for n in drop)
+    (pack / INDEX_NAME).write_text(json.dumps(index))
+
+
+def test_a_misaligned_tensor_fails_even_when_the_manifest_agrees(copy, capsys):
+    name = _shards(copy)[1]
+    _rewrite_shard(copy, name, align=1)
+    code, out = _verify(copy, capsys, "--full")
+    assert code == 1 and f"FAULT {name}: " in out and "not 64-byte aligned" in out
+
+
+def test_a_dropped_source_tensor_fails_even_when_manifest_and_index_agree(copy, capsys):
+    dropped = "layers.3.ffn.gate.bias_vl"
+    manifest = json.loads((copy / MANIFEST_NAME).read_text())
+    _rewrite_shard(copy, manifest["tensors"][dropped]["shard"], align=64, drop=(dropped,))
+    code, out = _verify(copy, capsys, "--full")
+    assert code == 1 and f"FAULT {dropped}: source tensor (native) is not in the pack" in out
+    assert out.count("FAULT") == 1
+
+
+def test_a_directory_without_a_manifest_is_unusable_input(tiny_v41, capsys):
+    assert main(["verify", str(tiny_v41)]) == 2
+    assert "no manifest" in capsys.readouterr().err
