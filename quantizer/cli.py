@@ -17,6 +17,7 @@ from quantizer.errors import UserError
 COMMANDS = (
     "quantizer.inventory.cli",
     "quantizer.tiny.cli",
+    "quantizer.calibrate.cli",
     "quantizer.ppl.cli",
     "quantizer.plan.cli",
     "quantizer.fit.cli",

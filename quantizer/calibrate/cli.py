@@ -1,0 +1,106 @@
+"""`quantizer calibrate SRC [--text FILE | --tokens FILE] [--rows R --cols C] [--work DIR] [--device cpu|cuda]`
+
+Without --text or --tokens, the shipped calibration set (calibration/calibration.jsonl) is tokenized
+with SRC's tokenizer.json. Text gets one BOS per row and EOS between documents; token files (.npy,
+or .safetensors with `input_ids`) are used as given (1-D: cut into rows of --cols; 2-D: taken as rows).
+Rerun the same command after an interruption and it continues from the next layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from quantizer.calibrate.settings import DEVICES, EXPERT_HESSIAN_DTYPES, CalibrationSettings
+from quantizer.calibrate.stage import CalibrationResult, calibrate
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.errors import UserError
+from quantizer.report import table
+from quantizer.textdata import load_tokenizer, read_tokens, rows_from_file, shipped_text_path
+from quantizer.textdata.files import TOKEN_SUFFIXES
+
+DEFAULT_ROWS = 250  # exllamav3's default: 250 rows x 2048 tokens
+DEFAULT_COLS = 2048
+DEFAULTS = CalibrationSettings()
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("calibrate", help="input Hessians, routing counts and the allocator's summary",
+                              description=__doc__.splitlines()[0])
+    p.add_argument("src", metavar="SRC", help="native checkpoint directory or Hugging Face repo id")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--text", metavar="FILE", help="text (.txt, .jsonl, optionally .zst), tokenized with SRC's tokenizer.json")
+    given.add_argument("--tokens", metavar="FILE", help="token ids: .npy, or .safetensors with key input_ids (1-D or 2-D)")
+    p.add_argument("--rows", type=int, help=f"rows to use (default: up to {DEFAULT_ROWS}, as many as the text holds)")
+    p.add_argument("--cols", type=int, help=f"tokens per row (default: a 2-D token file's width, else {DEFAULT_COLS})")
+    p.add_argument("--work", type=Path, help="work directory (default: ./<SRC name>.work); results go to WORK/calibration")
+    p.add_argument("--device", choices=DEVICES, default=DEFAULTS.device)
+    p.add_argument("--all-experts", action=argparse.BooleanOptionalAction, default=DEFAULTS.all_experts,
+                   help="run every token through every routed expert for the experts' down-projection prior "
+                        "(default on; off samples the prior from a few thousand tokens instead)")
+    p.add_argument("--prior-tokens", type=float, default=DEFAULTS.prior_tokens,
+                   help="weight, in routed tokens, of the all-token prior in each expert's down-projection H "
+                        f"(default {DEFAULTS.prior_tokens:g}; 0 = routed tokens only)")
+    p.add_argument("--row-chunk", type=int, help="rows pushed through a block together (default: 16384 tokens' worth)")
+    p.add_argument("--expert-hessian-dtype", choices=EXPERT_HESSIAN_DTYPES, default=DEFAULTS.expert_hessian_dtype,
+                   help="storage of the routed experts' down-projection Hessians (others are float32)")
+    p.add_argument("--cold-share", type=float, default=DEFAULTS.cold_share,
+                   help="an expert routed below this share of the layer's mean is cold "
+                        f"(default {DEFAULTS.cold_share:g})")
+    p.add_argument("--resume-every", type=int, default=1, metavar="N",
+                   help="save the resume point (every row's hc streams and state) every N layers (default 1)")
+    p.add_argument("--revision", help="revision, for a Hugging Face repo id")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = CalibrationSettings(device=args.device, all_experts=args.all_experts, prior_tokens=args.prior_tokens,
+                                   row_chunk=args.row_chunk, expert_hessian_dtype=args.expert_hessian_dtype,
+                                   cold_share=args.cold_share)
+    ck = Checkpoint.open(args.src, revision=args.revision)
+    rows = calibration_rows(args, ck)
+    work = args.work or Path(f"{Path(args.src.rstrip('/')).name}.work")
+    result = calibrate(ck, rows, work, settings, resume_every=args.resume_every)
+    print(report(result))
+    return 0
+
+
+def calibration_rows(args: argparse.Namespace, ck: Checkpoint) -> torch.Tensor:
+    cfg = ck.config
+    if args.tokens:
+        if not args.tokens.lower().endswith(TOKEN_SUFFIXES):
+            raise UserError(f"{args.tokens}: --tokens takes a .npy or .safetensors file; use --text for text")
+        cols = args.cols
+        if cols is None:
+            ids = read_tokens(args.tokens, cfg.vocab_size)
+            cols = ids.shape[1] if ids.dim() == 2 else DEFAULT_COLS
+        rows = rows_from_file(args.tokens, args.rows, cols, vocab_size=cfg.vocab_size)
+    else:
+        text = args.text or shipped_text_path("calibration")
+        if not (ck.root / "tokenizer.json").exists():
+            raise UserError(f"{ck.root}: has no tokenizer.json to tokenize {text}; pass token ids with --tokens")
+        rows = rows_from_file(text, args.rows, args.cols or DEFAULT_COLS, tokenizer=load_tokenizer(ck.root),
+                              bos=cfg.bos_token_id, eos=cfg.eos_token_id, vocab_size=cfg.vocab_size)
+    if args.rows is None:
+        rows = rows[:DEFAULT_ROWS]
+    print(f"calibrate: {rows.shape[0]} rows of {rows.shape[1]} tokens", file=sys.stderr)
+    return rows
+
+
+def report(result: CalibrationResult) -> str:
+    """What was calibrated, per layer: routing spread, cold experts and site gains."""
+    summary = result.summary
+    rows = []
+    for layer in summary.layers:
+        counts = layer.expert_tokens
+        total = sum(counts)
+        n_eff = total * total / max(sum(c * c for c in counts), 1e-30)
+        rows.append([layer.layer, f"{n_eff:.1f}/{len(counts)}", sum(c == 0 for c in counts),
+                     len(layer.alias_candidates), f"{layer.attn_gain:.3g}", f"{layer.ffn_gain:.3g}"])
+    head = table(["layer", "effective experts", "never routed", "cold", "attn gain", "ffn gain"], rows)
+    resumed = f", {result.resumed_layers} layers from an earlier run" if result.resumed_layers else ""
+    return (f"{head}\ncalibrated {len(summary.tensors):,} tensors on {summary.rows} rows x {summary.cols} tokens "
+            f"in {result.seconds:.1f} s{resumed}\n{result.directory} ({result.fingerprint})")

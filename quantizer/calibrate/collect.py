@@ -1,0 +1,259 @@
+"""One block's calibration statistics over every row chunk: the forward hooks and what they fill.
+
+Per Hessian group (groups.py) a float32 sum of x x^T and a row count, on the compute device. The
+forward reports each linear's input (ForwardHooks.linear_input); a group is filled from exactly one
+report: the router's input for the shared MoE input, wq_a's for the attention input, wq_b's for the
+q latent, wo_a's group g for its slice g, the linear's own for the rest.
+
+A routed expert's down projection sees h = its hidden activation; its output is scaled by the routing
+weight w, so its error is weighted by w^2: S_e = sum_routed w^2 h h^T, plus an all-token prior (see
+CalibrationSettings.prior_tokens) so that an expert calibration barely reaches still gets a full-rank,
+usable H. With all_experts the forward runs every token through every expert and reports h for all
+of them, so one product per chunk adds both parts: S_e += h^T diag(beta + w_e^2) h, with
+beta = prior_tokens * w2 / tokens (w2: the layer's mean squared routing weight, from its first chunk).
+Without it, the routed part comes from the routed rows and the prior, after the layer ran, from
+`sample_tokens` evenly spaced MoE inputs pushed through each expert.
+
+Routing: per expert the top-k selections and the sum of squared routing weights. Site gains: the
+write energy of each mHC site into the residual streams relative to the streams it writes into,
+gain = sum_t ||post_t (x) y_t||^2 / sum_t ||streams_t||^2 = sum_t ||post_t||^2 ||y_t||^2 / sum_t ||streams_t||^2
+(post: the site's write coefficients over the hc streams; y: the attention or MoE output), so a
+relative error e in y becomes a relative error ~ e * gain in the streams (squared norms). The
+site's streams and mixes are recomputed from the block's input and its sublayer outputs, which
+forward hooks on the block's engram/attn/ffn modules capture.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from quantizer.calibrate.analysis import alias_errors, ldlq_factor, out_energy
+from quantizer.calibrate.groups import HGroup, group_key, layer_groups, wo_a_slices
+from quantizer.calibrate.settings import CalibrationSettings
+from quantizer.calibrate.storage import STORAGE_DTYPES, pack_hessian
+from quantizer.calibrate.summary import LayerStats, TensorStats
+from quantizer.model.block import Block
+from quantizer.model.config import ModelConfig
+from quantizer.model.hooks import ForwardHooks, RoutingEvent
+from quantizer.model.mhc import hc_expand, hc_mix
+from quantizer.plan.targets import ROUTED, targets
+
+
+def accumulate(total: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+    """total += rows^T diag(weights) rows, in float32."""
+    x = rows.float()
+    total.addmm_((x if weights is None else x * weights.unsqueeze(1)).T, x)
+
+
+@dataclass
+class LayerResult:
+    hessians: dict[str, torch.Tensor]  # group -> packed parts, on the CPU (storage.pack_hessian)
+    counts: dict[str, float]  # group -> tokens its mean stands for (routed down: routed + prior tokens)
+    layer: LayerStats
+    tensors: dict[str, TensorStats]
+
+    def meta(self) -> dict:
+        return {"counts": self.counts, "layer": self.layer.to_dict(),
+                "tensors": {k: asdict(v) for k, v in self.tensors.items()}}
+
+
+class LayerCollector:
+    def __init__(self, cfg: ModelConfig, layer: int, settings: CalibrationSettings, total_tokens: int,
+                 chunks: int, device: torch.device):
+        self.cfg, self.layer, self.settings = cfg, layer, settings
+        self.total_tokens, self.chunks, self.device = total_tokens, chunks, device
+        self.groups = layer_groups(cfg, layer)
+        self.by_reporter: dict[str, list[HGroup]] = {}
+        for g in self.groups:
+            self.by_reporter.setdefault(g.reporter, []).append(g)
+        self.router = f"layers.{layer}.ffn.gate.weight"
+        self.sums = {g.key: torch.zeros(g.size, g.size, dtype=torch.float32, device=device) for g in self.groups}
+        self.rows = {g.key: 0 for g in self.groups}
+        self.experts = cfg.experts_in("layers")
+        self.expert_tokens = torch.zeros(self.experts, dtype=torch.float64, device=device)
+        self.expert_weight = torch.zeros(self.experts, dtype=torch.float64, device=device)
+        self.mean_w2: float | None = None  # the layer's mean squared routing weight (first chunk)
+        self.samples: list[list[torch.Tensor]] = [[] for _ in range(self.experts)]  # routed MoE inputs
+        self.sample_all: list[torch.Tensor] = []  # evenly spaced MoE inputs of every chunk
+        self.site_energy = {site: torch.zeros(2, dtype=torch.float64, device=device) for site in ("attn", "ffn")}
+        self._moe_input: torch.Tensor | None = None
+        self._routing: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids [N, k], w^2 [N, k]) of this chunk
+        self.hooks = ForwardHooks(linear_input=self._linear_input, routing=self._routed,
+                                  all_experts=settings.all_experts)
+
+    # --- the forward -------------------------------------------------------------------------
+
+    def run(self, block: Block, parts: list, hasher) -> None:
+        """Every row chunk through the block, in place: parts[i] = (streams after the block, state)."""
+        outputs: dict[str, torch.Tensor] = {}
+        handles = [module.register_forward_hook(lambda _m, _a, out, site=site: outputs.__setitem__(site, out))
+                   for site, module in (("engram", block.engram), ("attn", block.attn), ("ffn", block.ffn))
+                   if module is not None]
+        try:
+            for i, (streams, state) in enumerate(parts):
+                out = block(streams, state, hasher, self.hooks)
+                rebuilt = self._site_gains(block, outputs.get("engram", streams), outputs["attn"], outputs["ffn"],
+                                           rebuild=i == 0)
+                if rebuilt is not None and not torch.allclose(rebuilt, out, rtol=1e-4, atol=1e-5):
+                    raise RuntimeError(f"layers.{self.layer}: the site-gain recomputation no longer reproduces "
+                                       "the block's output; update collect.py to the block's wiring")
+                del rebuilt
+                outputs.clear()
+                parts[i] = (out, state)
+                self._moe_input = self._routing = None
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _linear_input(self, name: str, x: torch.Tensor) -> None:
+        groups = self.by_reporter.get(name)
+        if name == self.router:
+            self._moe_input = x
+        for g in groups or ():
+            if g.routed:
+                self._routed_down(g, x)
+                continue
+            rows = (x[..., g.slice, :] if g.slice is not None else x).reshape(-1, g.size)
+            accumulate(self.sums[g.key], rows)
+            self.rows[g.key] += rows.shape[0]
+
+    def _routed(self, event: RoutingEvent) -> None:
+        ids, w2 = event.expert_ids, event.weights.float().square()
+        if self.mean_w2 is None:
+            self.mean_w2 = float(w2.mean())
+        flat = ids.reshape(-1)
+        self.expert_tokens += torch.bincount(flat, minlength=self.experts).double()
+        self.expert_weight.index_add_(0, flat, w2.reshape(-1).double())
+        self._routing = (ids, w2)
+        self._keep_samples(ids)
+
+    def _routed_down(self, g: HGroup, h: torch.Tensor) -> None:
+        ids, w2 = self._routing
+        if self.settings.all_experts:
+            beta = self.settings.prior_tokens * self.mean_w2 / self.total_tokens
+            weights = beta + (w2 * (ids == g.expert)).sum(1)
+        else:
+            weights = w2.reshape(-1)[ids.reshape(-1) == g.expert]  # the MoE's (stable) expert-sorted order
+            if weights.numel() != h.shape[0]:
+                raise RuntimeError(f"{g.key}: {h.shape[0]} routed rows but {weights.numel()} selections")
+        accumulate(self.sums[g.key], h, weights)
+
+    def _keep_samples(self, ids: torch.Tensor) -> None:
+        """Up to alias_tokens routed MoE inputs per expert and sample_tokens of all of them, spread
+        evenly over each chunk's rows (a share of each total per chunk)."""
+        x, (N, k) = self._moe_input, ids.shape
+        per_chunk = math.ceil(self.settings.alias_tokens / self.chunks)
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.experts).tolist()
+        start = 0
+        for e, count in enumerate(counts):
+            have = sum(len(t) for t in self.samples[e])
+            take = min(per_chunk, count, self.settings.alias_tokens - have)
+            if take > 0:
+                picks = order[start + torch.arange(take, device=order.device) * count // take] // k
+                self.samples[e].append(x[picks].clone())
+            start += count
+        have = sum(len(t) for t in self.sample_all)
+        take = min(math.ceil(self.settings.sample_tokens / self.chunks), N, self.settings.sample_tokens - have)
+        if take > 0:
+            self.sample_all.append(x[torch.arange(take, device=x.device) * N // take].clone())
+
+    def _site_gains(self, block: Block, streams: torch.Tensor, y_attn: torch.Tensor, y_ffn: torch.Tensor,
+                    rebuild: bool) -> torch.Tensor | None:
+        """Add both sites' energies; with `rebuild`, return the block output rebuilt from them (a
+        wiring check, made on each layer's first chunk)."""
+        cfg = self.cfg
+        mix = hc_mix(streams, block.hc_attn_fn, block.hc_attn_base, block.hc_attn_scale, cfg)
+        self._add_site("attn", streams, mix.post, y_attn)
+        streams = hc_expand(streams, y_attn, mix)
+        mix = hc_mix(streams, block.hc_ffn_fn, block.hc_ffn_base, block.hc_ffn_scale, cfg)
+        self._add_site("ffn", streams, mix.post, y_ffn)
+        return hc_expand(streams, y_ffn, mix) if rebuild else None
+
+    def _add_site(self, site: str, streams: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> None:
+        write = (post.square().sum(-1) * y.float().square().sum(-1)).sum()
+        self.site_energy[site] += torch.stack([write.double(), streams.square().sum().double()])
+
+    # --- after the last chunk ------------------------------------------------------------------
+
+    def finish(self, block: Block) -> LayerResult:
+        """Mean Hessians (packed for storage), routing, per-tensor statistics and alias candidates."""
+        if not self.settings.all_experts:
+            self._sampled_prior(block)
+        means, counts = self._means()
+        factors = {key: ldlq_factor(h) if counts[key] > 0 else 1.0 for key, h in means.items()}
+        tensors = self._tensor_stats(block, means, factors)
+        expert_dtype = STORAGE_DTYPES[self.settings.expert_hessian_dtype]
+        packed: dict[str, torch.Tensor] = {}
+        for g in self.groups:
+            packed.update(pack_hessian(g.key, means.pop(g.key), expert_dtype if g.routed else torch.float32))
+        gains = {site: float(e[0] / e[1].clamp(min=1e-30)) for site, e in self.site_energy.items()}
+        stats = LayerStats(self.layer, self.expert_tokens.tolist(), self.expert_weight.tolist(),
+                           gains["attn"], gains["ffn"], self._alias_candidates(block))
+        return LayerResult(packed, counts, stats, tensors)
+
+    def _sampled_prior(self, block: Block) -> None:
+        sample = torch.cat(self.sample_all)
+        beta = self.settings.prior_tokens * self.mean_w2 / len(sample)
+        for g in self.groups:
+            if g.routed:
+                hidden = block.ffn.experts[g.expert].hidden(sample, None)
+                accumulate(self.sums[g.key], hidden, torch.full((len(sample),), beta, device=sample.device))
+
+    def _means(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Each group's sum divided, in place, by its weight; counts in tokens."""
+        means, counts = {}, {}
+        prior_weight = self.settings.prior_tokens * self.mean_w2
+        for g in self.groups:
+            total = self.sums.pop(g.key)
+            if g.routed:
+                weight = float(self.expert_weight[g.expert]) + prior_weight
+                counts[g.key] = float(self.expert_tokens[g.expert]) + self.settings.prior_tokens
+            else:
+                weight = counts[g.key] = float(self.rows[g.key])
+            means[g.key] = total.div_(weight) if weight > 0 else total
+        return means, counts
+
+    def _tensor_stats(self, block: Block, means: dict, factors: dict) -> dict[str, TensorStats]:
+        prefix = f"layers.{self.layer}."
+        tokens = float(self.total_tokens)
+        out: dict[str, TensorStats] = {}
+        for t in targets(self.cfg):
+            if not t.key.startswith(prefix):
+                continue
+            weight = block.get_submodule(t.key[len(prefix):]).weight
+            routed = t.group == ROUTED
+            n_routed = float(self.expert_tokens[t.expert]) if routed else tokens
+            if t.proj == "wo_a":
+                keys = wo_a_slices(self.cfg, t.key)
+                rows = weight.shape[0] // len(keys)
+                energy = sum(out_energy(weight[i * rows:(i + 1) * rows], means[k]) for i, k in enumerate(keys))
+                out[t.key] = TensorStats(tokens, energy, sum(factors[k] for k in keys) / len(keys))
+                continue
+            key = group_key(t)
+            energy = out_energy(weight, means[key])
+            if routed and t.proj == "w2":
+                # the routing weight scales this projection's output: E[w^2 ||W h||^2] per routed token
+                energy *= float(self.expert_weight[t.expert]) / n_routed if n_routed else self.mean_w2
+            out[t.key] = TensorStats(n_routed, energy, factors[key])
+        return out
+
+    def _alias_candidates(self, block: Block) -> dict[int, tuple[int, float]]:
+        counts = self.expert_tokens.tolist()
+        threshold = self.settings.cold_share * sum(counts) / self.experts
+        limit = int(self.settings.max_cold_fraction * self.experts)
+        cold = sorted((e for e in range(self.experts) if counts[e] < threshold), key=lambda e: (counts[e], e))[:limit]
+        chosen = set(cold)
+        warm = [e for e in range(self.experts) if e not in chosen]
+        everyone = torch.cat(self.sample_all)
+        size = min(self.settings.alias_tokens, len(everyone))
+        fallback = everyone[torch.arange(size, device=everyone.device) * len(everyone) // size]
+        inputs = []
+        for e in cold:
+            kept = torch.cat(self.samples[e]) if self.samples[e] else fallback[:0]
+            inputs.append(kept if len(kept) >= self.settings.alias_min_tokens else fallback)
+        return alias_errors(block.ffn.experts, cold, warm, inputs)

@@ -1,0 +1,111 @@
+"""Which EXL3 targets share an input Hessian, and which forward report fills each one.
+
+A Hessian group is one input space seen by one or more linears. Per trunk layer:
+- `attn.input`: the attention input (attn_norm output), read by wq_a and wkv;
+- `attn.q_latent`: the q latent, read by wq_b and the indexer's wq_b;
+- `attn.wo_a.slice.<g>`: group g of the grouped wo_a input (exllamav3 stores wo_a as o_groups row
+  slices, each reading only its own group, so each gets its own H; the wo_a target's H is their mean);
+- `attn.wo_b`, `engram.wkv`, `ffn.shared_experts.w2`: each its own;
+- `ffn.input`: the MoE input, read by the router, the shared expert's w1/w3 and every routed expert's
+  w1/w3 (filled from the router's report, which always sees every token);
+- `ffn.experts.<e>.w2`: each routed expert's down projection, from its routed tokens weighted by the
+  squared routing weight, blended with an all-token prior (collect.py).
+The head has one group (`head`, the final hidden). Drafter (mtp) targets have none: the drafter is
+not run by calibration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from quantizer.model.config import ModelConfig
+from quantizer.plan.targets import ATTN, DRAFT, HEAD_GROUP, INDEX, ROUTED, SHARED, Target, target_map, targets
+
+SLICE = ".slice."  # stored-key infix of a wo_a row slice (quantizer/quantize/linears.py)
+HEAD_KEY = "head"
+
+
+@dataclass(frozen=True)
+class HGroup:
+    key: str  # "layers.3.attn.input", "layers.3.attn.wo_a.slice.1", "layers.3.ffn.experts.5.w2", "head"
+    size: int  # input features
+    layer: int | None  # None for the head
+    reporter: str  # native weight name whose reported input fills it
+    slice: int | None = None  # wo_a: the group index within the reported [.., groups, in/group] input
+    expert: int | None = None  # routed w2: the expert
+
+    @property
+    def routed(self) -> bool:
+        return self.expert is not None
+
+
+def group_key(t: Target) -> str | None:
+    """The group of a target (a wo_a target maps to its slice groups: see `wo_a_slices`); None for the drafter."""
+    if t.group == DRAFT:
+        return None
+    base = f"layers.{t.layer}"
+    if t.group in (ROUTED, SHARED) and t.proj in ("w1", "w3"):
+        return f"{base}.ffn.input"
+    if t.group == ATTN and t.proj in ("wq_a", "wkv"):
+        return f"{base}.attn.input"
+    if (t.group == ATTN and t.proj == "wq_b") or t.group == INDEX:
+        return f"{base}.attn.q_latent"
+    if t.group == HEAD_GROUP:
+        return HEAD_KEY
+    return t.key  # wo_a (pooled over its slices), wo_b, w2s, engram wkv
+
+
+def wo_a_slices(cfg: ModelConfig, key: str) -> list[str]:
+    return [f"{key}{SLICE}{g}" for g in range(cfg.o_groups)]
+
+
+def _is_wo_a(t: Target) -> bool:
+    return t.group == ATTN and t.proj == "wo_a"
+
+
+_REPORTERS = {  # shared groups: the linear (or router) whose reported input fills them
+    "ffn.input": "ffn.gate.weight",
+    "attn.input": "attn.wq_a.weight",
+    "attn.q_latent": "attn.wq_b.weight",
+}
+_CACHE: dict[str, tuple[tuple[HGroup, ...], ...]] = {}
+_CACHE_SIZE = 4
+
+
+def layer_groups(cfg: ModelConfig, layer: int) -> tuple[HGroup, ...]:
+    """The Hessian groups of trunk layer `layer`, in native target order."""
+    key = repr(cfg)
+    if key not in _CACHE:
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = _model_groups(cfg)
+    return _CACHE[key][layer]
+
+
+def _model_groups(cfg: ModelConfig) -> tuple[tuple[HGroup, ...], ...]:
+    per_layer: list[dict[str, HGroup]] = [{} for _ in range(cfg.num_layers)]
+    for t in targets(cfg):
+        key = group_key(t)
+        if key is None or t.group == HEAD_GROUP:
+            continue
+        groups = per_layer[t.layer]
+        if _is_wo_a(t):
+            for g, slice_key in enumerate(wo_a_slices(cfg, t.key)):
+                groups[slice_key] = HGroup(slice_key, t.in_features, t.layer, f"{t.key}.weight", slice=g)
+            continue
+        if key in groups:
+            continue
+        local = key.split(".", 2)[2]
+        reporter = f"layers.{t.layer}.{_REPORTERS[local]}" if local in _REPORTERS else f"{t.key}.weight"
+        expert = t.expert if t.group == ROUTED and t.proj == "w2" else None
+        groups[key] = HGroup(key, t.in_features, t.layer, reporter, expert=expert)
+    return tuple(tuple(groups.values()) for groups in per_layer)
+
+
+def head_group(cfg: ModelConfig) -> HGroup | None:
+    head = target_map(cfg).get(HEAD_KEY)
+    return None if head is None else HGroup(HEAD_KEY, head.in_features, None, "head.weight")
+
+
+def group_bytes(cfg: ModelConfig, layer: int) -> int:
+    """fp32 bytes of one layer's full Hessian accumulators."""
+    return sum(4 * g.size * g.size for g in layer_groups(cfg, layer))

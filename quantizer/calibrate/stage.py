@@ -1,0 +1,208 @@
+"""The calibrate stage: token rows streamed through the native model, one block at a time, resumably.
+
+For each trunk layer: load the block, push every row chunk through it with hooks that collect the
+layer's input Hessians, routing and site gains (collect.py), compute the per-tensor statistics while
+the weights are loaded, save the layer's file, then save the streams after it (the resume point).
+After the last layer the head's Hessian comes from the final hidden, and the summary is written.
+Kill it at any moment and rerun the same command: it continues from the next layer and produces the
+same files as an uninterrupted run. A rerun with another source, other tokens or other settings is
+refused with the difference named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from quantizer import __version__
+from quantizer.calibrate.analysis import ldlq_factor, out_energy
+from quantizer.calibrate.collect import LayerCollector, accumulate
+from quantizer.calibrate.groups import HEAD_KEY, head_group
+from quantizer.calibrate.needs import calibration_needs
+from quantizer.calibrate.resume import load_streams, resume_layer, save_streams
+from quantizer.calibrate.settings import CalibrationSettings
+from quantizer.calibrate.storage import (
+    CALIBRATION_DIR, HEAD_FILE, JOB_FILE, STREAMS_FILE, SUMMARY_FILE, layer_file, pack_hessian, read_meta,
+    write_stats_file,
+)
+from quantizer.calibrate.summary import CalibrationSummary, LayerStats, TensorStats
+from quantizer.checkpoint.fingerprint import source_fingerprint
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.errors import UserError
+from quantizer.model.state import DEFAULT_ATTN_CHUNK_ELEMENTS, ForwardState
+from quantizer.model.streaming import CheckpointSource, load_block
+from quantizer.model.transformer import DeepseekModel
+from quantizer.quantize.job import job_lock, write_json_atomic
+from quantizer.report import gib
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    directory: Path  # WORK/calibration
+    summary: CalibrationSummary
+    fingerprint: str  # of this calibration (source, tokens, settings)
+    resumed_layers: int  # layers finished before this run
+    seconds: float
+
+
+def job_record(ck: Checkpoint, rows: torch.Tensor, settings: CalibrationSettings) -> dict:
+    """What job.json pins; `fingerprint` hashes all of it but the source path (a moved checkpoint is
+    the same checkpoint)."""
+    record = {
+        "source": {"path": str(ck.root), "fingerprint": source_fingerprint(ck)},
+        "tokens": {"rows": int(rows.shape[0]), "cols": int(rows.shape[1]),
+                   "sha256": hashlib.sha256(rows.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()},
+        "settings": {**settings.record(), "quantizer_version": __version__},
+    }
+    pinned = {"source": record["source"]["fingerprint"], "tokens": record["tokens"], "settings": record["settings"]}
+    record["fingerprint"] = "sha256:" + hashlib.sha256(json.dumps(pinned, sort_keys=True).encode()).hexdigest()
+    return record
+
+
+def record_differences(old: dict, new: dict) -> list[str]:
+    out = []
+    if old["source"]["fingerprint"] != new["source"]["fingerprint"]:
+        out.append(f"source fingerprint differs: {old['source']['fingerprint']} vs {new['source']['fingerprint']}")
+    for field in ("rows", "cols"):
+        if old["tokens"][field] != new["tokens"][field]:
+            out.append(f"{field} differ: {old['tokens'][field]} -> {new['tokens'][field]}")
+    if not out and old["tokens"]["sha256"] != new["tokens"]["sha256"]:
+        out.append("calibration tokens differ (another text or token file)")
+    for field in sorted(old["settings"].keys() | new["settings"].keys()):
+        a, b = old["settings"].get(field), new["settings"].get(field)
+        if a != b:
+            out.append(f"{field} differs: {a} -> {b}")
+    return out
+
+
+def open_job(directory: Path, record: dict) -> None:
+    """Start a calibration in `directory`, or check that it continues the recorded one."""
+    path = directory / JOB_FILE
+    if not path.exists():
+        if any(not p.name.startswith(".") and not p.name.endswith(".tmp") for p in directory.iterdir()):
+            raise UserError(f"{directory}: not empty but has no {JOB_FILE}, so its contents cannot be trusted; "
+                            "delete it or choose another --work directory")
+        write_json_atomic(path, record)
+        return
+    try:
+        old = json.loads(path.read_text())
+        differences = record_differences(old, record)
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: unreadable calibration job ({e}); delete {directory} to start over") from None
+    if differences:
+        raise UserError(f"{directory}: cannot resume a different calibration: " + "; ".join(differences)
+                        + ". Rerun with the original inputs and settings, or use a new --work directory")
+
+
+def calibrate(ck: Checkpoint, rows: torch.Tensor, work: str | Path,
+              settings: CalibrationSettings = CalibrationSettings(), progress: bool = True,
+              resume_every: int = 1) -> CalibrationResult:
+    """Calibrate `ck` on token rows [rows, cols] into WORK/calibration (see the module docstring).
+
+    resume_every: save the resume point after every this many layers (it holds every row's hc streams
+    and forward state: tens of GB for the real model); a resumed run redoes the layers after the last
+    one. It changes no result, so a rerun may use another value."""
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is visible to torch; use --device cpu")
+    if resume_every < 1:
+        raise UserError(f"--resume-every {resume_every}: must be at least 1")
+    directory = Path(work) / CALIBRATION_DIR
+    record = job_record(ck, rows, settings)
+    with job_lock(directory):
+        open_job(directory, record)
+        needs = calibration_needs(ck.config, rows.shape[0], rows.shape[1], settings)
+        print(needs.describe(settings.device), file=sys.stderr)
+        free = shutil.disk_usage(directory).free
+        if free < needs.disk:
+            print(f"calibrate: warning: {directory} has {gib(free)} GiB free, less than the ~{gib(needs.disk)} GiB "
+                  "this run may need; free some or choose another --work", file=sys.stderr)
+        start = time.monotonic()
+        resumed = _finished_layers(directory, ck.config.num_layers)
+        if not (directory / SUMMARY_FILE).exists():
+            _run(ck, rows, directory, settings, record, progress, resume_every)
+        summary = CalibrationSummary.load(directory / SUMMARY_FILE)
+        return CalibrationResult(directory, summary, record["fingerprint"], resumed, time.monotonic() - start)
+
+
+def _finished_layers(directory: Path, layers: int) -> int:
+    if (directory / SUMMARY_FILE).exists():
+        return layers
+    path = directory / STREAMS_FILE
+    return resume_layer(path) if path.exists() else 0
+
+
+@torch.no_grad()
+def _run(ck: Checkpoint, rows: torch.Tensor, directory: Path, settings: CalibrationSettings, record: dict,
+         progress: bool, resume_every: int) -> None:
+    cfg, device, dtype = ck.config, torch.device(settings.device), settings.dtype
+    source = CheckpointSource(ck)
+    with torch.device("meta"):
+        root = DeepseekModel(cfg, dtype, source.engram_token_map(), with_layers=False)
+    step = settings.chunk_rows(rows.shape[0], rows.shape[1])
+    chunks = [rows[i:i + step].to(device) for i in range(0, rows.shape[0], step)]
+    resume = directory / STREAMS_FILE
+    if resume.exists():
+        fresh = [ForwardState.start(cfg, c, dtype, DEFAULT_ATTN_CHUNK_ELEMENTS) for c in chunks]
+        first, parts = load_streams(resume, fresh, device)
+    else:
+        _load_root(root, source, ["embed.weight"], device)
+        parts = [root.start(c, DEFAULT_ATTN_CHUNK_ELEMENTS) for c in chunks]
+        root.embed.to("meta")
+        first = 0
+    tokens = rows.numel()
+    bar = tqdm(range(first, cfg.num_layers), initial=first, total=cfg.num_layers, desc="calibrate",
+               unit="layer", disable=not progress)
+    for layer in bar:
+        block = load_block(source, layer, dtype, device)
+        collector = LayerCollector(cfg, layer, settings, tokens, len(chunks), device)
+        collector.run(block, parts, root.hasher)
+        result = collector.finish(block)
+        del block, collector
+        write_stats_file(directory / layer_file(layer), result.hessians, result.meta())
+        if (layer + 1) % resume_every == 0 and layer + 1 < cfg.num_layers:  # the head follows the last at once
+            save_streams(resume, parts, layer + 1)
+    bar.close()
+    if head_group(cfg) is not None:
+        _load_root(root, source, [k for k in root.state_dict() if k != "embed.weight"], device)
+        _head(root, source, parts, directory, tokens, device)
+    summarize(directory, cfg.num_layers, record, rows.shape).save(directory / SUMMARY_FILE)
+    resume.unlink(missing_ok=True)
+
+
+def _load_root(root: DeepseekModel, source: CheckpointSource, names, device) -> None:
+    types = root.state_dict()
+    root.load_state_dict({k: source.weight(k, types[k].dtype, device) for k in names}, assign=True, strict=False)
+
+
+def _head(root: DeepseekModel, source: CheckpointSource, parts, directory: Path, tokens: int, device) -> None:
+    """The head's H from the final hidden (as the head reads it) and its statistics."""
+    cfg = root.cfg
+    total = torch.zeros(cfg.hidden_size, cfg.hidden_size, dtype=torch.float32, device=device)
+    for streams, state in parts:
+        accumulate(total, root.final_hidden(streams, state).to(root.dtype).reshape(-1, cfg.hidden_size))
+    mean = total.div_(tokens)
+    weight = source.weight("head.weight", root.dtype, device)
+    stats = TensorStats(float(tokens), out_energy(weight, mean), ldlq_factor(mean))
+    meta = {"counts": {HEAD_KEY: float(tokens)}, "tensors": {HEAD_KEY: asdict(stats)}}
+    write_stats_file(directory / HEAD_FILE, pack_hessian(HEAD_KEY, mean, torch.float32), meta)
+
+
+def summarize(directory: Path, layers: int, record: dict, shape) -> CalibrationSummary:
+    """The allocator's summary from the saved layer and head files."""
+    tensors: dict[str, TensorStats] = {}
+    layer_stats: list[LayerStats] = []
+    head = [directory / HEAD_FILE] if (directory / HEAD_FILE).exists() else []
+    for path in [directory / layer_file(layer) for layer in range(layers)] + head:
+        meta = read_meta(path)
+        tensors.update({k: TensorStats(**v) for k, v in meta["tensors"].items()})
+        if "layer" in meta:
+            layer_stats.append(LayerStats.from_dict(meta["layer"]))
+    return CalibrationSummary(record["source"]["fingerprint"], int(shape[0]), int(shape[1]), tensors, layer_stats)

@@ -1,0 +1,92 @@
+"""What calibration tells the allocator: how much each tensor matters, in a few numbers per tensor.
+
+The Hessians themselves (large) go to the quantize stage; the allocator only needs this summary,
+which is small enough to hold for the 46,080 routed matrices of the real model, and simple enough
+to synthesise for planning without a calibration run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from quantizer.errors import UserError
+
+FORMAT = "quantizer-calibration-summary"
+VERSION = 1
+
+
+@dataclass
+class TensorStats:
+    """One EXL3 target (key = native weight name minus `.weight`)."""
+
+    tokens: float  # tokens its input statistics come from (routed tokens for an expert's w2)
+    out_energy: float  # E||W x||^2 per token over its calibration inputs, routing-weighted for experts
+    ldlq_factor: float = 1.0  # LDLQ error / plain rounding error, from the Hessian (<= 1; 1 = no help)
+
+
+@dataclass
+class LayerStats:
+    layer: int  # trunk layer index
+    expert_tokens: list[float]  # routed selections per expert (top-k counts)
+    expert_weight: list[float]  # sum of squared routing weights per expert
+    attn_gain: float = 1.0  # relative write gain of the attention site into the residual streams
+    ffn_gain: float = 1.0  # same for the MoE/FFN site
+    # cold expert -> (most similar warm expert, relative output error if aliased to it)
+    alias_candidates: dict[int, tuple[int, float]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: alias keys as strings, pairs as lists."""
+        body = asdict(self)
+        body["alias_candidates"] = {str(k): list(v) for k, v in self.alias_candidates.items()}
+        return body
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LayerStats":
+        aliases = {int(k): (int(v[0]), float(v[1])) for k, v in data["alias_candidates"].items()}
+        return cls(**{**data, "alias_candidates": aliases})
+
+
+@dataclass
+class CalibrationSummary:
+    source_fingerprint: str
+    rows: int
+    cols: int
+    tensors: dict[str, TensorStats]
+    layers: list[LayerStats]
+    synthetic: bool = False  # True when made up for planning without a calibration run
+
+    def layer(self, index: int) -> LayerStats:
+        for stats in self.layers:
+            if stats.layer == index:
+                return stats
+        raise KeyError(index)
+
+    def to_dict(self) -> dict:
+        body = asdict(self)
+        body["layers"] = [layer.to_dict() for layer in self.layers]
+        return {"format": FORMAT, "version": VERSION, **body}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict()) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "CalibrationSummary":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UserError(f"{path}: calibration summary not found; run `quantizer calibrate` first")
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: not valid JSON ({e.msg})")
+        if data.get("format") != FORMAT or data.get("version") != VERSION:
+            raise UserError(f"{path}: not a quantizer calibration summary (format {FORMAT} v{VERSION})")
+        layers = [LayerStats.from_dict(layer) for layer in data["layers"]]
+        tensors = {k: TensorStats(**v) for k, v in data["tensors"].items()}
+        return cls(data["source_fingerprint"], data["rows"], data["cols"], tensors, layers, data.get("synthetic", False))

@@ -1,0 +1,218 @@
+"""The calibrate stage on the tiny V4.1 checkpoint: Hessians equal a direct computation from the whole
+model's linear inputs, shared inputs share one H, routing counts add up, and an expert the router
+never picks still gets a usable H and an alias candidate."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from quantizer.calibrate import CalibrationSettings, CalibrationSummary, HessianStore, calibrate
+from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.codec.ldlq import finalize_hessian
+from quantizer.model.hooks import ForwardHooks
+from quantizer.model.transformer import DeepseekModel
+from quantizer.plan.targets import DRAFT, ROUTED, targets
+
+DEAD_LAYER, DEAD_EXPERT = 2, 5  # the router's selection bias keeps this expert from ever being picked
+ROWS, COLS = 3, 24
+
+
+def _with_dead_expert(tiny, out):
+    """A copy of the checkpoint whose layer DEAD_LAYER never routes to DEAD_EXPERT (F32 bias patched in place)."""
+    shutil.copytree(tiny, out)
+    entry = Checkpoint.open(out).entry(f"layers.{DEAD_LAYER}.ffn.gate.bias")
+    with open(entry.path, "r+b") as f:
+        f.seek(entry.offset + 4 * DEAD_EXPERT)
+        f.write(struct.pack("<f", -1e4))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ck(tiny_v41, tmp_path_factory):
+    return Checkpoint.open(_with_dead_expert(tiny_v41, tmp_path_factory.mktemp("ck") / "dead"))
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return torch.from_numpy(np.random.default_rng(7).integers(3, 4096, size=(ROWS, COLS)))
+
+
+def _run(ck, rows, work, **settings):
+    result = calibrate(ck, rows, work, CalibrationSettings(**settings), progress=False)
+    return result, HessianStore(work, ck)
+
+
+@pytest.fixture(scope="module")
+def default_run(ck, rows, tmp_path_factory):
+    return _run(ck, rows, tmp_path_factory.mktemp("work"))
+
+
+@pytest.fixture(scope="module")
+def forward(ck, rows):
+    """The whole model's linear inputs and routing on the same rows (top-k only)."""
+    model = DeepseekModel.from_checkpoint(ck)
+    inputs: dict[str, torch.Tensor] = {}
+    routing = {}
+    hooks = ForwardHooks(linear_input=lambda name, x: inputs.setdefault(name, x.clone()),
+                         routing=lambda event: routing.setdefault(event.layer, event))
+    with torch.no_grad():
+        model(rows, hooks)
+    return model, inputs, routing
+
+
+def _mean(store, key):
+    h, count = store.hessian(key)
+    return h / count, count
+
+
+def _direct(x, size):
+    x = x.reshape(-1, size).double()
+    return x.T @ x / x.shape[0]
+
+
+def _close(a, b):
+    scale = b.abs().max()
+    assert (a.double() - b.double()).abs().max() <= 1e-4 * scale + 1e-9
+
+
+def _calibrated_targets(cfg):
+    return [t for t in targets(cfg) if t.group != DRAFT]
+
+
+def test_every_target_has_a_symmetric_psd_hessian_shared_where_the_input_is(ck, default_run):
+    _, store = default_run
+    for t in _calibrated_targets(ck.config):
+        h, count = _mean(store, t.key)
+        assert h.shape == (t.in_features, t.in_features) and count >= 1, t.key
+        assert torch.isfinite(h).all() and torch.equal(h, h.T), t.key
+        eig = torch.linalg.eigvalsh(h.double())
+        assert eig.min() >= -1e-3 * eig.max(), t.key
+    layer = "layers.3"
+    assert store.hessian(f"{layer}.attn.wq_a") is store.hessian(f"{layer}.attn.wkv")
+    assert store.hessian("layers.2.attn.wq_b") is store.hessian("layers.2.attn.indexer.wq_b")
+    shared = store.hessian(f"{layer}.ffn.shared_experts.w1")
+    assert store.hessian(f"{layer}.ffn.shared_experts.w3") is shared
+    for e in range(ck.config.n_routed_experts):
+        for proj in ("w1", "w3"):
+            assert store.hessian(f"{layer}.ffn.experts.{e}.{proj}") is shared
+    assert store.hessian(f"{layer}.ffn.experts.0.w2") is not store.hessian(f"{layer}.ffn.experts.1.w2")
+
+
+def test_hessians_equal_a_direct_computation_from_the_whole_model(ck, rows, default_run, forward):
+    _, store = default_run
+    model, inputs, routing = forward
+    cfg = ck.config
+    tokens = ROWS * COLS
+    for t in _calibrated_targets(cfg):
+        if t.group == ROUTED:
+            continue
+        x = inputs[f"{t.key}.weight"]
+        h, count = _mean(store, t.key)
+        assert count == tokens, t.key
+        _close(h, _direct(x, t.in_features))  # wo_a: the mean of its slices = over tokens and groups
+    for layer in (1, 4):  # the routed experts' w1/w3 read the MoE input, as the shared expert does
+        _close(_mean(store, f"layers.{layer}.ffn.experts.3.w1")[0],
+               _direct(inputs[f"layers.{layer}.ffn.shared_experts.w1.weight"], cfg.hidden_size))
+    wo_a = "layers.2.attn.wo_a"
+    size = store.hessian(wo_a)[0].shape[0]
+    _close(_mean(store, f"{wo_a}.slice.1")[0], _direct(inputs[f"{wo_a}.weight"][..., 1, :], size))
+
+    # a routed down projection: routed tokens weighted by w^2 plus the all-token prior of prior_tokens
+    prior = CalibrationSettings().prior_tokens
+    for layer, e in ((3, 2), (DEAD_LAYER, DEAD_EXPERT)):
+        event = routing[f"layers.{layer}"]
+        x = inputs[f"layers.{layer}.ffn.gate.weight"]
+        hidden = model.layers[layer].ffn.experts[e].hidden(x, None).double()
+        w2 = event.weights.double().square()
+        routed = (w2 * (event.expert_ids == e)).sum(1)
+        beta = prior * w2.mean() / tokens
+        expected = (hidden.T * (routed + beta)) @ hidden / (routed.sum() + prior * w2.mean())
+        h, count = _mean(store, f"layers.{layer}.ffn.experts.{e}.w2")
+        assert count == round(int((event.expert_ids == e).sum()) + prior)
+        _close(h, expected)
+
+
+def test_routing_counts_sum_to_rows_times_cols_times_k(ck, default_run, forward):
+    result, _ = default_run
+    _, _, routing = forward
+    k = ck.config.experts_per_token
+    assert len(result.summary.layers) == ck.config.num_layers
+    for stats in result.summary.layers:
+        assert sum(stats.expert_tokens) == ROWS * COLS * k
+        ids = routing[f"layers.{stats.layer}"].expert_ids
+        assert stats.expert_tokens == torch.bincount(ids.flatten(), minlength=len(stats.expert_tokens)).tolist()
+        assert all(w >= 0 for w in stats.expert_weight)
+        assert stats.attn_gain > 0 and stats.ffn_gain > 0
+
+
+def test_a_never_routed_expert_gets_a_usable_hessian_and_an_alias(default_run):
+    result, store = default_run
+    stats = result.summary.layer(DEAD_LAYER)
+    assert stats.expert_tokens[DEAD_EXPERT] == 0
+    h, count = store.hessian(f"layers.{DEAD_LAYER}.ffn.experts.{DEAD_EXPERT}.w2")
+    assert count == CalibrationSettings().prior_tokens
+    damped = finalize_hessian(h, count)
+    assert damped is not None and torch.linalg.cholesky_ex(damped)[1] == 0
+    warm, error = stats.alias_candidates[DEAD_EXPERT]
+    assert warm != DEAD_EXPERT and stats.expert_tokens[warm] > 0 and 0 < error < float("inf")
+    assert set(stats.alias_candidates) <= {e for e, n in enumerate(stats.expert_tokens)
+                                           if n < 0.25 * sum(stats.expert_tokens) / len(stats.expert_tokens)}
+
+
+def test_summary_loads_back_with_statistics_for_every_calibrated_target(ck, default_run, tmp_path):
+    result, _ = default_run
+    loaded = CalibrationSummary.load(result.directory / SUMMARY_FILE)
+    assert loaded == result.summary
+    assert set(loaded.tensors) == {t.key for t in _calibrated_targets(ck.config)}
+    cfg = ck.config
+    for key, stats in loaded.tensors.items():
+        assert stats.out_energy > 0 and 0 < stats.ldlq_factor <= 1, key
+    layer = loaded.layer(3)
+    e = 2
+    assert loaded.tensors[f"layers.3.ffn.experts.{e}.w1"].tokens == layer.expert_tokens[e]
+    assert loaded.tensors[f"layers.3.ffn.experts.{e}.w2"].tokens == layer.expert_tokens[e]
+    assert loaded.tensors["layers.3.attn.wq_a"].tokens == loaded.tensors["head"].tokens == ROWS * COLS
+    assert (loaded.source_fingerprint, loaded.rows, loaded.cols) == (result.summary.source_fingerprint, ROWS, COLS)
+    assert cfg.num_layers == len(loaded.layers)
+
+
+def test_out_energy_is_trace_of_w_h_wt(ck, default_run, forward):
+    result, store = default_run
+    model, _, _ = forward
+    key = "layers.3.attn.wo_b"
+    w = model.layers[3].attn.wo_b.weight.detach().double()
+    h, _ = _mean(store, key)
+    expected = float(torch.trace(w @ h.double() @ w.T))
+    assert result.summary.tensors[key].out_energy == pytest.approx(expected, rel=1e-4)
+
+
+def test_without_all_experts_routed_downs_use_routed_tokens_only_at_prior_zero(ck, rows, default_run, forward,
+                                                                              tmp_path):
+    _, default_store = default_run
+    model, inputs, routing = forward
+    result, store = _run(ck, rows, tmp_path, all_experts=False, prior_tokens=0)
+    layer, e = 3, 2
+    event = routing[f"layers.{layer}"]
+    x = inputs[f"layers.{layer}.ffn.gate.weight"]
+    hidden = model.layers[layer].ffn.experts[e].hidden(x, None).double()
+    w2 = (event.weights.double().square() * (event.expert_ids == e)).sum(1)
+    _close(_mean(store, f"layers.{layer}.ffn.experts.{e}.w2")[0], (hidden.T * w2) @ hidden / w2.sum())
+    assert store.hessian(f"layers.{DEAD_LAYER}.ffn.experts.{DEAD_EXPERT}.w2") is None  # nothing to go on
+    # all-experts capture changes no other Hessian and no routing
+    assert torch.equal(store.hessian("layers.3.ffn.experts.0.w1")[0],
+                       default_store.hessian("layers.3.ffn.experts.0.w1")[0])
+    assert [s.expert_tokens for s in result.summary.layers] == [s.expert_tokens for s in default_run[0].summary.layers]
+
+
+def test_without_all_experts_a_sampled_prior_keeps_a_dead_expert_usable(ck, rows, tmp_path):
+    _, store = _run(ck, rows, tmp_path, all_experts=False)
+    h, count = store.hessian(f"layers.{DEAD_LAYER}.ffn.experts.{DEAD_EXPERT}.w2")
+    damped = finalize_hessian(h, count)
+    assert damped is not None and torch.linalg.cholesky_ex(damped)[1] == 0
+    assert (tmp_path / CALIBRATION_DIR / SUMMARY_FILE).exists()
