@@ -1,29 +1,71 @@
-"""`quantizer plan SRC|--model-config C --bpw B [--out plan.json] [--recipe-out recipe.yaml]`.
+"""`quantizer plan SRC|--model-config C (--bpw B | --sparks N [--context C] [--streams S] [--engine E])
+[--calibration WORK_OR_SUMMARY | --synthetic] [--loader stock|mixedk] [--method ours|uniform|exl3]
+[--alias/--no-alias] [--out plan.json] [--recipe-out recipe.yaml]`
 
-Only the uniform plan for now; the allocator extends this command.
+Methods: `ours` (allocate.py: least estimated error under the budget, from a calibration summary
+or a synthetic one), `uniform` (uniform.py), `exl3` (exllamav3's own create_q_strategy,
+exl3_baseline.py). The budget is --bpw, or with --sparks alone the most bits whose plan fits
+that topology at --context x --streams. Exit 0, or 1 when a --bpw plan does not fit the --sparks
+asked for (as `quantizer fit`), 2 on bad input.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
+from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
+from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.errors import UserError
+from quantizer.fit.memory import TOPOLOGIES, fit
+from quantizer.fit.stored import stored_from_plan
 from quantizer.model.config import ModelConfig
-from quantizer.plan.plan import TOTAL, TOTAL_RESIDENT, Plan
+from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings, Allocator, FitTarget, largest_fitting_plan
+from quantizer.plan.exl3_baseline import HQ, exl3_plan
+from quantizer.plan.plan import MIXEDK, MODES, STOCK, TOTAL, TOTAL_RESIDENT, Plan
 from quantizer.plan.recipe import write_recipe
-from quantizer.plan.sizes import CODEBOOKS
+from quantizer.plan.sensitivity import sensitivity, synthetic_summary
+from quantizer.plan.sizes import CODEBOOKS, rate_grid
 from quantizer.plan.targets import GROUPS, ROUTED, targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.report import gib, table
 from quantizer.shipped import model_config_path
 
+OURS, UNIFORM, EXL3 = "ours", "uniform", "exl3"
+METHODS = (OURS, UNIFORM, EXL3)
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="choose K for every EXL3 tensor (uniform plan at a target bpw)")
+    from quantizer.fit.cli import tokens  # fit's CLI imports this module: import it late
+
+    p = sub.add_parser("plan", help="choose K for every EXL3 tensor: at a bpw, or the most that fits N Sparks")
     add_model_arguments(p)
-    p.add_argument("--bpw", type=float, required=True, help="target bits per weight over the budgeted tensors")
+    p.add_argument("--bpw", type=float, help="target bits per weight over the budgeted tensors")
+    p.add_argument("--sparks", type=int, choices=TOPOLOGIES,
+                   help="DGX Sparks to fit; without --bpw, plan the most bits that fit them")
+    p.add_argument("--context", type=tokens, help="tokens per stream for the fit (default: the model's max positions)")
+    p.add_argument("--streams", type=int, default=1, help="concurrent streams, each holding --context tokens")
+    p.add_argument("--engine", help="engine profile for the fit (default: the hardware file's default_engine)")
+    calib = p.add_mutually_exclusive_group()
+    calib.add_argument("--calibration", help=f"a calibrate work directory (its {CALIBRATION_DIR}/{SUMMARY_FILE}), "
+                                             "or a summary file")
+    calib.add_argument("--synthetic", action="store_true",
+                       help="plan from a synthetic calibration summary (no calibration run; plausible, not measured)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --synthetic summary")
+    p.add_argument("--method", choices=METHODS,
+                   help="allocator (default: ours with --calibration/--synthetic, else uniform)")
+    p.add_argument("--loader", choices=MODES, default=STOCK,
+                   help="stock: one K per projection per layer (any EXL3 loader); mixedk: K per expert")
+    p.add_argument("--alias", action=argparse.BooleanOptionalAction, default=None,
+                   help="alias cold experts to warm ones (default: on with mixedk, off with stock)")
+    p.add_argument("--alias-below", type=float, default=ALIAS_BELOW,
+                   help="alias candidates: routed share below this fraction of the layer's mean")
+    p.add_argument("--alias-cap", type=int, help="at most this many aliased experts per layer (default: 1/16 of them)")
+    p.add_argument("--floor", type=float,
+                   help=f"lowest K of attention, indexer, shared experts, Engram wkv (ours: {DEFAULT_FLOOR:g}; "
+                        "uniform: its own rule)")
+    p.add_argument("--hq", type=int, default=HQ, help="exllamav3's -hq for --method exl3")
     add_plan_arguments(p)
     p.add_argument("--out", type=Path, help="write the plan as JSON")
     p.add_argument("--recipe-out", type=Path, help="write the plan as an exllamav3 recipe.yaml")
@@ -73,48 +115,134 @@ def load_model_config(src: str | None, model_config: str | None) -> ModelConfig:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_model_config(args.src, args.model_config)
-    plan = uniform_plan(cfg, args.bpw, args.codebook, args.head_bits, args.drafter_bits)
+    method = args.method or (OURS if args.calibration or args.synthetic else UNIFORM)
+    if args.bpw is None and args.sparks is None:
+        raise UserError("give --bpw B, or --sparks N to plan the most that fits N Sparks")
+    plan_at, lo = _planner(cfg, args, method)
+    target = FitTarget(args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
+                       args.streams, args.engine) if args.sparks else None
+    report = None
+    if args.bpw is not None:
+        plan = plan_at(args.bpw)
+        if target:
+            report = fit(cfg, stored_from_plan(cfg, plan), target.sparks, target.context, target.streams,
+                         target.engine, source=plan.made_by)
+    else:
+        plan, report = largest_fitting_plan(cfg, plan_at, lo, rate_grid(args.codebook)[-1], target)
     print(render(cfg, plan))
+    if report:
+        from quantizer.fit.cli import render as render_fit
+
+        print("\n" + render_fit(report))
     if args.out:
         plan.save(args.out)
         print(f"wrote {args.out}")
     if args.recipe_out:
-        write_recipe(cfg, plan, args.recipe_out, recipe_header(args, plan))
+        write_recipe(cfg, plan, args.recipe_out, recipe_header(args, plan, method, target))
         print(f"wrote {args.recipe_out}")
-    return 0
+    return 1 if report and not report.fits else 0
 
 
-def recipe_header(args: argparse.Namespace, plan: Plan) -> str:
+def _planner(cfg: ModelConfig, args: argparse.Namespace, method: str):
+    """(bpw -> Plan for the chosen method, the lowest bpw worth trying)."""
+    lowest = rate_grid(args.codebook)[0]
+    if method != OURS and (args.loader == MIXEDK or args.alias):
+        raise UserError(f"--loader mixedk and --alias apply to --method ours; {method} plans are stock, one K per "
+                        "projection per layer")
+    if method == UNIFORM:
+        return (lambda b: uniform_plan(cfg, b, args.codebook, args.head_bits, args.drafter_bits, args.floor)), lowest
+    if method == EXL3:
+        return (lambda b: exl3_plan(cfg, b, args.codebook, args.head_bits, args.hq, args.drafter_bits)), lowest
+    summary = load_summary(cfg, args)
+    settings = AllocationSettings(args.loader, args.codebook, DEFAULT_FLOOR if args.floor is None else args.floor,
+                                  args.head_bits, args.drafter_bits, args.alias, args.alias_below, args.alias_cap)
+    alloc = Allocator(cfg, sensitivity(cfg, summary, args.codebook), settings)
+    return (lambda b: alloc.plan(b * alloc.total_numel, target_bpw=b)), alloc.min_bits / alloc.total_numel
+
+
+def load_summary(cfg: ModelConfig, args: argparse.Namespace) -> CalibrationSummary:
+    """The calibration summary for --method ours: --calibration (a work dir or file) or --synthetic."""
+    if args.synthetic:
+        return synthetic_summary(cfg, args.seed)
+    if not args.calibration:
+        raise UserError("--method ours needs a calibration summary: --calibration WORK_DIR|SUMMARY.json, "
+                        "or --synthetic to plan from a made-up one")
+    path = Path(args.calibration)
+    if path.is_dir():
+        nested = path / CALIBRATION_DIR / SUMMARY_FILE
+        path = nested if nested.exists() else path / SUMMARY_FILE
+    return CalibrationSummary.load(path)
+
+
+def recipe_header(args: argparse.Namespace, plan: Plan, method: str = UNIFORM, target: FitTarget | None = None) -> str:
     model = args.model_config or "<checkpoint>/config.json"
     extra = "" if args.codebook == "mul1" else f" --codebook {args.codebook}"
-    return "\n".join([
-        f"exllamav3 recipe for {model} at {args.bpw:g} bpw, stock mode (one K per projection per layer).",
+    budget = f"--bpw {args.bpw:g}" if args.bpw is not None else _fit_flags(target)
+    if method != UNIFORM:
+        extra += _method_flags(args, method)
+    mode = ("one K per projection per layer" if plan.mode == STOCK
+            else "K per expert: needs a loader with per-expert kernels")
+    lines = [
+        f"exllamav3 recipe for {model} at {plan.target_bpw:g} bpw, {plan.mode} mode ({mode}).",
         f"Made by {plan.made_by}.",
-        f"Regenerate: quantizer plan --model-config {model} --bpw {args.bpw:g}{extra} --recipe-out <this file>",
+        f"Regenerate: quantizer plan --model-config {model} {budget}{extra} --recipe-out <this file>",
         f"Achieved bits (exllamav3 accounting, budgeted tensors): {plan.achieved_bpw:.4f}; "
         f"expected pack {gib(plan.expected_bytes[TOTAL_RESIDENT])} GiB without the Engram tables.",
         "Values: 1..8, 1.5/2.5/3.5 (mul1), 16 = fp16; `native` (ours) keeps the source storage.",
-        "The DSpark drafter (mtp.*) is not listed, so it stays native.",
-    ])
+    ]
+    if args.drafter_bits is None:
+        lines.append("The DSpark drafter (mtp.*) is not listed, so it stays native.")
+    if target:
+        lines.insert(1, f"Budget: the most bits that fit {target.describe()}.")
+    if plan.aliases:
+        lines.append(f"Aliases: {len(plan.aliases)} cold experts are served by a warm expert of their layer; the "
+                     "pack stores only the warm one (the alias map is in the plan and the pack manifest):")
+        lines += [f"  {cold} -> {warm}" for cold, warm in plan.aliases.items()]
+    return "\n".join(lines)
+
+
+def _fit_flags(target: FitTarget) -> str:
+    flags = f"--sparks {target.sparks} --context {target.context}"
+    flags += f" --streams {target.streams}" if target.streams != 1 else ""
+    return flags + (f" --engine {target.engine}" if target.engine else "")
+
+
+def _method_flags(args: argparse.Namespace, method: str) -> str:
+    if method == EXL3:
+        return f" --method exl3 --hq {args.hq}"
+    flags = f" --synthetic --seed {args.seed}" if args.synthetic else f" --calibration {args.calibration}"
+    flags += f" --loader {args.loader}"
+    flags += "" if args.alias is None else (" --alias" if args.alias else " --no-alias")
+    flags += "" if args.floor is None else f" --floor {args.floor:g}"
+    return flags
 
 
 def render(cfg: ModelConfig, plan: Plan) -> str:
-    """K per group (routed experts per layer), bpw, and expected bytes per class."""
+    """K per group, routed experts per layer, aliases, bpw, and expected bytes per class."""
     by_group: dict[str, Counter] = {g: Counter() for g in GROUPS}
-    layers: dict[int, float | None] = {}
+    layers: dict[int, list[float | None]] = defaultdict(list)
     for t in targets(cfg):
         k = plan.k[t.key]
         by_group[t.group][_k(k)] += 1
         if t.group == ROUTED:
-            layers.setdefault(t.layer, k)
+            layers[t.layer].append(k)
     rows = [[g, ", ".join(f"{k} x{n:,}" for k, n in sorted(c.items()))] for g, c in by_group.items() if c]
-    runs = _runs(layers)
     sizes = plan.expected_bytes
     lines = [
         f"{plan.made_by}: achieved {plan.achieved_bpw:.4f} bits over budgeted tensors "
         f"(target {plan.target_bpw:g}); mode {plan.mode}, codebook {plan.codebook}; hash {plan.content_hash()[:16]}",
         table(["group", "K (count)"], rows, right=set()),
-        "routed experts by layer: " + "; ".join(runs),
+    ]
+    if plan.mode == MIXEDK:
+        lines.append("routed experts by layer (mean K): " + "; ".join(
+            f"L{layer} {sum(ks) / len(ks):.2f}" for layer, ks in sorted(layers.items()) if None not in ks))
+    else:
+        lines.append("routed experts by layer: " + "; ".join(_runs({L: ks[0] for L, ks in layers.items()})))
+    if plan.aliases:
+        per_layer = Counter(int(cold.split(".")[1]) for cold in plan.aliases)
+        lines.append(f"aliased cold experts: {len(plan.aliases)} (" +
+                     ", ".join(f"L{layer} x{n}" for layer, n in sorted(per_layer.items())) + ")")
+    lines += [
         "",
         table(["class", "GiB"], [[c, gib(n)] for c, n in sizes.items() if c not in (TOTAL, TOTAL_RESIDENT)]
               + [["total", gib(sizes[TOTAL])], ["without Engram tables", gib(sizes[TOTAL_RESIDENT])]]),

@@ -209,8 +209,11 @@ def expected_bytes(cfg: ModelConfig, plan: Plan) -> dict[str, int]:
 
 
 def achieved_bpw(cfg: ModelConfig, plan: Plan) -> float:
-    """exllamav3's `bits` over the budgeted targets; a native target counts at its source precision."""
+    """exllamav3's `bits` over the budgeted targets; a native target counts at its source precision,
+    an aliased cold expert at 0 (it stores nothing)."""
+    cold = aliased_keys(plan)
     return budget_bpw([
-        (t.numel, plan.k[t.key] if plan.k[t.key] is not None else 8 * t.native_bytes / t.numel)
+        (t.numel, 0.0 if t.key in cold else plan.k[t.key] if plan.k[t.key] is not None
+         else 8 * t.native_bytes / t.numel)
         for t in targets(cfg) if t.budgeted
     ])

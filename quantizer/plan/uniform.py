@@ -75,13 +75,13 @@ def uniform_plan(
         elif t.group == HEAD_GROUP:
             k[t.key] = head_bits
         elif t.group == DRAFT:
-            k[t.key] = _drafter_k(drafter_bits, t.integer_only)
+            k[t.key] = drafter_k(drafter_bits, t.integer_only)
     made_by = (f"uniform_plan(bpw={bpw:g}, codebook={codebook}, head_bits={head_bits}, "
                f"drafter_bits={drafter_bits}, floor={fixed:g})")
     return make_plan(cfg, k, codebook, STOCK, target_bpw=bpw, made_by=made_by)
 
 
-def _drafter_k(bits: float | None, integer_only: bool) -> float | None:
+def drafter_k(bits: float | None, integer_only: bool) -> float | None:
     """The drafter's rate; its attention rounds down to an integer (DSV4 attention)."""
     if bits is None:
         return None

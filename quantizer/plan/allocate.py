@@ -1,0 +1,408 @@
+"""Allocation: K per target under a bit budget, minimising the total estimated cost (sensitivity.py).
+
+The budget is exllamav3's `bits` accounting (what `uniform_plan` and `achieved_bpw` use): bits over
+the budgeted targets, sum(numel x K) <= bpw x sum(numel); an aliased cold expert stores nothing.
+
+Marginal analysis: every unit starts at its lowest allowed rate; the candidate upgrades of a unit
+are the segments of the lower convex hull of its (bits, cost) options, so a rate whose step is
+worse than the one after it (a non-convex step) does not stop the unit. All segments, best
+cost-per-bit first, are taken while they fit; this prefix is the Lagrangian optimum, exact for
+the bits it spends. What is left is filled by the best upgrades (any rate, hull or not) that still
+fit. A unit is one tensor in `mixedk` mode; in `stock` mode the routed experts of one layer share
+one K per projection, so the unit is (layer, projection), cost and bits summed over its experts.
+
+Rules: attention and the indexer query take integer K only, half rates exist only with mul1 (the
+rate grid of the codebook), attention, indexer, shared experts and Engram's wkv start at `floor`.
+The head takes `head_bits` and the DSpark drafter `drafter_bits` (native by default), both outside
+the budget as in exllamav3.
+
+Cold experts (routed share below `alias_below` x the layer's mean, with an alias candidate from
+calibration) may be served by their warm expert: 0 bits, cost = importance x aliasing error. The
+choice is Lagrangian: alias when that cost is below what keeping the expert costs, its bits priced
+at the marginal value of bits in the current solution; at most `alias_cap` per layer; re-solved
+until the alias set is stable. On by default in mixedk; in stock it needs an alias-aware loader,
+so it is opt-in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from quantizer.errors import UserError
+from quantizer.fit.hardware import GIB, Hardware, load_hardware
+from quantizer.fit.memory import FitReport, Scenario, evaluate, fit
+from quantizer.fit.stored import stored_from_plan
+from quantizer.model.config import ModelConfig
+from quantizer.plan.plan import MIXEDK, MODES, STOCK, Plan, expert_of, make_plan
+from quantizer.plan.sensitivity import AliasOption, Sensitivity
+from quantizer.plan.sizes import check_k, rate_grid
+from quantizer.plan.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, target_map, targets
+from quantizer.plan.uniform import drafter_k
+
+FLOORED = (ATTN, INDEX, SHARED, ENGRAM)
+DEFAULT_FLOOR = 3.0  # measured on the small model (noise injection): lower KL than 4 at 2.5-3.5 bpw
+ALIAS_BELOW = 0.02  # alias candidates: routed share under 2% of the layer's mean (~dead experts)
+ALIAS_CAP_SHARE = 1 / 16  # at most this share of a layer's experts aliased (24 of 384)
+ALIAS_ROUNDS = 6
+FIT_TOLERANCE_BPW = 0.001
+FIT_PROBES = 12
+
+
+@dataclass(frozen=True)
+class AllocationSettings:
+    mode: str = STOCK
+    codebook: str = "mul1"
+    floor: float = DEFAULT_FLOOR
+    head_bits: float | None = 6.0
+    drafter_bits: float | None = None
+    alias: bool | None = None  # None: on in mixedk, off in stock
+    alias_below: float = ALIAS_BELOW
+    alias_cap: int | None = None  # per layer; None: ALIAS_CAP_SHARE of the experts, at least 1
+
+    @property
+    def aliasing(self) -> bool:
+        return self.mode == MIXEDK if self.alias is None else self.alias
+
+
+class Allocator:
+    """One model, one sensitivity, one set of rules; `plan(bits)` for any budget (the fit search
+    asks for several)."""
+
+    def __init__(self, cfg: ModelConfig, sens: Sensitivity, settings: AllocationSettings = AllocationSettings()):
+        if settings.mode not in MODES:
+            raise UserError(f"--loader {settings.mode!r}; choose stock or mixedk")
+        if tuple(sens.rates) != rate_grid(settings.codebook):
+            raise ValueError(f"sensitivity was computed for rates {sens.rates}, not the {settings.codebook} grid")
+        floor = check_k(settings.floor, settings.codebook, True, "--floor")
+        if floor not in sens.rates:
+            raise UserError(f"--floor {floor:g}: choose an integer rate 1..8")
+        self.cfg, self.sens, self.settings = cfg, sens, settings
+        tmap = target_map(cfg)
+        self.targets = [tmap[k] for k in sens.keys]
+        self.rates = np.asarray(sens.rates)
+        self.numel = np.array([t.numel for t in self.targets], dtype=float)
+        allowed = np.ones((len(self.targets), len(self.rates)), dtype=bool)
+        integer = self.rates == np.round(self.rates)
+        for i, t in enumerate(self.targets):
+            if t.integer_only:
+                allowed[i] &= integer
+            if t.group in FLOORED:
+                allowed[i] &= self.rates >= floor
+        self.cost = np.where(allowed, sens.cost, np.inf)
+        self.bits = self.numel[:, None] * self.rates[None, :]
+        self.row = {k: i for i, k in enumerate(sens.keys)}
+        self.expert_rows = _expert_rows(sens.keys)
+        self.candidates = self._alias_candidates() if settings.aliasing else ()
+        self.total_numel = float(self.numel.sum())
+
+    # ---- budget ---------------------------------------------------------------------------------
+
+    @property
+    def min_bits(self) -> float:
+        """Bits of every target at its lowest allowed rate, with nothing aliased."""
+        return float(np.where(np.isfinite(self.cost), self.bits, np.inf).min(axis=1).sum())
+
+    @property
+    def max_bits(self) -> float:
+        return float(np.where(np.isfinite(self.cost), self.bits, -np.inf).max(axis=1).sum())
+
+    def plan(self, budget_bits: float, target_bpw: float | None = None) -> Plan:
+        """The allocation for `budget_bits`, as a checked Plan; UserError when even the lowest
+        rates need more."""
+        aliased: dict[str, str] = {}
+        try:
+            for _ in range(ALIAS_ROUNDS):
+                choice, lam = self._solve(budget_bits, aliased)
+                chosen = self._choose_aliases(choice, lam)
+                if chosen == aliased:
+                    break
+                aliased = chosen
+            else:
+                choice, lam = self._solve(budget_bits, aliased)
+        except InfeasibleBudget as e:
+            floor = self.settings.floor
+            raise UserError(
+                f"--bpw {budget_bits / self.total_numel:.4g} is too low: the lowest rates (K{floor:g} floor on "
+                f"attention, indexer, shared experts and Engram wkv, K{self.rates[0]:g} for routed experts) need "
+                f"{e.needed / self.total_numel:.3f} bpw") from None
+        return self._to_plan(choice, aliased, budget_bits, target_bpw)
+
+    # ---- the marginal solver --------------------------------------------------------------------
+
+    def _units(self, aliased: dict[str, str]) -> np.ndarray:
+        """Unit index per row (-1: aliased): one per tensor, or per (layer, projection) in stock mode."""
+        unit = np.arange(len(self.targets))
+        if self.settings.mode == STOCK:
+            groups: dict[tuple, int] = {}
+            for i, t in enumerate(self.targets):
+                if t.group == ROUTED:
+                    unit[i] = groups.setdefault((t.layer, t.proj), i)
+        for expert in aliased:
+            unit[self.expert_rows[expert]] = -1
+        return unit
+
+    def _solve(self, budget_bits: float, aliased: dict[str, str]) -> tuple[np.ndarray, float]:
+        """Rate index per row (an aliased row holds its warm expert's) and the marginal value of a
+        bit (cost per bit of the best upgrade left out)."""
+        unit = self._units(aliased)
+        live = unit >= 0
+        ids, inverse = np.unique(unit[live], return_inverse=True)
+        cost = np.zeros((len(ids), len(self.rates)))
+        bits = np.zeros_like(cost)
+        np.add.at(cost, inverse, self.cost[live])
+        np.add.at(bits, inverse, self.bits[live])
+        pick, lam = marginal_allocation(bits, cost, budget_bits)
+        choice = np.zeros(len(self.targets), dtype=int)
+        choice[live] = pick[inverse]
+        for cold, warm in aliased.items():
+            choice[self.expert_rows[cold]] = choice[self._warm_rows(cold, warm)]
+        return choice, lam
+
+    def _warm_rows(self, cold: str, warm: str) -> list[int]:
+        """The warm expert's rows, projection by projection, for the cold expert's rows."""
+        return [self.row[warm + self.targets[i].key[len(cold):]] for i in self.expert_rows[cold]]
+
+    # ---- aliases --------------------------------------------------------------------------------
+
+    def _alias_candidates(self) -> tuple[AliasOption, ...]:
+        s = self.settings
+        return tuple(a for a in self.sens.aliases if a.relative_share < s.alias_below and a.expert in self.expert_rows
+                     and a.warm in self.expert_rows)
+
+    def _cap(self) -> int:
+        if self.settings.alias_cap is not None:
+            return self.settings.alias_cap
+        return max(1, int(self.cfg.n_routed_experts * ALIAS_CAP_SHARE))
+
+    def _choose_aliases(self, choice: np.ndarray, lam: float) -> dict[str, str]:
+        """Alias where cost + lam x bits of keeping the expert exceeds its aliasing cost."""
+        if not self.candidates:
+            return {}
+        if self.settings.mode == MIXEDK:  # a kept expert takes its Lagrangian-best rates
+            kept = (self.cost + lam * self.bits).min(axis=1)
+        else:  # a kept expert takes its layer's rates (aliased rows hold them, _solve)
+            rows = np.arange(len(self.targets))
+            kept = self.cost[rows, choice] + lam * self.bits[rows, choice]
+        net = {a.expert: a.cost - float(kept[self.expert_rows[a.expert]].sum()) for a in self.candidates}
+        chosen: dict[str, str] = {}
+        warms: set[str] = set()
+        per_layer: dict[int, int] = {}
+        for a in sorted(self.candidates, key=lambda a: net[a.expert]):
+            if net[a.expert] >= 0:
+                break
+            if per_layer.get(a.layer, 0) >= self._cap() or a.expert in warms or a.warm in chosen:
+                continue
+            chosen[a.expert] = a.warm
+            warms.add(a.warm)
+            per_layer[a.layer] = per_layer.get(a.layer, 0) + 1
+        return chosen
+
+    # ---- result ---------------------------------------------------------------------------------
+
+    def _to_plan(self, choice: np.ndarray, aliased: dict[str, str], budget_bits: float,
+                 target_bpw: float | None) -> Plan:
+        s = self.settings
+        # an aliased expert's rows read as its warm expert's (_solve)
+        k: dict[str, float | None] = {key: float(self.rates[choice[i]]) for key, i in self.row.items()}
+        for t in targets(self.cfg):
+            if t.group == HEAD_GROUP:
+                k[t.key] = s.head_bits
+            elif t.group == DRAFT:
+                k[t.key] = drafter_k(s.drafter_bits, t.integer_only)
+        bpw = budget_bits / self.total_numel if target_bpw is None else target_bpw
+        made_by = (f"allocate(bpw={bpw:.4g}, loader={s.mode}, floor={s.floor:g}, codebook={s.codebook}, "
+                   f"aliases={len(aliased)}, calibration={'synthetic' if self.sens.synthetic else 'measured'}, "
+                   f"measured_proxies={self.sens.measured})")
+        return make_plan(self.cfg, k, s.codebook, s.mode, target_bpw=round(bpw, 4), aliases=aliased,
+                         made_by=made_by)
+
+
+def _expert_rows(keys: tuple[str, ...]) -> dict[str, list[int]]:
+    """Routed expert (`layers.L.ffn.experts.E`) -> its rows (w1, w2, w3)."""
+    rows: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        if ".ffn.experts." in key and key.startswith("layers."):
+            rows.setdefault(expert_of(key), []).append(i)
+    return rows
+
+
+def marginal_allocation(bits: np.ndarray, cost: np.ndarray, budget: float) -> tuple[np.ndarray, float]:
+    """Option per unit minimising sum(cost) with sum(bits) <= budget; options are columns in
+    increasing bits, cost inf where not allowed. Returns (option per unit, marginal value of a bit);
+    InfeasibleBudget when even the first allowed options do not fit."""
+    n_units, n_opts = cost.shape
+    rows = np.arange(n_units)
+    finite = np.isfinite(cost)
+    start = finite.argmax(axis=1)
+    used = float(bits[rows, start].sum())
+    if used > budget * (1 + 1e-12):
+        raise InfeasibleBudget(used, budget)
+    # lower convex hull of each unit's options from its start (gift wrapping, at most n_opts steps)
+    col = np.arange(n_opts)
+    hull_to = np.full((n_units, n_opts), -1)
+    seg_unit, seg_step, seg_bits, seg_gain = [], [], [], []
+    cur, active = start.copy(), np.ones(n_units, dtype=bool)
+    for step in range(n_opts):
+        db = bits - bits[rows, cur][:, None]
+        dc = cost - cost[rows, cur][:, None]
+        ok = active[:, None] & finite & (col[None, :] > cur[:, None]) & (dc < 0)
+        slope = np.full(cost.shape, np.inf)
+        np.divide(dc, db, out=slope, where=ok)
+        nxt = slope.argmin(axis=1)
+        best = slope[rows, nxt]
+        active = np.isfinite(best)
+        if not active.any():
+            break
+        u = rows[active]
+        hull_to[u, step] = nxt[active]
+        seg_unit.append(u)
+        seg_step.append(np.full(len(u), step))
+        seg_bits.append(db[u, nxt[active]])
+        seg_gain.append(-best[active])
+        cur = np.where(active, nxt, cur)
+    choice = start.copy()
+    lam = 0.0
+    if seg_unit:
+        unit, step = np.concatenate(seg_unit), np.concatenate(seg_step)
+        dbits, gain = np.concatenate(seg_bits), np.concatenate(seg_gain)
+        order = np.lexsort((step, unit, -gain))  # best cost per bit first; a unit's segments in order
+        cum = np.cumsum(dbits[order])
+        taken = int(np.searchsorted(cum, budget - used, side="right"))
+        last = np.full(n_units, -1)
+        np.maximum.at(last, unit[order[:taken]], step[order[:taken]])
+        moved = last >= 0
+        choice[moved] = hull_to[rows[moved], last[moved]]
+        used += float(cum[taken - 1]) if taken else 0.0
+        lam = float(gain[order[taken]]) if taken < len(order) else 0.0
+    _fill(bits, cost, choice, budget - used)
+    return choice, lam
+
+
+def _fill(bits: np.ndarray, cost: np.ndarray, choice: np.ndarray, left: float) -> None:
+    """Spend what the hull prefix left: the best-cost-per-bit upgrade that still fits, until none."""
+    rows = np.arange(len(choice))
+    while True:
+        db = bits - bits[rows, choice][:, None]
+        dc = cost - cost[rows, choice][:, None]
+        ok = np.isfinite(cost) & (db > 0) & (db <= left) & (dc < 0)
+        if not ok.any():
+            return
+        score = np.full(cost.shape, -np.inf)
+        np.divide(-dc, db, out=score, where=ok)
+        u, j = np.unravel_index(int(score.argmax()), score.shape)
+        left -= float(db[u, j])
+        choice[u] = j
+
+
+class InfeasibleBudget(Exception):
+    def __init__(self, needed: float, budget: float):
+        super().__init__(f"the lowest rates need {needed:.6g} bits, the budget is {budget:.6g}")
+        self.needed, self.budget = needed, budget
+
+
+# ---- entry points ---------------------------------------------------------------------------------
+
+def allocate(cfg: ModelConfig, sens: Sensitivity, bpw: float,
+             settings: AllocationSettings = AllocationSettings()) -> Plan:
+    """The plan whose budgeted bits come to at most `bpw` (exllamav3 accounting) at the least cost."""
+    alloc = Allocator(cfg, sens, settings)
+    return alloc.plan(bpw * alloc.total_numel, target_bpw=bpw)
+
+
+@dataclass(frozen=True)
+class FitTarget:
+    sparks: int
+    context: int
+    streams: int = 1
+    engine: str | None = None
+
+    def describe(self) -> str:
+        return (f"{self.sparks} Spark{'s' if self.sparks > 1 else ''} at {self.context:,} tokens x {self.streams} "
+                f"stream{'s' if self.streams > 1 else ''}")
+
+
+def allocate_to_fit(cfg: ModelConfig, sens: Sensitivity, target: FitTarget,
+                    settings: AllocationSettings = AllocationSettings(),
+                    hardware: Hardware | None = None) -> tuple[Plan, FitReport]:
+    """The largest budget whose plan fits `target`, and that plan's fit report."""
+    alloc = Allocator(cfg, sens, settings)
+    n = alloc.total_numel
+    return largest_fitting_plan(cfg, lambda b: alloc.plan(b * n, target_bpw=b), alloc.min_bits / n,
+                                alloc.max_bits / n, target, hardware)
+
+
+def largest_fitting_plan(cfg: ModelConfig, plan_at: Callable[[float], Plan], lo: float, hi: float,
+                         target: FitTarget, hardware: Hardware | None = None) -> tuple[Plan, FitReport]:
+    """The largest bpw in [lo, hi] (to FIT_TOLERANCE_BPW) whose plan fits `target`, with its report.
+
+    The worst rank's free memory falls almost linearly with bpw, by about the budgeted weights'
+    bytes per bpw over the ranks (tensor-parallel split), so Newton steps from the lowest rate,
+    aimed just inside the root and corrected by the secant through the probes, end in two to four
+    probes (a probe plans, lists the stored tensors and runs the memory model: ~2 s at full size).
+    `plan_at` may raise UserError below its own lowest rate; `lo` is raised to the first bpw it
+    accepts. UserError when even that does not fit, with the shortfall."""
+    hw = hardware or load_hardware()
+    scenario = Scenario(target.sparks, target.context, target.streams, target.engine or hw.default_engine)
+    plans: dict[float, Plan] = {}
+    stored: dict[float, list] = {}
+
+    def plan(bpw: float) -> Plan:
+        if bpw not in plans:
+            plans[bpw] = plan_at(bpw)
+        return plans[bpw]
+
+    def free(bpw: float) -> float:
+        stored[bpw] = stored_from_plan(cfg, plan(bpw))
+        return min(r.free_gib for r in evaluate(cfg, stored[bpw], scenario, hw))
+
+    lo = _lowest_accepted(plan, lo, hi)
+    fit_bpw, fit_free = lo, free(lo)
+    if fit_free < 0:
+        raise UserError(f"does not fit {target.describe()} ({scenario.engine}) even at the lowest rates "
+                        f"({plans[lo].achieved_bpw:.3f} bpw): the worst rank is short by {-fit_free:.2f} GiB; "
+                        "use more Sparks, a shorter --context or fewer --streams")
+    slope = sum(t.numel for t in targets(cfg) if t.budgeted) / (8 * target.sparks * GIB)  # GiB per bpw
+    miss_bpw, miss_free = None, 0.0
+    for _ in range(FIT_PROBES):
+        upper = hi if miss_bpw is None else miss_bpw
+        if fit_bpw >= hi or fit_free < slope * FIT_TOLERANCE_BPW or upper - fit_bpw <= FIT_TOLERANCE_BPW:
+            break
+        guess = fit_bpw + fit_free / slope - FIT_TOLERANCE_BPW / 2
+        if not fit_bpw < guess < upper:
+            guess = hi if miss_bpw is None else (fit_bpw + miss_bpw) / 2
+        f = free(guess)
+        if f >= 0:
+            fit_bpw, fit_free = guess, f
+        else:
+            miss_bpw, miss_free = guess, f
+        if miss_bpw is not None:
+            slope = max((fit_free - miss_free) / (miss_bpw - fit_bpw), 1e-9)
+    report = fit(cfg, stored[fit_bpw], target.sparks, target.context, target.streams, scenario.engine,
+                 hardware=hw, source=plans[fit_bpw].made_by)
+    return plans[fit_bpw], report
+
+
+def _lowest_accepted(plan_at: Callable[[float], Plan], lo: float, hi: float) -> float:
+    """The lowest bpw in [lo, hi] (to FIT_TOLERANCE_BPW) that `plan_at` accepts; plan_at raises
+    UserError below it (its floors alone exceed the budget)."""
+    try:
+        plan_at(lo)
+        return lo
+    except UserError:
+        pass
+    try:
+        plan_at(hi)
+    except UserError as e:
+        raise UserError(f"no plan between {lo:.3f} and {hi:.3f} bpw: {e}") from None
+    while hi - lo > FIT_TOLERANCE_BPW:
+        mid = (lo + hi) / 2
+        try:
+            plan_at(mid)
+            hi = mid
+        except UserError:
+            lo = mid
+    return hi
+

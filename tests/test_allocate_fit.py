@@ -1,0 +1,127 @@
+"""The allocator at the real V4.1-Flash shape (sparse layout, synthetic calibration summary):
+planning for a topology with `quantizer plan --sparks N --context C`, its speed, what fits and
+what cannot; the extended `quantizer plan` command."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from quantizer.calibrate.summary import CalibrationSummary
+from quantizer.cli import main
+from quantizer.errors import UserError
+from quantizer.fit.memory import fit
+from quantizer.fit.stored import stored_from_plan
+from quantizer.model.config import ModelConfig
+from quantizer.plan.allocate import AllocationSettings, FitTarget, allocate, allocate_to_fit
+from quantizer.plan.plan import MIXEDK, STOCK, Plan
+from quantizer.plan.recipe import plan_from_recipe, read_recipe
+from quantizer.plan.sensitivity import sensitivity, synthetic_summary
+from quantizer.plan.targets import targets
+from quantizer.plan.uniform import uniform_plan
+from quantizer.shipped import model_config_path
+from test_allocate import with_cold_experts  # tests/ is on sys.path (pytest prepend import mode)
+
+MILLION = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def v41():
+    cfg = ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
+    targets(cfg)  # build the layout index once
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def v41_sens(v41):
+    return sensitivity(v41, synthetic_summary(v41))
+
+
+def test_two_sparks_at_1m_plans_in_seconds_and_fits(v41, tmp_path, capsys):
+    start = time.perf_counter()
+    code = main(["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "2", "--context", "1M", "--synthetic",
+                 "--out", str(tmp_path / "p.json"), "--recipe-out", str(tmp_path / "r.yaml")])
+    elapsed = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert code == 0 and "FITS: fits 2 Sparks" in out and "calibration=synthetic" in out
+    assert elapsed < 30, f"planning the real shape for 2 Sparks took {elapsed:.1f} s"
+    plan = Plan.load(tmp_path / "p.json")
+    # the most that fits: a whole 0.01 bpw more would not
+    assert 2.5 < plan.achieved_bpw < 3.3
+    report = fit(v41, stored_from_plan(v41, plan), 2, MILLION)
+    assert report.fits and min(r.free_gib for r in report.ranks) < 0.01 * 550e9 / 8 / 2 / (1 << 30)
+    header = (tmp_path / "r.yaml").read_text()
+    assert "Budget: the most bits that fit 2 Sparks at 1,048,576 tokens" in header
+    assert "--sparks 2 --context 1048576 --synthetic --seed 0 --loader stock" in header
+    assert plan_from_recipe(v41, read_recipe(tmp_path / "r.yaml")).k == plan.k
+    assert main(["fit", "--model-config", "deepseek-v4.1-flash", "--plan", str(tmp_path / "p.json"),
+                 "--sparks", "2", "--context", "1M"]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("bpw", [2.5, 2.9, 3.5])
+def test_equal_bpw_plans_are_within_one_percent_in_bytes(v41, v41_sens, bpw):
+    def routed_and_budgeted(plan):
+        classes = {t.cls for t in targets(v41) if t.budgeted}
+        return sum(n for c, n in plan.expected_bytes.items() if c in classes)
+
+    uniform = routed_and_budgeted(uniform_plan(v41, bpw))
+    for mode in (STOCK, MIXEDK):
+        assert abs(routed_and_budgeted(allocate(v41, v41_sens, bpw, AllocationSettings(mode=mode))) / uniform - 1) < 0.01
+
+
+def test_one_spark_at_1m_fits_only_at_a_low_rate(v41, v41_sens):
+    plan, report = allocate_to_fit(v41, v41_sens, FitTarget(1, MILLION), AllocationSettings(mode=MIXEDK))
+    assert report.fits and report.sparks == 1
+    assert 1.2 < plan.achieved_bpw < 1.6 and plan.mode == MIXEDK and plan.aliases
+    routed = [plan.k[t.key] for t in targets(v41) if t.group == "routed"]
+    assert sum(routed) / len(routed) < 1.5
+
+
+def test_a_target_that_cannot_fit_says_by_how_much(v41, capsys):
+    with pytest.raises(UserError, match=r"does not fit 1 Spark at 1,048,576 tokens x 16 streams .* even at the "
+                                        r"lowest rates \(1\.\d+ bpw\): the worst rank is short by [\d.]+ GiB"):
+        allocate_to_fit(v41, sensitivity(v41, synthetic_summary(v41)), FitTarget(1, MILLION, streams=16))
+    assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "1", "--context", "1M",
+                 "--streams", "16", "--synthetic"]) == 2
+    assert "short by" in capsys.readouterr().err
+
+
+def test_plan_cli_methods_on_a_small_model(tmp_path, capsys):
+    small = str(model_config_path("small-v41.json"))
+    summary = with_cold_experts(synthetic_summary(ModelConfig.from_file(small))).save(tmp_path / "cold.json")
+    for loader, extra, per_layer in (("mixedk", [], "routed experts by layer (mean K): L0 "),
+                                     ("stock", ["--alias"], "routed experts by layer: L0")):
+        assert main(["plan", "--model-config", small, "--bpw", "2.9", "--calibration", str(summary),
+                     "--loader", loader, *extra,
+                     "--out", str(tmp_path / "p.json"), "--recipe-out", str(tmp_path / "r.yaml")]) == 0
+        out = capsys.readouterr().out
+        plan = Plan.load(tmp_path / "p.json")
+        assert plan.mode == loader and plan.aliases and "aliased cold experts:" in out and per_layer in out
+        assert "Aliases:" in (tmp_path / "r.yaml").read_text()
+    # uniform stays the default without calibration; ours needs a summary
+    assert main(["plan", "--model-config", small, "--bpw", "2.9"]) == 0
+    assert "uniform_plan(" in capsys.readouterr().out
+    assert main(["plan", "--model-config", small, "--bpw", "2.9", "--method", "ours"]) == 2
+    assert "--calibration" in capsys.readouterr().err
+    assert main(["plan", "--model-config", small, "--synthetic"]) == 2
+    assert "--bpw B, or --sparks N" in capsys.readouterr().err
+    assert main(["plan", "--model-config", small, "--bpw", "2.9", "--method", "exl3", "--loader", "mixedk"]) == 2
+    assert "apply to --method ours" in capsys.readouterr().err
+    # a --bpw plan checked against a topology: exit 1 when it does not fit
+    assert main(["plan", "--model-config", small, "--bpw", "2.9", "--synthetic", "--sparks", "1",
+                 "--context", "1M", "--streams", "16"]) == 0
+    assert "FITS: fits 1 Spark" in capsys.readouterr().out
+    assert main(["plan", "--model-config", small, "--bpw", "2.9", "--synthetic", "--sparks", "1",
+                 "--context", "1M", "--streams", "64"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    # a calibrate work directory is read through its summary.json
+    work = tmp_path / "calibration"
+    work.mkdir()
+    synthetic_summary(ModelConfig.from_file(small), seed=2).save(work / "summary.json")
+    assert main(["plan", "--model-config", small, "--bpw", "3.5", "--calibration", str(work)]) == 0
+    assert "calibration=synthetic" in capsys.readouterr().out
+    assert main(["plan", "--model-config", small, "--bpw", "3.5", "--calibration", str(tmp_path / "none")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert CalibrationSummary.load(work / "summary.json").synthetic

@@ -1,0 +1,133 @@
+"""plan/exl3_baseline.py: exllamav3 1.6.5's create_q_strategy run on the CPU (extension stubbed) for
+a V4 twin of our shapes, mapped back to a Plan at equal bytes; and how ours compares under the
+cost model. Skipped only when exllamav3 or triton is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from quantizer.errors import UserError
+from quantizer.model.config import ModelConfig
+from quantizer.plan import exl3_baseline
+from quantizer.plan.allocate import AllocationSettings, allocate
+from quantizer.plan.exl3_baseline import exl3_plan, exl3_strategy, v4_twin_config
+from quantizer.plan.plan import MIXEDK, STOCK, Plan, achieved_bpw, aliased_keys, check_plan
+from quantizer.plan.sensitivity import sensitivity, synthetic_summary
+from quantizer.plan.targets import ATTN, ENGRAM, INDEX, ROUTED, targets
+from quantizer.shipped import model_config_path
+from test_allocate import budget_bytes  # tests/ is on sys.path (pytest prepend import mode)
+
+MISSING = [m for m in ("exllamav3", "triton") if importlib.util.find_spec(m) is None]
+needs_exllamav3 = pytest.mark.skipif(bool(MISSING), reason=f"{' and '.join(MISSING)} not installed "
+                                                           "(pip install exllamav3==1.6.5 triton)")
+
+
+def config(name: str) -> ModelConfig:
+    return ModelConfig.from_file(model_config_path(name))
+
+
+def test_v4_twin_of_v41_maps_compressed_layers_by_indexer():
+    cfg = config("deepseek-v4.1-flash.json")
+    twin = v4_twin_config(cfg)
+    ratios = twin["compress_ratios"]
+    assert len(ratios) == 40 and twin["num_hash_layers"] == 0 and twin["architectures"] == ["DeepseekV4ForCausalLM"]
+    assert [L for L, r in enumerate(ratios) if r == 4] == [2, 8, 14, 20, 24, 28, 32, 36]  # our index sources
+    assert ratios[:2] == [0, 0] and ratios[3] == 128 and ratios[39] == 128
+    assert (twin["hidden_size"], twin["n_routed_experts"], twin["q_lora_rank"]) == (5120, 384, 1280)
+    assert v4_twin_config(config("tiny-v4.json"))["compress_ratios"] == [0, 0, 4, 128, 4, 0]
+
+
+@needs_exllamav3
+def test_create_q_strategy_as_documented():
+    """ref/exllamav3-internals.md 3.1: -b 2.5 -hq 1 gives experts 2.5, attention and shared experts 4;
+    all experts of a layer share one K; DSV4 attention takes integer K only."""
+    cfg = config("tiny-v4.json")
+    strategy, final = exl3_strategy(cfg, 2.5, hq=1)
+    experts = {k: v for k, v in strategy.items() if ".ffn.experts." in k}
+    assert set(experts.values()) == {2.5} and len(experts) == 6 * 8 * 3
+    assert {v for k, v in strategy.items() if ".attn." in k} == {4}
+    assert {v for k, v in strategy.items() if ".shared_experts." in k} == {4} and strategy["head"] == 6
+    assert final > 2.5  # -hq lifts the floors above the budget
+    # a real-size shape: expert K varies between layers, never within one; the ends of the stack first
+    v41 = config("deepseek-v4.1-flash.json")
+    strategy, _ = exl3_strategy(v41, 2.3, hq=1)
+    per_layer = {}
+    for key, rate in strategy.items():
+        if ".ffn.experts." in key:
+            per_layer.setdefault(int(key.split(".")[1]), set()).add(rate)
+    assert all(len(r) == 1 for r in per_layer.values())
+    k = [next(iter(per_layer[L])) for L in range(40)]
+    assert k[0] == k[39] == max(k) and k[20] == min(k) < max(k)
+    assert all(float(v).is_integer() for key, v in strategy.items() if ".attn." in key)
+
+
+@needs_exllamav3
+@pytest.mark.parametrize("name", ["tiny-v41.json", "small-v41.json"])
+def test_exl3_plan_maps_back_at_equal_bytes(name):
+    cfg = config(name)
+    plan = exl3_plan(cfg, 2.9)
+    check_plan(cfg, plan)
+    assert plan.made_by.startswith("exllamav3.create_q_strategy(") and plan.mode == STOCK
+    assert plan.achieved_bpw <= 2.9 + 1e-9 and plan.target_bpw == 2.9
+    rates = {}
+    for t in targets(cfg):
+        k = plan.k[t.key]
+        if t.group == ROUTED:
+            rates.setdefault((t.layer, t.proj), set()).add(k)
+        elif t.group in (ATTN, INDEX):
+            assert k == int(k)
+        if t.group == ENGRAM:
+            assert k == plan.k[f"layers.{t.layer}.attn.wkv"]
+    assert all(len(r) == 1 for r in rates.values())
+    assert plan.k["head"] == 6.0 and plan.k["mtp.0.ffn.experts.0.w1"] is None
+    # the largest exllamav3 input whose plan stays in budget: a little more would exceed it
+    bits = float(plan.made_by.split("bits=")[1].split(",")[0])
+    strategy, _ = exl3_strategy(cfg, bits + 2 * exl3_baseline.MATCH_TOLERANCE)
+    more = Plan(cfg.arch, "mul1", STOCK, exl3_baseline.our_rates(cfg, strategy, 6.0, None))
+    assert achieved_bpw(cfg, more) > 2.9
+
+
+@needs_exllamav3
+@pytest.mark.parametrize("bpw", [2.5, 2.9, 3.5])
+def test_ours_costs_less_than_exl3_at_its_bytes(bpw):
+    cfg = config("small-v41.json")
+    sens = sensitivity(cfg, synthetic_summary(cfg))
+    base = exl3_plan(cfg, bpw)
+    col = {r: i for i, r in enumerate(sens.rates)}
+
+    def cost(plan):
+        cold = aliased_keys(plan)
+        rows = [i for i, k in enumerate(sens.keys) if k not in cold]
+        return float(sens.cost[rows, [col[plan.k[sens.keys[i]]] for i in rows]].sum()) + \
+            sum(a.cost for a in sens.aliases if a.expert in plan.aliases)
+
+    for mode in (STOCK, MIXEDK):
+        ours = allocate(cfg, sens, base.achieved_bpw, AllocationSettings(mode=mode))
+        assert ours.achieved_bpw <= base.achieved_bpw + 1e-9
+        assert abs(budget_bytes(cfg, ours) / budget_bytes(cfg, base) - 1) < 0.002
+        assert cost(ours) < cost(base)
+    assert np.isfinite(cost(base))
+
+
+@needs_exllamav3
+def test_wo_a_slices_and_compressors_map_to_our_targets():
+    cfg = config("tiny-v41.json")
+    strategy, _ = exl3_strategy(cfg, 2.9)
+    assert any(".wo_a.slice." in k for k in strategy) and any(".compressor." in k for k in strategy)
+    strategy = dict(strategy)
+    strategy["layers.0.attn.wo_a.slice.0"], strategy["layers.0.attn.wo_a.slice.1"] = 5, 4
+    k = exl3_baseline.our_rates(cfg, strategy, 6.0, None)
+    assert k["layers.0.attn.wo_a"] == 4.0  # mean 4.5 rounded down to an integer rate
+    with pytest.raises(ValueError, match="no target"):
+        exl3_baseline.our_rates(cfg, {**strategy, "layers.0.attn.nonsense": 4}, 6.0, None)
+
+
+def test_missing_exllamav3_is_a_user_error(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "exllamav3" else real(name, *a))
+    monkeypatch.setattr(exl3_baseline, "_MODELS", {})
+    with pytest.raises(UserError, match=r"needs exllamav3: pip install exllamav3==1\.6\.5 triton"):
+        exl3_plan(config("tiny-v41.json"), 2.9)
