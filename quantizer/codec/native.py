@@ -1,17 +1,23 @@
-"""The optional compiled trellis encoder (viterbi_kernel.cpp), built on first use and cached per machine.
+"""The compiled trellis encoder (viterbi_kernel.cpp): built on first use, cached per machine, called by ctypes.
 
-It runs the same exact node-based search as viterbi.py, fused into one loop per position, and returns the
-same states bit for bit. It needs a C++ compiler and ninja; when the build fails the encoder falls back to
-pure torch (one warning). The build is tuned to this CPU (-march=native), so the cache key includes the
-CPU's model and flags as well as the source, the flags and the torch version. QUANTIZER_NATIVE=0 turns
-the kernel off.
+It runs the exact node-based search of viterbi.py fused into one SIMD loop per position, about 10x faster
+per core than the torch search, and returns the same states bit for bit. It is plain C++ (no torch
+headers, no ninja), so the one-time build takes seconds with the system compiler ($CXX, else c++); when
+there is none, or the build fails, the encoder falls back to pure torch after one warning.
+QUANTIZER_NATIVE=0 turns the kernel off.
+
+The build is tuned to this CPU (-march=native), so the cache key covers the CPU's model and flags as
+well as the source and the flags: a home directory shared by different machines keeps one build each.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
+import shutil
+import subprocess
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -19,44 +25,82 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("viterbi_kernel.cpp")
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17")
-_NAME = "quantizer_exl3_viterbi"
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread")
+_LIBRARY = "exl3_viterbi.so"
+_ERRORS = {-1: "invalid bit pattern or seam window", -2: "out of memory for the encoder's buffers"}
 
 
 def _cpu_fingerprint() -> str:
-    """The CPU model and feature flags the build was tuned for (a shared home may span machines)."""
-    info = ""
+    """The CPU model and feature flags a -march=native build depends on."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        info = "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features"))}))
     except OSError:
-        pass
-    return f"{platform.machine()}\n{platform.processor()}\n{info}"
+        lines = []
+    info = sorted({ln for ln in lines if ln.startswith(("model name", "flags", "Features", "CPU part"))})
+    return "\n".join([platform.machine(), platform.processor(), *info])
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
 
 
 def cache_dir() -> Path:
-    """Where the build lives: $XDG_CACHE_HOME (or ~/.cache)/quantizer/native/<key of what the build depends on>."""
-    key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), *_FLAGS, torch.__version__, _cpu_fingerprint()]).encode()
-    ).hexdigest()[:16]
+    """$XDG_CACHE_HOME (or ~/.cache)/quantizer/native/<hash of the source, flags and CPU>."""
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *_FLAGS, _cpu_fingerprint()]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "quantizer" / "native" / key
 
 
+def _build(target: Path) -> None:
+    """Compile to a temporary name and rename: concurrent first uses each build and one rename wins."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        done = subprocess.run([_compiler(), *_FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+        if done.returncode != 0:
+            errors = [ln for ln in done.stderr.splitlines() if "error" in ln] or done.stderr.splitlines() or ["?"]
+            raise RuntimeError(f"{_compiler()} failed: {errors[0].strip()}")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class Kernel:
+    """The loaded library: encode_tiles(tiles, values, bits, seam, threads) -> int32 states."""
+
+    def __init__(self, path: Path):
+        self._fn = ctypes.CDLL(str(path)).exl3_encode_tiles  # a CDLL call releases the GIL
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32,
+                             ctypes.c_int32, ctypes.c_void_p]
+        self._fn.restype = ctypes.c_int
+
+    def encode_tiles(self, tiles: torch.Tensor, values: torch.Tensor, bits: tuple[int, ...], seam: int,
+                     threads: int) -> torch.Tensor:
+        """States (N, 256) int32 of float32 CPU tiles (N, 256) for the codebook's float32 values (65536,),
+        D(p) per position and a first pass of `seam` positions on each side of the ring seam."""
+        tiles = tiles.to(torch.float32).contiguous()
+        values = values.to(torch.float32).contiguous()
+        bits_t = torch.tensor(bits, dtype=torch.int32)
+        states = torch.empty(tiles.shape[0], 256, dtype=torch.int32)
+        rc = self._fn(tiles.data_ptr(), tiles.shape[0], values.data_ptr(), bits_t.data_ptr(), seam, threads,
+                      states.data_ptr())
+        if rc != 0:
+            raise (MemoryError if rc == -2 else ValueError)(f"EXL3 C++ encoder: {_ERRORS.get(rc, rc)}")
+        return states
+
+
 @lru_cache(maxsize=None)
-def kernel():
-    """The compiled module (with encode_tiles), or None when it is turned off or cannot be built."""
+def kernel() -> Kernel | None:
+    """The compiled encoder, built on first use; None when turned off or when it cannot be built."""
     if os.environ.get("QUANTIZER_NATIVE", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        build = cache_dir()
-        build.mkdir(parents=True, exist_ok=True)
-        return load_inline(_NAME, cpp_sources=[SOURCE.read_text()], extra_cflags=list(_FLAGS),
-                           build_directory=str(build), verbose=False)
-    except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch encoder
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        warnings.warn(f"EXL3 C++ trellis encoder unavailable ({reason[:200]}); using the pure-torch encoder, "
-                      "about 10x slower on a CPU", RuntimeWarning, stacklevel=2)
+        target = cache_dir() / _LIBRARY
+        if not target.exists():
+            _build(target)
+        return Kernel(target)
+    except Exception as exc:  # noqa: BLE001 - whatever stops the build, the torch encoder still works
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        warnings.warn(f"EXL3 C++ trellis encoder unavailable ({reason}); using the pure-torch encoder, about "
+                      "10x slower on a CPU", RuntimeWarning, stacklevel=2)
         return None

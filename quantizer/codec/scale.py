@@ -41,31 +41,43 @@ def _spread(n: int, count: int, device: torch.device) -> torch.Tensor:
     return torch.div(torch.arange(count, device=device) * n, count, rounding_mode="floor")
 
 
-def sample_tiles(w: torch.Tensor, count: int) -> torch.Tensor:
-    """`count` tiles (count, 256) of the rotated weight w: a quarter of them the extreme-RMS tiles (half
-    highest, half lowest), the rest spread evenly along a wrapped diagonal three tiles wide that crosses
-    every tile row and column."""
+def sample_tiles(w: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count` tiles (count, 256) of the rotated weight w and the share of the matrix each stands for.
+
+    A stratified sample of the squared error over the whole matrix: the quarter of highest RMS (where
+    outlier channels show, and which decide the best scale) is always in, each tile for itself; the rest
+    is spread evenly along a wrapped diagonal three tiles wide that crosses every tile row and column, each
+    tile standing for its share of the remaining tiles.
+    """
     tiles = matrix_to_tiles(w)
     tk, tn = tiles.shape[:2]
     flat = tiles.flatten(0, 1)
-    count = min(count, flat.shape[0])
-    low = count // 8
-    high = count // 4 - low
-    ms = flat.square().mean(1)
-    extremes = torch.cat((ms.topk(high).indices, ms.topk(low, largest=False).indices))
+    total = flat.shape[0]
+    count = min(count, total)
+    top = flat.square().mean(1).topk(count // 4).indices
+    rest = torch.ones(total, dtype=torch.bool, device=w.device)
+    rest[top] = False
     length = max(tk, tn)
-    d = _spread(_DIAGONAL_WIDTH * length, count - extremes.numel(), w.device)
+    d = _spread(_DIAGONAL_WIDTH * length, 4 * count, w.device)  # oversample, drop the top tiles, keep the first
     i, j = d // _DIAGONAL_WIDTH, d % _DIAGONAL_WIDTH
-    return torch.cat((tiles[i % tk, (i + j) % tn], flat[extremes]))
+    diagonal = ((i % tk) * tn + (i + j) % tn).unique()
+    diagonal = diagonal[rest[diagonal]]
+    diagonal = diagonal[_spread(diagonal.numel(), min(count - top.numel(), diagonal.numel()), w.device)]
+    shares = torch.cat((torch.full((top.numel(),), 1.0 / total, device=w.device),
+                        torch.full((diagonal.numel(),), (total - top.numel()) / max(diagonal.numel(), 1) / total,
+                                   device=w.device)))
+    return flat[torch.cat((top, diagonal))], shares
 
 
-def _sample_mse(samples: torch.Tensor, scales: list[float], K: float, codebook: Codebook) -> torch.Tensor:
-    """Mean squared error of quantizing samples * s, measured back at the samples' scale, for each s."""
+def _sample_mse(samples: torch.Tensor, shares: torch.Tensor, scales: list[float], K: float,
+                codebook: Codebook) -> torch.Tensor:
+    """For each scale s, the mean squared error of quantizing samples * s (measured back at the samples'
+    scale), each sample counted by its share of the matrix."""
     scale = torch.tensor(scales, dtype=samples.dtype, device=samples.device).view(-1, 1, 1)
     batch = (samples.unsqueeze(0) * scale).flatten(0, 1)
     states = encode_tiles(batch, K, codebook, "fast")
     recon = codebook_values(codebook, samples.device).float()[states.long()].view(len(scales), *samples.shape)
-    return (recon / scale - samples.unsqueeze(0)).square().mean((1, 2))
+    return ((recon / scale - samples.unsqueeze(0)).square().mean(2) * shares).sum(1) / shares.sum()
 
 
 def global_scale(weights: Sequence[torch.Tensor], K: float, codebook: Codebook) -> float:
@@ -73,11 +85,13 @@ def global_scale(weights: Sequence[torch.Tensor], K: float, codebook: Codebook) 
     then a 5-point fine grid around the best on all of it, refined by a parabola through the minimum."""
     total = sum(w.numel() for w in weights) // 256
     per_matrix = math.ceil(sample_budget(total) / len(weights))
-    samples = torch.cat([sample_tiles(w, per_matrix) for w in weights]) * LDLQ_DRIFT.get(K, 1.0)
-    coarse = _sample_mse(samples[::_COARSE_SHARE], list(COARSE_SCALES), K, codebook)
+    picked = [sample_tiles(w, per_matrix) for w in weights]
+    samples = torch.cat([t for t, _ in picked]) * LDLQ_DRIFT.get(K, 1.0)
+    shares = torch.cat([s for _, s in picked])
+    coarse = _sample_mse(samples[::_COARSE_SHARE], shares[::_COARSE_SHARE], list(COARSE_SCALES), K, codebook)
     center = COARSE_SCALES[int(coarse.argmin())]
     fine = [center + FINE_STEP * (i - 2) for i in range(5)]
-    err = _sample_mse(samples, fine, K, codebook).tolist()
+    err = _sample_mse(samples, shares, fine, K, codebook).tolist()
     best = min(range(5), key=err.__getitem__)
     offset = 0.0
     if 0 < best < 4:

@@ -180,8 +180,7 @@ def _encode_native(tiles: torch.Tensor, K: float, codebook: Codebook, seam: int)
     kernel = native.kernel() if tiles.device.type == "cpu" else None
     if kernel is None:
         return None
-    return kernel.encode_tiles(tiles.contiguous(), _values_cpu(codebook), list(step_bits(K)), seam,
-                               torch.get_num_threads())
+    return kernel.encode_tiles(tiles, _values_cpu(codebook), step_bits(K), seam, torch.get_num_threads())
 
 
 def encode_tiles(

@@ -6,14 +6,16 @@
 // Arithmetic is the torch path's, op for op: ((v - w) * (v - w)) + entry in float32 with no FMA
 // contraction (built with -ffp-contract=off), and ties go to the lowest candidate as torch.argmin does,
 // so both paths return the same states bit for bit.
-
-#include <torch/extension.h>
+//
+// A plain C entry point (called through ctypes: no torch headers, so it builds in seconds).
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -134,14 +136,17 @@ struct Workspace {
 
 class Encoder {
  public:
-  Encoder(const float* values, const std::vector<int64_t>& bits, int seam) : seam_(seam) {
-    for (int p = 0; p < kPositions; ++p) d_[p] = int(bits[p]);
+  // `bits` must be an EXL3 rate's D(p) (see step_for); valid() says whether it was.
+  Encoder(const float* values, const int32_t* bits, int seam) : seam_(seam) {
+    for (int p = 0; p < kPositions; ++p) d_[p] = bits[p];
     for (int p = 0; p < kPositions; ++p) {
       steps_[p] = step_for(d_[p], next(p));
-      TORCH_CHECK(steps_[p] != nullptr, "no EXL3 rate steps D = ", d_[p], " then ", next(p));
+      if (steps_[p] == nullptr) return;
       if (tables_[next(p)].empty()) tables_[next(p)] = blocked_values(values, next(p));
     }
   }
+
+  bool valid() const { return std::all_of(steps_, steps_ + kPositions, [](StepFn f) { return f != nullptr; }); }
 
   int min_bits() const { return *std::min_element(d_, d_ + kPositions); }
 
@@ -188,42 +193,37 @@ class Encoder {
 
   int seam_;
   int d_[kPositions];
-  StepFn steps_[kPositions];
+  StepFn steps_[kPositions] = {};
   std::vector<float> tables_[9];  // blocked values per D(p+1)
 };
 
-torch::Tensor encode_tiles(torch::Tensor tiles, torch::Tensor values, std::vector<int64_t> bits, int64_t seam,
-                           int64_t threads) {
-  TORCH_CHECK(tiles.dtype() == torch::kFloat32 && tiles.dim() == 2 && tiles.size(1) == kPositions &&
-                  tiles.is_contiguous() && tiles.device().is_cpu(),
-              "tiles must be contiguous float32 (N, 256) on the CPU");
-  TORCH_CHECK(values.dtype() == torch::kFloat32 && values.numel() == (1 << kStateBits) && values.is_contiguous() &&
-                  values.device().is_cpu(),
-              "values must be contiguous float32 (65536,) on the CPU");
-  TORCH_CHECK(int(bits.size()) == kPositions, "bits must give D(p) for all 256 positions");
-  TORCH_CHECK(seam >= 1 && seam <= kPositions / 2, "the seam window must be 1..128 positions");
-  const int64_t n = tiles.size(0);
-  auto states = torch::empty({n, kPositions}, torch::kInt32);
-  const Encoder encoder(values.data_ptr<float>(), bits, int(seam));
-  const float* w = tiles.data_ptr<float>();
-  int32_t* out = states.data_ptr<int32_t>();
-  // Tiles are handed out one at a time, so a worker slowed by another process delays only its own tile.
-  std::atomic<int64_t> next_tile{0};
-  auto work = [&]() {
-    Workspace ws(encoder.min_bits());
-    for (int64_t t; (t = next_tile.fetch_add(1)) < n;) encoder.encode(w + t * kPositions, ws, out + t * kPositions);
-  };
-  std::vector<std::thread> pool;
-  for (int64_t i = 1; i < std::min(threads, n); ++i) pool.emplace_back(work);
-  work();
-  for (auto& t : pool) t.join();
-  return states;
-}
-
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("encode_tiles", &encode_tiles, "Tail-biting trellis states of (N, 256) float32 tiles",
-        py::arg("tiles"), py::arg("values"), py::arg("bits"), py::arg("seam"), py::arg("threads"),
-        py::call_guard<py::gil_scoped_release>());
+// states (n, 256) int32 for tiles (n, 256) float32 in trellis position order, with the codebook's 65536
+// values, D(p) per position and a pass-1 window of `seam` positions on each side of the ring seam.
+// Returns 0; -1 when bits or seam are not valid; -2 when no worker could allocate its buffers.
+// Runs on up to `threads` threads, tiles handed out one at a time, so a worker slowed by another process
+// delays only its own tile.
+extern "C" int exl3_encode_tiles(const float* tiles, int64_t n, const float* values, const int32_t* bits,
+                                 int32_t seam, int32_t threads, int32_t* states) {
+  if (seam < 1 || seam > kPositions / 2) return -1;
+  const Encoder encoder(values, bits, seam);
+  if (!encoder.valid()) return -1;
+  std::atomic<int64_t> next_tile{0};  // a tile once taken is finished: workers allocate before taking any
+  auto work = [&]() {
+    try {
+      Workspace ws(encoder.min_bits());
+      for (int64_t t; (t = next_tile.fetch_add(1)) < n;)
+        encoder.encode(tiles + t * kPositions, ws, states + t * kPositions);
+    } catch (const std::bad_alloc&) {  // the other workers take the tiles
+    }
+  };
+  std::vector<std::thread> pool;
+  try {
+    for (int64_t i = 1; i < std::min<int64_t>(threads, n); ++i) pool.emplace_back(work);
+  } catch (const std::system_error&) {  // no more threads: the ones started (and this one) do the work
+  }
+  work();
+  for (auto& t : pool) t.join();
+  return next_tile.load() >= n ? 0 : -2;
 }
