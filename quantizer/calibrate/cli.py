@@ -1,4 +1,5 @@
-"""`quantizer calibrate SRC [--text FILE | --tokens FILE] [--rows R --cols C] [--work DIR] [--device cpu|cuda]`
+"""`quantizer calibrate SRC [--text FILE | --tokens FILE] [--rows R --cols C] [--work DIR] [--device cpu|cuda]
+[--measure-kl/--no-measure-kl] [--kl-rows N --kl-cols C]`
 
 Without --text or --tokens, the shipped calibration set (calibration/calibration.jsonl) is tokenized
 with SRC's tokenizer.json. Text gets one BOS per row and EOS between documents; token files (.npy,
@@ -16,11 +17,10 @@ import torch
 
 from quantizer.calibrate.settings import DEVICES, EXPERT_HESSIAN_DTYPES, CalibrationSettings
 from quantizer.calibrate.stage import CalibrationResult, calibrate
+from quantizer.calibrate.summary import KL_UNITS, MEASURED_KL
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.errors import UserError
 from quantizer.report import table
-from quantizer.textdata import load_tokenizer, read_tokens, rows_from_file, shipped_text_path
-from quantizer.textdata.files import TOKEN_SUFFIXES
+from quantizer.textdata import model_rows, shipped_text_path
 
 DEFAULT_ROWS = 250  # exllamav3's default: 250 rows x 2048 tokens
 DEFAULT_COLS = 2048
@@ -50,6 +50,14 @@ def register(subparsers) -> None:
     p.add_argument("--cold-share", type=float, default=DEFAULTS.cold_share,
                    help="an expert routed below this share of the layer's mean is cold "
                         f"(default {DEFAULTS.cold_share:g})")
+    p.add_argument("--measure-kl", action=argparse.BooleanOptionalAction, default=DEFAULTS.measure_kl,
+                   help="measure each layer unit's KL by noise injection for the allocator (default: when the "
+                        "dequantized model fits in memory; the real V4.1-Flash does not, its summary keeps "
+                        "stream-energy site gains)")
+    p.add_argument("--kl-rows", type=int, default=DEFAULTS.kl_rows,
+                   help=f"calibration rows of the KL measurement (default {DEFAULTS.kl_rows}, evenly spaced)")
+    p.add_argument("--kl-cols", type=int, default=DEFAULTS.kl_cols,
+                   help=f"tokens per row of the KL measurement (default {DEFAULTS.kl_cols})")
     p.add_argument("--resume-every", type=int, default=1, metavar="N",
                    help="save the resume point (every row's hc streams and state) every N layers (default 1)")
     p.add_argument("--revision", help="revision, for a Hugging Face repo id")
@@ -59,7 +67,8 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = CalibrationSettings(device=args.device, all_experts=args.all_experts, prior_tokens=args.prior_tokens,
                                    row_chunk=args.row_chunk, expert_hessian_dtype=args.expert_hessian_dtype,
-                                   cold_share=args.cold_share)
+                                   cold_share=args.cold_share, measure_kl=args.measure_kl, kl_rows=args.kl_rows,
+                                   kl_cols=args.kl_cols)
     ck = Checkpoint.open(args.src, revision=args.revision)
     rows = calibration_rows(args, ck)
     work = args.work or Path(f"{Path(args.src.rstrip('/')).name}.work")
@@ -69,21 +78,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def calibration_rows(args: argparse.Namespace, ck: Checkpoint) -> torch.Tensor:
-    cfg = ck.config
-    if args.tokens:
-        if not args.tokens.lower().endswith(TOKEN_SUFFIXES):
-            raise UserError(f"{args.tokens}: --tokens takes a .npy or .safetensors file; use --text for text")
-        cols = args.cols
-        if cols is None:
-            ids = read_tokens(args.tokens, cfg.vocab_size)
-            cols = ids.shape[1] if ids.dim() == 2 else DEFAULT_COLS
-        rows = rows_from_file(args.tokens, args.rows, cols, vocab_size=cfg.vocab_size)
-    else:
-        text = args.text or shipped_text_path("calibration")
-        if not (ck.root / "tokenizer.json").exists():
-            raise UserError(f"{ck.root}: has no tokenizer.json to tokenize {text}; pass token ids with --tokens")
-        rows = rows_from_file(text, args.rows, args.cols or DEFAULT_COLS, tokenizer=load_tokenizer(ck.root),
-                              bos=cfg.bos_token_id, eos=cfg.eos_token_id, vocab_size=cfg.vocab_size)
+    rows = model_rows(ck.root, ck.config, text=None if args.tokens else args.text or shipped_text_path("calibration"),
+                      tokens=args.tokens, rows=args.rows, cols=args.cols, default_cols=DEFAULT_COLS)
     if args.rows is None:
         rows = rows[:DEFAULT_ROWS]
     print(f"calibrate: {rows.shape[0]} rows of {rows.shape[1]} tokens", file=sys.stderr)
@@ -91,16 +87,23 @@ def calibration_rows(args: argparse.Namespace, ck: Checkpoint) -> torch.Tensor:
 
 
 def report(result: CalibrationResult) -> str:
-    """What was calibrated, per layer: routing spread, cold experts and site gains."""
+    """What was calibrated, per layer: routing spread, cold experts, site gains and measured unit KLs."""
     summary = result.summary
+    measured = summary.gains == MEASURED_KL
     rows = []
     for layer in summary.layers:
         counts = layer.expert_tokens
         total = sum(counts)
         n_eff = total * total / max(sum(c * c for c in counts), 1e-30)
-        rows.append([layer.layer, f"{n_eff:.1f}/{len(counts)}", sum(c == 0 for c in counts),
-                     len(layer.alias_candidates), f"{layer.attn_gain:.3g}", f"{layer.ffn_gain:.3g}"])
-    head = table(["layer", "effective experts", "never routed", "cold", "attn gain", "ffn gain"], rows)
+        row = [layer.layer, f"{n_eff:.1f}/{len(counts)}", sum(c == 0 for c in counts),
+               len(layer.alias_candidates), f"{layer.attn_gain:.3g}", f"{layer.ffn_gain:.3g}"]
+        if measured:
+            row += [f"{layer.unit_kl[u]:.3g}" if u in layer.unit_kl else "-" for u in KL_UNITS]
+        rows.append(row)
+    headers = ["layer", "effective experts", "never routed", "cold", "attn gain", "ffn gain"]
+    head = table(headers + ([f"KL {u}" for u in KL_UNITS] if measured else []), rows)
     resumed = f", {result.resumed_layers} layers from an earlier run" if result.resumed_layers else ""
+    kind = (f"site sensitivity: {summary.gains}" + (f" (unit KL at K 3 noise on {summary.kl_rows} x "
+                                                     f"{summary.kl_cols} tokens)" if measured else ""))
     return (f"{head}\ncalibrated {len(summary.tensors):,} tensors on {summary.rows} rows x {summary.cols} tokens "
-            f"in {result.seconds:.1f} s{resumed}\n{result.directory} ({result.fingerprint})")
+            f"in {result.seconds:.1f} s{resumed}; {kind}\n{result.directory} ({result.fingerprint})")

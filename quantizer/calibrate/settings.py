@@ -32,6 +32,9 @@ class CalibrationSettings:
     alias_tokens: routed MoE inputs kept per expert to measure that similarity; alias_min_tokens: with
         fewer, it is measured on alias_tokens evenly spaced tokens of all the layer's MoE input instead.
     sample_tokens: evenly spaced MoE inputs kept per layer (the sampled prior; the alias fallback).
+    measure_kl: measure each layer unit's KL by noise injection (unit_kl.py) on kl_rows evenly spaced
+        calibration rows, their first kl_cols tokens; None: when the dequantized model fits in memory
+        (small models), True: required (an error where it does not fit), False: never.
     """
 
     device: str = "cpu"
@@ -44,6 +47,9 @@ class CalibrationSettings:
     alias_tokens: int = 128
     alias_min_tokens: int = 16
     sample_tokens: int = 4096
+    measure_kl: bool | None = None
+    kl_rows: int = 8
+    kl_cols: int = 512
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -59,6 +65,8 @@ class CalibrationSettings:
             raise UserError("cold_share must be >= 0 and max_cold_fraction within [0, 1]")
         if min(self.alias_tokens, self.alias_min_tokens, self.sample_tokens) < 1:
             raise UserError("alias_tokens, alias_min_tokens and sample_tokens must be at least 1")
+        if min(self.kl_rows, self.kl_cols) < 1:
+            raise UserError(f"--kl-rows {self.kl_rows} --kl-cols {self.kl_cols}: both must be at least 1")
 
     @property
     def dtype(self) -> torch.dtype:

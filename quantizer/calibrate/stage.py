@@ -4,6 +4,9 @@ For each trunk layer: load the block, push every row chunk through it with hooks
 layer's input Hessians, routing and site gains (collect.py), compute the per-tensor statistics while
 the weights are loaded, save the layer's file, then save the streams after it (the resume point).
 After the last layer the head's Hessian comes from the final hidden, and the summary is written.
+Then, where the dequantized model fits in memory (or when asked), each layer unit's KL sensitivity
+is measured by noise injection (unit_kl.py) and added to the summary; a summary without it is
+completed by the next run.
 Kill it at any moment and rerun the same command: it continues from the next layer and produces the
 same files as an uninterrupted run. A rerun with another source, other tokens or other settings is
 refused with the difference named.
@@ -30,10 +33,13 @@ from quantizer.calibrate.needs import calibration_needs
 from quantizer.calibrate.resume import load_streams, resume_layer, save_streams
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.storage import (
-    CALIBRATION_DIR, HEAD_FILE, JOB_FILE, STREAMS_FILE, SUMMARY_FILE, layer_file, pack_hessian, read_meta,
-    write_stats_file,
+    CALIBRATION_DIR, HEAD_FILE, JOB_FILE, STREAMS_FILE, SUMMARY_FILE, HessianStore, layer_file, pack_hessian,
+    read_meta, write_stats_file,
 )
-from quantizer.calibrate.summary import CalibrationSummary, LayerStats, TensorStats
+from quantizer.calibrate.summary import MEASURED_KL, CalibrationSummary, LayerStats, TensorStats
+from quantizer.calibrate.unit_kl import (
+    fits, free_memory, kl_relative_error, measure_unit_kl, probe_rows, unit_kl_needs,
+)
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
@@ -129,7 +135,41 @@ def calibrate(ck: Checkpoint, rows: torch.Tensor, work: str | Path,
         if not (directory / SUMMARY_FILE).exists():
             _run(ck, rows, directory, settings, record, progress, resume_every)
         summary = CalibrationSummary.load(directory / SUMMARY_FILE)
+        if summary.gains != MEASURED_KL and settings.measure_kl is not False:
+            summary = _unit_kl(ck, rows, work, settings, summary, progress)
         return CalibrationResult(directory, summary, record["fingerprint"], resumed, time.monotonic() - start)
+
+
+def _unit_kl(ck: Checkpoint, rows: torch.Tensor, work: Path, settings: CalibrationSettings,
+             summary: CalibrationSummary, progress: bool) -> CalibrationSummary:
+    """The summary with every layer's measured unit KL, saved; unchanged where the model does not fit
+    in memory and the measurement was not asked for (UserError where it was)."""
+    tokens = probe_rows(rows, settings.kl_rows, settings.kl_cols)
+    needs, free = unit_kl_needs(ck.config, *tokens.shape, settings.dtype), free_memory(settings.device)
+    if not fits(needs, free):
+        where = "RAM" if settings.device == "cpu" else "GPU memory"
+        line = (f"the unit KL probe holds the dequantized model: ~{gib(needs)} GiB, more than half the "
+                f"{gib(free)} GiB of free {where}")
+        if settings.measure_kl:
+            raise UserError(f"--measure-kl: {line}; calibrate without it (stream-energy site gains)")
+        print(f"calibrate: {line}; the summary carries stream-energy site gains", file=sys.stderr)
+        return summary
+    start = time.monotonic()
+    model = DeepseekModel.from_checkpoint(ck, settings.dtype, settings.device)
+    store = HessianStore(work, ck)
+
+    def mean_hessian(key: str) -> torch.Tensor | None:
+        found = store.hessian(key)
+        return None if found is None else found[0] / found[1]
+
+    measured = measure_unit_kl(model, tokens.to(settings.device), summary.tensors, mean_hessian, progress)
+    for layer in summary.layers:
+        layer.unit_kl = measured.get(layer.layer, {})
+    summary.kl_relative_error, (summary.kl_rows, summary.kl_cols) = kl_relative_error(), tuple(tokens.shape)
+    summary.save(Path(work) / CALIBRATION_DIR / SUMMARY_FILE)
+    print(f"calibrate: unit KL measured on {tokens.shape[0]} x {tokens.shape[1]} tokens in "
+          f"{time.monotonic() - start:.1f} s", file=sys.stderr)
+    return summary
 
 
 def _finished_layers(directory: Path, layers: int) -> int:

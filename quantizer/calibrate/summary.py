@@ -3,6 +3,15 @@
 The Hessians themselves (large) go to the quantize stage; the allocator only needs this summary,
 which is small enough to hold for the 46,080 routed matrices of the real model, and simple enough
 to synthesise for planning without a calibration run.
+
+The file (summary.json, JSON) holds {"format": FORMAT, "version": VERSION} and the fields of
+CalibrationSummary: `tensors` maps each EXL3 target key to its TensorStats, `layers` lists one
+LayerStats per trunk layer (alias candidates as {"cold": [warm, error]}). `gains` says which site
+sensitivity the summary carries: STREAM_ENERGY (every summary: the layers' attn_gain / ffn_gain,
+write energy into the residual streams) or, in addition, MEASURED_KL (each layer's `unit_kl`: the
+KL(native || perturbed) per token, nats, with only that unit's budgeted tensors at the noise level
+`kl_relative_error` x their ldlq_factor, measured on `kl_rows` x `kl_cols` calibration tokens;
+calibrate/unit_kl.py). Version 1 files (before unit_kl) load as STREAM_ENERGY summaries.
 """
 
 from __future__ import annotations
@@ -13,9 +22,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from quantizer.errors import UserError
+from quantizer.plan.targets import ENGRAM, ROUTED, SHARED
 
 FORMAT = "quantizer-calibration-summary"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+STREAM_ENERGY, MEASURED_KL = "stream-energy", "measured-kl"
+
+# The units whose KL calibration measures per layer; attention includes the indexer query.
+ATTENTION_UNIT, ENGRAM_UNIT, SHARED_UNIT, ROUTED_UNIT = "attention", "engram", "shared", "routed"
+KL_UNITS = (ATTENTION_UNIT, ENGRAM_UNIT, SHARED_UNIT, ROUTED_UNIT)
+
+
+def kl_unit(group: str) -> str:
+    """The measured unit of a budgeted target group (plan/targets.py)."""
+    return {ROUTED: ROUTED_UNIT, SHARED: SHARED_UNIT, ENGRAM: ENGRAM_UNIT}.get(group, ATTENTION_UNIT)
 
 
 @dataclass
@@ -36,6 +57,8 @@ class LayerStats:
     ffn_gain: float = 1.0  # same for the MoE/FFN site
     # cold expert -> (most similar warm expert, relative output error if aliased to it)
     alias_candidates: dict[int, tuple[int, float]] = field(default_factory=dict)
+    # unit (KL_UNITS) -> measured KL at the probe's noise level; empty when not measured
+    unit_kl: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON-ready: alias keys as strings, pairs as lists."""
@@ -57,6 +80,15 @@ class CalibrationSummary:
     tensors: dict[str, TensorStats]
     layers: list[LayerStats]
     synthetic: bool = False  # True when made up for planning without a calibration run
+    kl_relative_error: float = 0.0  # the unit KL probe's noise per unit of ldlq_factor (0: not measured)
+    kl_rows: int = 0
+    kl_cols: int = 0
+
+    @property
+    def gains(self) -> str:
+        """MEASURED_KL when every layer carries measured unit KLs, else STREAM_ENERGY."""
+        measured = self.kl_relative_error > 0 and self.layers and all(layer.unit_kl for layer in self.layers)
+        return MEASURED_KL if measured else STREAM_ENERGY
 
     def layer(self, index: int) -> LayerStats:
         for stats in self.layers:
@@ -67,7 +99,7 @@ class CalibrationSummary:
     def to_dict(self) -> dict:
         body = asdict(self)
         body["layers"] = [layer.to_dict() for layer in self.layers]
-        return {"format": FORMAT, "version": VERSION, **body}
+        return {"format": FORMAT, "version": VERSION, "gains": self.gains, **body}
 
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
@@ -85,8 +117,10 @@ class CalibrationSummary:
             raise UserError(f"{path}: calibration summary not found; run `quantizer calibrate` first")
         except json.JSONDecodeError as e:
             raise UserError(f"{path}: not valid JSON ({e.msg})")
-        if data.get("format") != FORMAT or data.get("version") != VERSION:
-            raise UserError(f"{path}: not a quantizer calibration summary (format {FORMAT} v{VERSION})")
+        if data.get("format") != FORMAT or data.get("version") not in READABLE_VERSIONS:
+            raise UserError(f"{path}: not a quantizer calibration summary (format {FORMAT} v{VERSION}); "
+                            "run `quantizer calibrate` again")
         layers = [LayerStats.from_dict(layer) for layer in data["layers"]]
         tensors = {k: TensorStats(**v) for k, v in data["tensors"].items()}
-        return cls(data["source_fingerprint"], data["rows"], data["cols"], tensors, layers, data.get("synthetic", False))
+        return cls(data["source_fingerprint"], data["rows"], data["cols"], tensors, layers, data.get("synthetic", False),
+                   data.get("kl_relative_error", 0.0), data.get("kl_rows", 0), data.get("kl_cols", 0))

@@ -215,6 +215,7 @@ class Allocator:
         bpw = budget_bits / self.total_numel if target_bpw is None else target_bpw
         made_by = (f"allocate(bpw={bpw:.4g}, loader={s.mode}, floor={s.floor:g}, codebook={s.codebook}, "
                    f"aliases={len(aliased)}, calibration={'synthetic' if self.sens.synthetic else 'measured'}, "
+                   f"gains={self.sens.gains}, "
                    f"measured_proxies={self.sens.measured})")
         return make_plan(self.cfg, k, s.codebook, s.mode, target_bpw=round(bpw, 4), aliases=aliased,
                          made_by=made_by)

@@ -55,12 +55,13 @@ experts of almost no importance are aliased (the field's advice: ref/peers-and-a
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from quantizer.calibrate.summary import CalibrationSummary, LayerStats, TensorStats
+from quantizer.calibrate.summary import MEASURED_KL, CalibrationSummary, LayerStats, TensorStats, kl_unit
 from quantizer.errors import UserError
 from quantizer.model.config import ModelConfig
 from quantizer.plan.sizes import rate_grid
@@ -120,6 +121,7 @@ class Sensitivity:
     measured: int  # how many targets carry caller-measured proxies
     aliases: tuple[AliasOption, ...]  # alias candidates from calibration
     synthetic: bool  # the summary was made up (synthetic_summary), not measured
+    gains: str  # the summary's site sensitivity: MEASURED_KL (importance on the KL scale) or STREAM_ENERGY
 
     @property
     def cost(self) -> np.ndarray:
@@ -178,12 +180,31 @@ def sensitivity(
     n_measured = _apply_measured(proxy, keys, rates, codebook, measured or {})
     row = {k: i for i, k in enumerate(keys)}
     ref = rates.index(REFERENCE_RATE)
+    if summary.gains == MEASURED_KL:
+        importance = importance * _kl_scale(budgeted, layers, importance, proxy[:, ref],
+                                            summary.kl_relative_error * np.clip(ldlq, 0.0, None))
 
     def alias_cost(w2: str, error: float) -> float:
         return float(bent_cost(importance[row[w2]], proxy[row[w2], ref], error))
 
     return Sensitivity(keys, rates, importance, proxy, n_measured, _alias_options(cfg, layers, alias_cost),
-                       summary.synthetic)
+                       summary.synthetic, summary.gains)
+
+
+def _kl_scale(budgeted, layers: dict[int, LayerStats], importance: np.ndarray, reference: np.ndarray,
+              noise: np.ndarray) -> np.ndarray:
+    """[T] factor per target that makes its unit's modelled cost at the calibration probe's noise
+    equal the KL calibration measured (module docstring); a unit without a measurement takes the
+    geometric mean of the measured units' factors."""
+    unit = [(t.layer, kl_unit(t.group)) for t in budgeted]
+    modelled: dict[tuple[int, str], float] = defaultdict(float)
+    for u, cost in zip(unit, bent_cost(importance, reference, noise)):
+        modelled[u] += float(cost)
+    factor = {u: layers[u[0]].unit_kl[u[1]] / m for u, m in modelled.items()
+              if u[1] in layers[u[0]].unit_kl and m > 0}
+    positive = [f for f in factor.values() if f > 0]
+    fallback = float(np.exp(np.mean(np.log(positive)))) if positive else 1.0
+    return np.array([max(factor.get(u, fallback), 0.0) for u in unit])
 
 
 def _ffn_parts(cfg: ModelConfig, layers: dict[int, LayerStats], energy, tokens: float) -> dict[int, dict]:
