@@ -31,7 +31,8 @@ def built(tiny_v41, tmp_path_factory):
     src = shutil.copytree(tiny_v41, root / "src")
     for name, text in SIDE_FILES.items():
         (src / name).write_text(text)
-    assert main(["build", str(src), "--bpw", BPW, "--out", str(root / "pack"), "--shard-size", str(CAP)]) == 0
+    assert main(["build", str(src), "--bpw", BPW, "--out", str(root / "pack"), "--shard-size", str(CAP),
+                 "--method", "uniform", "--no-calibrate"]) == 0
     return src, root / "pack"
 
 
@@ -43,7 +44,7 @@ def test_the_pack_verifies_clean_and_the_work_stays_resumable(built, capsys):
     _, pack = built
     assert main(["verify", str(pack), "--full"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("clean")
-    assert (pack.with_name("pack.work") / "job.json").exists()
+    assert (pack.with_name("pack.work") / "quantize" / "job.json").exists()
     assert not pack.with_name("pack.partial").exists()
 
 

@@ -17,6 +17,7 @@ from quantizer.cli import main
 from quantizer.plan.plan import make_plan
 from quantizer.plan.targets import targets
 from quantizer.quantize.job import JOB_NAME
+from quantizer.build.build import QUANTIZE_DIR
 from quantizer.quantize.results import RESULTS_DIR
 from quantizer.tiny.make import make_tiny
 
@@ -37,7 +38,7 @@ def _plan(tiny, path, encoded: bool):
 
 
 def _args(src, plan, out, *extra):
-    return ["build", str(src), "--plan", str(plan), "--out", str(out), *extra]
+    return ["build", str(src), "--plan", str(plan), "--out", str(out), "--no-calibrate", *extra]
 
 
 def _spawn(args):
@@ -72,7 +73,7 @@ def test_a_killed_build_resumes_to_a_byte_identical_pack(tiny_v41, tmp_path, cap
     assert main(_args(tiny_v41, plan, tmp_path / "reference")) == 0
 
     out = tmp_path / "pack"
-    results = tmp_path / "pack.work" / RESULTS_DIR
+    results = tmp_path / "pack.work" / QUANTIZE_DIR / RESULTS_DIR
     proc = _spawn(_args(tiny_v41, plan, out))
     _kill_when(proc, lambda: len(list(results.glob("*.safetensors"))) >= len(FP16_KEYS))
     assert not out.exists()
@@ -81,7 +82,7 @@ def test_a_killed_build_resumes_to_a_byte_identical_pack(tiny_v41, tmp_path, cap
 
     capsys.readouterr()
     assert main(_args(tiny_v41, plan, out)) == 0
-    assert f"{len(finished)} already done" in capsys.readouterr().out
+    assert f"{len(finished)} already done" in capsys.readouterr().err
     assert all(p.stat().st_mtime_ns == finished[p.name] for p in results.glob("*.safetensors") if p.name in finished)
     reference, resumed = _files(tmp_path / "reference"), _files(out)
     assert reference.keys() == resumed.keys()
@@ -94,7 +95,7 @@ def test_a_result_that_cannot_be_read_back_is_redone(tiny_v41, tmp_path):
     assert main(_args(tiny_v41, plan, tmp_path / "reference")) == 0
     out = tmp_path / "pack"
     assert main(_args(tiny_v41, plan, out)) == 0
-    damaged = tmp_path / "pack.work" / RESULTS_DIR / f"{FP16_KEYS[3]}.safetensors"
+    damaged = tmp_path / "pack.work" / QUANTIZE_DIR / RESULTS_DIR / f"{FP16_KEYS[3]}.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:100])
     shutil.rmtree(out)
     assert main(_args(tiny_v41, plan, out)) == 0
@@ -128,9 +129,9 @@ def test_a_rerun_with_another_seed_or_source_is_refused(tiny_v41, tmp_path, caps
 @pytest.mark.parametrize("codebook", [None, "mcg"])
 def test_a_rerun_with_another_bpw_or_codebook_is_refused(tiny_v41, tmp_path, capsys, codebook):
     out = tmp_path / "pack"
-    proc = _spawn(["build", str(tiny_v41), "--bpw", "2.5", "--out", str(out)])
-    _kill_when(proc, lambda: (tmp_path / "pack.work" / JOB_NAME).exists())
-    args = ["build", str(tiny_v41), "--out", str(out)]
+    proc = _spawn(["build", str(tiny_v41), "--bpw", "2.5", "--out", str(out), "--method", "uniform", "--no-calibrate"])
+    _kill_when(proc, lambda: (tmp_path / "pack.work" / QUANTIZE_DIR / JOB_NAME).exists())
+    args = ["build", str(tiny_v41), "--out", str(out), "--method", "uniform", "--no-calibrate"]
     args += ["--bpw", "2.5", "--codebook", codebook] if codebook else ["--bpw", "3"]
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -139,10 +140,10 @@ def test_a_rerun_with_another_bpw_or_codebook_is_refused(tiny_v41, tmp_path, cap
 
 
 def test_a_second_build_in_the_same_work_directory_is_refused_while_the_first_runs(tiny_v41, tmp_path, capsys):
-    args = ["build", str(tiny_v41), "--bpw", "2.5", "--out", str(tmp_path / "pack")]  # minutes of encoding
+    args = ["build", str(tiny_v41), "--bpw", "2.5", "--out", str(tmp_path / "pack"), "--method", "uniform", "--no-calibrate"]  # minutes of encoding
     proc = _spawn(args)
     try:
-        _wait_for(proc, lambda: (tmp_path / "pack.work" / JOB_NAME).exists())
+        _wait_for(proc, lambda: (tmp_path / "pack.work" / QUANTIZE_DIR / JOB_NAME).exists())
         assert main(args) == 2
         assert "another quantizer job is running" in capsys.readouterr().err
     finally:

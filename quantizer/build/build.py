@@ -1,34 +1,56 @@
 """`quantizer build`: the stages in order inside one resumable work directory.
 
-plan (uniform at --bpw, or a saved plan) -> quantize -> pack -> verify (header level) -> summary.
-Calibration and the allocator will slot in before quantize; each stage stays one call here.
+calibrate (WORK/calibration: Hessians, routing, the allocator's summary) -> plan (ours: the
+allocator on that summary; uniform or exl3; or a saved plan; at a bpw or the most that fits N
+Sparks) -> quantize (WORK/quantize, with the Hessians) -> pack -> verify (header level).
+The plan is kept in WORK as plan.json and recipe.yaml (exllamav3's recipe syntax).
+Without calibration rows the linears are quantized without Hessians (uniform, exl3 or a saved plan).
+Every stage resumes from its own directory, so a rerun continues where the last one stopped.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
+from quantizer.calibrate.settings import CalibrationSettings
+from quantizer.calibrate.stage import calibrate
+from quantizer.calibrate.storage import HessianStore
+from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
+from quantizer.fit.memory import FitReport
+from quantizer.model.config import ModelConfig
 from quantizer.pack.manifest import Manifest
 from quantizer.pack.writer import PackSettings, check_new_pack_dir, write_pack
+from quantizer.plan.allocate import AllocationSettings, FitTarget, largest_fitting_plan
+from quantizer.plan.methods import METHODS, OURS, planner
 from quantizer.plan.plan import Plan
-from quantizer.plan.uniform import uniform_plan
+from quantizer.plan.recipe import write_recipe
+from quantizer.plan.sizes import rate_grid
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import QuantizeResult, quantize
 from quantizer.verify.verify import VerifyReport, verify_pack
+
+QUANTIZE_DIR = "quantize"
+PLAN_FILE, RECIPE_FILE = "plan.json", "recipe.yaml"
 
 
 @dataclass(frozen=True)
 class BuildRequest:
     src: str
     out: Path
-    bpw: float | None = None  # a uniform plan at this rate, or
-    plan: Plan | None = None  # a plan made elsewhere (quantizer plan, the allocator)
+    bpw: float | None = None  # a plan at this rate, or
+    plan: Plan | None = None  # a plan made elsewhere (quantizer plan), or
+    target: FitTarget | None = None  # the most bits whose plan fits these Sparks
+    method: str = OURS  # how K is chosen for bpw / target (plan/methods.py)
+    allocation: AllocationSettings = AllocationSettings()
+    calibration_rows: torch.Tensor | None = None  # token rows [R, C]; None: no calibration, no Hessians
+    calibration: CalibrationSettings = CalibrationSettings()
     work: Path | None = None  # default <out>.work
-    codebook: str = "mul1"  # for the uniform plan
     revision: str | None = None
     shard_size: int = PackSettings.shard_size
     quantize: QuantizeSettings = QuantizeSettings()
@@ -41,7 +63,10 @@ class BuildRequest:
 @dataclass(frozen=True)
 class BuildResult:
     out: Path
+    work: Path
     plan: Plan
+    fit: FitReport | None  # the fit of the plan to req.target, when one was asked for
+    calibration: CalibrationSummary | None
     quantized: QuantizeResult
     manifest: Manifest
     verify: VerifyReport
@@ -50,12 +75,41 @@ class BuildResult:
 
 def build(req: BuildRequest) -> BuildResult:
     start = time.monotonic()
-    if (req.bpw is None) == (req.plan is None):
-        raise UserError("give either --bpw (a uniform plan) or --plan PLAN.json")
-    check_new_pack_dir(req.out)  # before hours of quantizing, not after
+    if sum(x is not None for x in (req.bpw, req.plan, req.target)) != 1:
+        raise UserError("give one of --bpw B, --plan PLAN.json or --sparks N")
+    if req.method not in METHODS:
+        raise UserError(f"--method {req.method!r}; choose from {', '.join(METHODS)}")
+    if req.plan is None and req.method == OURS and req.calibration_rows is None:
+        raise UserError("--method ours allocates from a calibration; drop --no-calibrate, or use --method uniform")
+    check_new_pack_dir(req.out)  # before hours of work, not after
     ck = Checkpoint.open(req.src, req.revision)
-    plan = req.plan or uniform_plan(ck.config, req.bpw, codebook=req.codebook)
-    quantized = quantize(ck, plan, req.work_dir, req.quantize)
-    manifest = write_pack(ck, plan, req.work_dir, req.out, PackSettings(req.shard_size, req.revision, req.quantize.record()))
-    report = verify_pack(req.out)
-    return BuildResult(req.out, plan, quantized, manifest, report, time.monotonic() - start)
+    store, summary = None, None
+    if req.calibration_rows is not None:
+        summary = calibrate(ck, req.calibration_rows, req.work_dir, req.calibration).summary
+        store = HessianStore(req.work_dir, ck)
+    plan, report = (req.plan, None) if req.plan else choose_plan(ck.config, req, summary)
+    save_plan(ck.config, plan, req.work_dir)
+    settings = replace(req.quantize, calibration=store.record if store else None)
+    quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None)
+    manifest = write_pack(ck, plan, req.work_dir / QUANTIZE_DIR, req.out,
+                          PackSettings(req.shard_size, req.revision, settings.record()))
+    verified = verify_pack(req.out)
+    return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, manifest, verified, time.monotonic() - start)
+
+
+def save_plan(cfg: ModelConfig, plan: Plan, work: Path) -> None:
+    """The plan as JSON (`quantizer build --plan` takes it) and as an exllamav3 recipe.yaml."""
+    work.mkdir(parents=True, exist_ok=True)
+    plan.save(work / PLAN_FILE)
+    write_recipe(cfg, plan, work / RECIPE_FILE, f"{plan.made_by}\nAchieved bits (exllamav3 accounting, budgeted "
+                 f"tensors): {plan.achieved_bpw:.4f}; mode {plan.mode}")
+
+
+def choose_plan(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None
+                ) -> tuple[Plan, FitReport | None]:
+    """The plan at req.bpw, or the largest that fits req.target, by req.method."""
+    plan_at, lowest = planner(cfg, req.method, req.allocation, summary)
+    if req.target is None:
+        return plan_at(req.bpw), None
+    highest = rate_grid(req.allocation.codebook)[-1]
+    return largest_fitting_plan(cfg, plan_at, lowest, highest, req.target)

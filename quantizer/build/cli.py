@@ -1,7 +1,9 @@
-"""`quantizer build SRC (--bpw B | --plan PLAN.json) --out PACK [--work DIR] [--device cpu|cuda] ...`
+"""`quantizer build SRC (--bpw B | --sparks N [--context C] | --plan PLAN.json) --out PACK
+[--method ours|uniform|exl3] [--loader stock|mixedk] [--text FILE | --tokens FILE | --no-calibrate] ...`
 
-Rerun the same command after an interruption and it continues where it stopped; a rerun with a
-different source, plan or settings is refused with the difference named.
+Calibrates (the shipped calibration set by default), plans, quantizes, packs and verifies. Rerun the
+same command after an interruption and it continues where it stopped; a rerun with a different
+source, plan or settings is refused with the difference named.
 """
 
 from __future__ import annotations
@@ -10,8 +12,17 @@ import argparse
 import re
 from pathlib import Path
 
-from quantizer.build.build import BuildRequest, BuildResult, build
+from quantizer.build.build import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
+from quantizer.calibrate.settings import CalibrationSettings
+from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
+from quantizer.fit.cli import render as render_fit
+from quantizer.fit.cli import tokens
+from quantizer.fit.memory import TOPOLOGIES
+from quantizer.plan.allocate import AllocationSettings, FitTarget
+from quantizer.plan.methods import METHODS, OURS
+from quantizer.plan.plan import MODES, STOCK
+from quantizer.textdata import model_rows, shipped_text_path
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.plan import Plan
 from quantizer.plan.sizes import CODEBOOKS
@@ -19,14 +30,30 @@ from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
 from quantizer.report import gib, table
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+CALIB_ROWS, CALIB_COLS = 250, 2048  # exllamav3's calibration: 250 rows x 2048 tokens
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="plan, quantize, pack and verify in one resumable work directory")
     p.add_argument("src", help="native checkpoint directory or Hugging Face repo id")
     rate = p.add_mutually_exclusive_group(required=True)
-    rate.add_argument("--bpw", type=float, help="uniform plan at this many bits per weight (exllamav3 accounting)")
+    rate.add_argument("--bpw", type=float, help="bits per weight over the budgeted tensors (exllamav3 accounting)")
+    rate.add_argument("--sparks", type=int, choices=TOPOLOGIES, help="the most bits whose pack fits N DGX Sparks")
     rate.add_argument("--plan", type=Path, help="a plan file written by `quantizer plan`")
+    p.add_argument("--context", type=tokens, help="with --sparks: tokens per stream (default: the model's max positions)")
+    p.add_argument("--streams", type=int, default=1, help="with --sparks: concurrent streams (default 1)")
+    p.add_argument("--engine", help="with --sparks: engine profile (default: the hardware file's default_engine)")
+    p.add_argument("--method", choices=METHODS, default=OURS,
+                   help="ours: the allocator on the calibration (default); uniform; exl3: exllamav3's own allocator")
+    p.add_argument("--loader", choices=MODES, default=STOCK,
+                   help="ours: stock = one K per projection per layer (any EXL3 loader); mixedk = K per expert")
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--text", help="calibration text (.txt, .jsonl, optionally .zst; default: the shipped set)")
+    data.add_argument("--tokens", help="calibration token ids (.npy, or .safetensors with input_ids)")
+    data.add_argument("--no-calibrate", action="store_true",
+                      help="no calibration: linears quantized without Hessians (uniform, exl3 or --plan only)")
+    p.add_argument("--calib-rows", type=int, help=f"calibration rows (default: up to {CALIB_ROWS}, as many as the text holds)")
+    p.add_argument("--calib-cols", type=int, default=CALIB_COLS, help=f"tokens per calibration row (default {CALIB_COLS})")
     p.add_argument("--out", type=Path, required=True, help="pack directory to write (must not exist)")
     p.add_argument("--work", type=Path, help="work directory (default: <out>.work); rerun to resume")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu: our codec; cuda: exllamav3")
@@ -49,14 +76,30 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan) if args.plan else None
     if plan and args.codebook and args.codebook != plan.codebook:
         raise UserError(f"--codebook {args.codebook} conflicts with {args.plan}, which uses {plan.codebook}")
+    if args.sparks is None and (args.context is not None or args.streams != 1 or args.engine):
+        raise UserError("--context, --streams and --engine size the fit of --sparks N; add --sparks")
+    ck = Checkpoint.open(args.src, revision=args.revision)
+    target = None
+    if args.sparks:
+        context = ck.config.max_position_embeddings if args.context is None else args.context
+        target = FitTarget(args.sparks, context, args.streams, args.engine)
     req = BuildRequest(
-        src=args.src, out=args.out, bpw=args.bpw, plan=plan, work=args.work,
-        codebook=args.codebook or "mul1", revision=args.revision, shard_size=args.shard_size,
-        quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
+        src=args.src, out=args.out, bpw=args.bpw, plan=plan, target=target, method=args.method,
+        allocation=AllocationSettings(mode=args.loader, codebook=args.codebook or "mul1"),
+        calibration_rows=None if args.no_calibrate else _calibration_rows(args, ck),
+        calibration=CalibrationSettings(device=args.device), work=args.work, revision=args.revision,
+        shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
     )
     result = build(req)
     print(summary(result))
-    return 1 if result.verify.faults else 0
+    return 1 if result.verify.faults or (result.fit and not result.fit.fits) else 0
+
+
+def _calibration_rows(args: argparse.Namespace, ck: Checkpoint):
+    text = None if args.tokens else args.text or shipped_text_path("calibration")
+    rows = model_rows(ck.root, ck.config, text=text, tokens=args.tokens, rows=args.calib_rows, cols=args.calib_cols,
+                      default_cols=args.calib_cols)
+    return rows if args.calib_rows is not None else rows[:CALIB_ROWS]
 
 
 def summary(r: BuildResult) -> str:
@@ -70,15 +113,26 @@ def summary(r: BuildResult) -> str:
         f"{r.quantized.units:,} units encoded this run)",
         f"{len(m.shards)} shards, {pack_bytes:,} bytes ({gib(pack_bytes)} GiB); bits {m.quantization['bits']}, "
         f"bpw {m.quantization['bpw']}, head_bits {m.plan['head_bits']}, codebook {m.plan['codebook']}",
+        f"plan: {r.plan.made_by}; {r.plan.achieved_bpw:.4f} bits over the budgeted tensors; saved as "
+        f"{r.work / PLAN_FILE} and {r.work / RECIPE_FILE}",
+        _calibration_line(r),
         f"linears by K (16 = fp16): {hist or 'none'}",
         _proxy_line(r.quantized.proxy_err),
         table(["class", "tensors", "bytes", "GiB", "bpw"], rows),
         _fit_lines(m),
+        *([] if r.fit is None else [render_fit(r.fit)]),
         f"verify: {'clean' if not r.verify.faults else f'{len(r.verify.faults)} fault(s)'}",
-        f"work directory {r.quantized.work} is kept (re-pack or resume from it); delete it when done",
+        f"work directory {r.work} is kept (re-pack or resume from it); delete it when done",
     ]
     lines += [f.line() for f in r.verify.faults]
     return "\n".join(lines)
+
+
+def _calibration_line(r: BuildResult) -> str:
+    c = r.calibration
+    if c is None:
+        return "calibration: none (linears quantized without Hessians)"
+    return f"calibration: {c.rows} rows x {c.cols} tokens, site sensitivity {c.gains}"
 
 
 def _proxy_line(proxy_err: dict[str, float | None]) -> str:

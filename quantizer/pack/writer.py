@@ -8,6 +8,7 @@ dropped silently (a missing quantized result stops the stage with the key to red
 
 from __future__ import annotations
 
+import sys
 import json
 import shutil
 from collections import Counter, defaultdict
@@ -60,7 +61,7 @@ def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, se
     tensors, sources = _pack_tensors(ck, plan, linears, ResultStore(work))
     shards = assign_shards(tensors, settings.shard_size)
     size = sum(s.nbytes for s in shards)
-    print(f"pack: {len(tensors):,} tensors in {len(shards)} shards, {size / GIB:,.2f} GiB to write in {partial}")
+    print(f"pack: {len(tensors):,} tensors in {len(shards)} shards, {size / GIB:,.2f} GiB to write in {partial}", file=sys.stderr)
     require_free_space(partial, size, "the pack")
     write_shards(partial, shards)
     records = _shard_records(partial, shards)

@@ -21,19 +21,17 @@ from quantizer.errors import UserError
 from quantizer.fit.memory import TOPOLOGIES, fit
 from quantizer.fit.stored import stored_from_plan
 from quantizer.model.config import ModelConfig
-from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings, Allocator, FitTarget, largest_fitting_plan
-from quantizer.plan.exl3_baseline import HQ, exl3_plan
+from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings, FitTarget, largest_fitting_plan
+from quantizer.plan.exl3_baseline import HQ
+from quantizer.plan.methods import EXL3, METHODS, OURS, UNIFORM, planner
 from quantizer.plan.plan import MIXEDK, MODES, STOCK, TOTAL, TOTAL_RESIDENT, Plan
 from quantizer.plan.recipe import write_recipe
-from quantizer.plan.sensitivity import sensitivity, synthetic_summary
+from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plan.sizes import CODEBOOKS, rate_grid
 from quantizer.plan.targets import GROUPS, ROUTED, targets
-from quantizer.plan.uniform import uniform_plan
 from quantizer.report import gib, table
 from quantizer.shipped import model_config_path
 
-OURS, UNIFORM, EXL3 = "ours", "uniform", "exl3"
-METHODS = (OURS, UNIFORM, EXL3)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -145,19 +143,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _planner(cfg: ModelConfig, args: argparse.Namespace, method: str):
     """(bpw -> Plan for the chosen method, the lowest bpw worth trying)."""
-    lowest = rate_grid(args.codebook)[0]
-    if method != OURS and (args.loader == MIXEDK or args.alias):
-        raise UserError(f"--loader mixedk and --alias apply to --method ours; {method} plans are stock, one K per "
-                        "projection per layer")
-    if method == UNIFORM:
-        return (lambda b: uniform_plan(cfg, b, args.codebook, args.head_bits, args.drafter_bits, args.floor)), lowest
-    if method == EXL3:
-        return (lambda b: exl3_plan(cfg, b, args.codebook, args.head_bits, args.hq, args.drafter_bits)), lowest
-    summary = load_summary(cfg, args)
-    settings = AllocationSettings(args.loader, args.codebook, DEFAULT_FLOOR if args.floor is None else args.floor,
-                                  args.head_bits, args.drafter_bits, args.alias, args.alias_below, args.alias_cap)
-    alloc = Allocator(cfg, sensitivity(cfg, summary, args.codebook), settings)
-    return (lambda b: alloc.plan(b * alloc.total_numel, target_bpw=b)), alloc.min_bits / alloc.total_numel
+    settings = AllocationSettings(args.loader, args.codebook, DEFAULT_FLOOR, args.head_bits, args.drafter_bits,
+                                  args.alias, args.alias_below, args.alias_cap)
+    summary = load_summary(cfg, args) if method == OURS else None
+    return planner(cfg, method, settings, summary, args.floor, args.hq)
 
 
 def load_summary(cfg: ModelConfig, args: argparse.Namespace) -> CalibrationSummary:

@@ -8,6 +8,7 @@ per-linear seeds, so the results (and the pack) are byte-identical to an uninter
 
 from __future__ import annotations
 
+import sys
 import importlib.util
 import time
 from dataclasses import dataclass
@@ -75,7 +76,7 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
     store = ResultStore(work)
     todo = [u for u in units if not store.done(u)]
     ram, disk = _needs(todo, by_key, plan.codebook)
-    print(_needs_line(work, linears, units, todo, settings, ram, disk))
+    print(_needs_line(work, linears, units, todo, settings, ram, disk), file=sys.stderr)
     require_free_space(work, disk, "the quantized results")
     start = time.monotonic()
     reader = WeightReader(ck, settings.device)

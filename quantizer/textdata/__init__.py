@@ -6,7 +6,7 @@ reports bad ones the same way.
 """
 
 from quantizer.textdata.files import read_texts, read_tokens
-from quantizer.textdata.rows import check_ids, rows_from_file, token_rows
+from quantizer.textdata.rows import check_ids, model_rows, rows_from_file, token_rows
 from quantizer.textdata.shipped_sets import SET_FILES, default_text, default_tokenizer, shipped_text_path
 from quantizer.textdata.tokenizer import SPECIAL_TOKENS, encode_texts, load_tokenizer
 
@@ -18,6 +18,7 @@ __all__ = [
     "default_tokenizer",
     "encode_texts",
     "load_tokenizer",
+    "model_rows",
     "read_texts",
     "read_tokens",
     "rows_from_file",

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 
 from quantizer.errors import UserError
 from quantizer.textdata.files import TOKEN_SUFFIXES, check_ids, read_texts, read_tokens
-from quantizer.textdata.tokenizer import encode_texts
+from quantizer.textdata.tokenizer import encode_texts, load_tokenizer
 
 
 def token_rows(
@@ -80,3 +80,32 @@ def _given_rows(ids: torch.Tensor, rows: int | None, cols: int, where: str) -> t
     if rows is not None and not 1 <= rows <= have:
         raise UserError(f"{where}: holds {have} rows, {rows} were asked for; ask for at most {have}")
     return ids[: have if rows is None else rows]
+
+
+def model_rows(
+    root: str | os.PathLike,
+    cfg,
+    *,
+    text: str | os.PathLike | None = None,
+    tokens: str | os.PathLike | None = None,
+    rows: int | None = None,
+    cols: int | None = None,
+    default_cols: int,
+) -> torch.Tensor:
+    """Rows for the model in `root` (config `cfg`): token ids as given (`tokens`: .npy or .safetensors;
+    a 2-D file's width sets cols unless asked), else `text` tokenized with root/tokenizer.json, one BOS
+    per row and EOS between documents."""
+    if tokens is not None:
+        if not str(tokens).lower().endswith(TOKEN_SUFFIXES):
+            raise UserError(f"{tokens}: --tokens takes a .npy or .safetensors file; use --text for text")
+        if cols is None:
+            ids = read_tokens(tokens, cfg.vocab_size)
+            cols = ids.shape[1] if ids.dim() == 2 else default_cols
+        return rows_from_file(tokens, rows, cols, vocab_size=cfg.vocab_size)
+    if text is None:
+        raise ValueError("model_rows: give text or tokens")
+    root = Path(root)
+    if not (root / "tokenizer.json").exists():
+        raise UserError(f"{root}: has no tokenizer.json to tokenize {text}; pass token ids (--tokens) instead")
+    return rows_from_file(text, rows, cols or default_cols, tokenizer=load_tokenizer(root), bos=cfg.bos_token_id,
+                          eos=cfg.eos_token_id, vocab_size=cfg.vocab_size)

@@ -1,0 +1,48 @@
+"""The three ways to choose K: ours (allocate.py), uniform (uniform.py), exl3 (exllamav3's allocator).
+
+`planner` turns a method into `bpw -> Plan` plus the lowest bpw worth asking for, the form both a
+plan at a given bpw and the search for the most bits that fit N Sparks (largest_fitting_plan) take;
+`quantizer plan` and `quantizer build` share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from quantizer.calibrate.summary import CalibrationSummary
+from quantizer.errors import UserError
+from quantizer.model.config import ModelConfig
+from quantizer.plan.allocate import AllocationSettings, Allocator
+from quantizer.plan.exl3_baseline import HQ, exl3_plan
+from quantizer.plan.plan import MIXEDK, Plan
+from quantizer.plan.sensitivity import sensitivity
+from quantizer.plan.sizes import rate_grid
+from quantizer.plan.uniform import uniform_plan
+
+OURS, UNIFORM, EXL3 = "ours", "uniform", "exl3"
+METHODS = (OURS, UNIFORM, EXL3)
+
+
+def planner(cfg: ModelConfig, method: str, settings: AllocationSettings = AllocationSettings(),
+            summary: CalibrationSummary | None = None, floor: float | None = None, hq: int = HQ,
+            measured: dict[str, dict[float, float]] | None = None) -> tuple[Callable[[float], Plan], float]:
+    """(bpw -> Plan by `method`, the lowest bpw worth trying). `ours` needs a calibration summary
+    (measured proxy errors per key and K sharpen it); `floor` None is each method's own floor rule."""
+    lowest = rate_grid(settings.codebook)[0]
+    if method not in METHODS:
+        raise UserError(f"method {method!r}; choose from {', '.join(METHODS)}")
+    if method != OURS and (settings.mode == MIXEDK or settings.alias):
+        raise UserError(f"--loader mixedk and --alias apply to the ours method; {method} plans are stock, one K per "
+                        "projection per layer")
+    if method == UNIFORM:
+        return (lambda b: uniform_plan(cfg, b, settings.codebook, settings.head_bits, settings.drafter_bits,
+                                       floor)), lowest
+    if method == EXL3:
+        return (lambda b: exl3_plan(cfg, b, settings.codebook, settings.head_bits, hq, settings.drafter_bits)), lowest
+    if summary is None:
+        raise ValueError("planner: the ours method needs a calibration summary")
+    if floor is not None:
+        settings = replace(settings, floor=floor)
+    alloc = Allocator(cfg, sensitivity(cfg, summary, settings.codebook, measured), settings)
+    return (lambda b: alloc.plan(b * alloc.total_numel, target_bpw=b)), alloc.min_bits / alloc.total_numel

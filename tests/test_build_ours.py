@@ -1,0 +1,58 @@
+"""`quantizer build` end to end with our allocator: the bundled model calibrated on the shipped set,
+allocated in mixedk mode, quantized with its Hessians, packed, verified; the plan kept as JSON and
+as an exllamav3 recipe; inputs that cannot make a plan are refused before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quantizer.build.build import PLAN_FILE, RECIPE_FILE
+from quantizer.cli import main
+from quantizer.pack.manifest import MANIFEST_NAME
+from quantizer.plan.plan import Plan
+from quantizer.shipped import shipped
+
+SMALL = str(shipped("small_model"))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ours")
+    args = ["build", SMALL, "--bpw", "2.9", "--loader", "mixedk", "--calib-rows", "4", "--calib-cols", "256",
+            "--out", str(root / "pack")]
+    assert main(args) == 0
+    return root
+
+
+def test_the_pack_is_calibrated_allocated_and_verified(built, capsys):
+    manifest = json.loads((built / "pack" / MANIFEST_NAME).read_text())
+    assert manifest["settings"]["calibration"]["rows"] == 4
+    plan = Plan.load(built / "pack.work" / PLAN_FILE)
+    assert plan.mode == "mixedk" and plan.made_by.startswith("allocate(") and "gains=measured-kl" in plan.made_by
+    assert abs(plan.achieved_bpw - 2.9) < 0.02
+    assert manifest["aliases"] == plan.aliases
+    assert (built / "pack.work" / RECIPE_FILE).read_text().count("\n") > 10
+    assert main(["verify", str(built / "pack"), "--full"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("clean")
+
+
+def test_a_rerun_resumes_without_encoding_again(built, capsys):
+    (built / "again").mkdir()
+    args = ["build", SMALL, "--bpw", "2.9", "--loader", "mixedk", "--calib-rows", "4", "--calib-cols", "256",
+            "--out", str(built / "again" / "pack"), "--work", str(built / "pack.work")]
+    assert main(args) == 0
+    assert "(0 of " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--bpw", "2.5", "--no-calibrate"], "--method ours allocates from a calibration"),
+    (["--bpw", "2.5", "--context", "64K"], "add --sparks"),
+    (["--bpw", "2.5", "--method", "uniform", "--loader", "mixedk"], "--loader mixedk and --alias apply"),
+    (["--bpw", "2.5", "--tokens", "ids.txt"], "--tokens takes a .npy or .safetensors file"),
+])
+def test_inputs_that_cannot_make_a_plan_exit_2(tmp_path, capsys, extra, message):
+    assert main(["build", SMALL, "--out", str(tmp_path / "pack"), *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "pack").exists()
