@@ -1,4 +1,8 @@
-"""`quantizer ppl SRC (--text FILE | --tokens FILE)`: perplexity of a native checkpoint.
+"""`quantizer ppl MODEL [--against SRC] (--text FILE | --tokens FILE)`: perplexity, and what a pack costs.
+
+MODEL is a native checkpoint or a pack written by quantizer (its EXL3 linears are decoded to the
+weights a loader computes with). With `--against SRC` both run over the same rows and the report
+adds KL(SRC || MODEL), top-1 agreement and the paired NLL delta with its standard error.
 
 Rows are cut by quantizer.textdata: text is tokenized with the checkpoint's tokenizer.json, one BOS
 per row and EOS between documents; token files (.npy, or .safetensors with `input_ids`) are used
@@ -17,16 +21,20 @@ import torch
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
-from quantizer.ppl.perplexity import perplexity
-from quantizer.textdata import load_tokenizer, read_tokens, rows_from_file
+from quantizer.pack.manifest import MANIFEST_NAME
+from quantizer.ppl.compare import Comparison, compare
+from quantizer.ppl.pack_source import PackSource
+from quantizer.ppl.perplexity import perplexity, row_predictions
+from quantizer.textdata import model_rows
 
 DEFAULT_COLS = 512
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("ppl", help="perplexity of a native checkpoint over text or token ids",
+    p = subparsers.add_parser("ppl", help="perplexity of a checkpoint or pack; with --against, KL and NLL delta",
                               description=__doc__.splitlines()[0])
-    p.add_argument("src", metavar="SRC", help="native checkpoint directory or Hugging Face repo id")
+    p.add_argument("src", metavar="MODEL", help="pack directory, native checkpoint directory or Hugging Face repo id")
+    p.add_argument("--against", metavar="SRC", help="the native checkpoint MODEL was made from: compare the two")
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("--text", metavar="FILE", help="text (.txt, .jsonl, optionally .zst), tokenized with SRC's tokenizer.json")
     given.add_argument("--tokens", metavar="FILE", help="token ids: .npy, or .safetensors with key input_ids (1-D or 2-D)")
@@ -34,18 +42,30 @@ def register(subparsers) -> None:
     p.add_argument("--cols", type=int, help=f"tokens per row (default: a 2-D file's width, else {DEFAULT_COLS})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--revision", help="revision, for a Hugging Face repo id")
-    p.add_argument("--json", action="store_true", help='print {"ppl", "nll", "nll_stderr", "tokens"} as JSON')
+    p.add_argument("--json", action="store_true", help='print {"ppl", "nll", "nll_stderr", "tokens"} as JSON '
+                   '(with --against: "ppl", "ppl_source", "kl", "top1", "nll_delta", "nll_delta_stderr", "tokens", ...)')
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible to torch; use --device cpu")
-    ck = Checkpoint.open(args.src, revision=args.revision)
-    rows = _rows(args, ck)
+    model = Checkpoint.open(args.src, revision=args.revision)
+    reference = Checkpoint.open(args.against) if args.against else None
+    rows = _rows(args, reference or model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    streamer = LayerStreamer(CheckpointSource(ck), device=args.device, dtype=dtype)
-    result = perplexity(streamer, rows)
+
+    def streamer(ck: Checkpoint) -> LayerStreamer:
+        source = PackSource(ck) if (ck.root / MANIFEST_NAME).exists() else CheckpointSource(ck)
+        return LayerStreamer(source, device=args.device, dtype=dtype)
+
+    if reference is not None:
+        if reference.config.vocab_size != model.config.vocab_size:
+            raise UserError(f"{args.src} and {args.against} have different vocabularies; compare a pack with its source")
+        result = compare(row_predictions(streamer(reference), rows), row_predictions(streamer(model), rows))
+        print(json.dumps(result.as_dict()) if args.json else describe(result))
+        return 0
+    result = perplexity(streamer(model), rows)
     if args.json:
         print(json.dumps(result.as_dict()))
     else:
@@ -54,21 +74,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def describe(c: Comparison) -> str:
+    return (f"perplexity {c.pack.ppl:.4f} (source {c.source.ppl:.4f})  KL {c.kl:.5f} ± {c.kl_stderr:.5f}  "
+            f"top-1 agreement {c.top1:.2%}  NLL delta {c.nll_delta:+.5f} ± {c.nll_delta_stderr:.5f}  "
+            f"over {c.tokens:,} tokens")
+
+
 def _rows(args: argparse.Namespace, ck: Checkpoint) -> torch.Tensor:
-    cfg = ck.config
-    if args.text:
-        if not (ck.root / "tokenizer.json").exists():
-            raise UserError(f"{ck.root}: has no tokenizer.json, so --text cannot be tokenized; pass token ids with --tokens")
-        rows = rows_from_file(args.text, args.rows, args.cols or DEFAULT_COLS, tokenizer=load_tokenizer(ck.root),
-                              bos=cfg.bos_token_id, eos=cfg.eos_token_id, vocab_size=cfg.vocab_size)
-    else:
-        if not args.tokens.lower().endswith((".npy", ".safetensors")):
-            raise UserError(f"{args.tokens}: --tokens takes a .npy or .safetensors file; use --text for text")
-        cols = args.cols
-        if cols is None:
-            ids = read_tokens(args.tokens, cfg.vocab_size)
-            cols = ids.shape[1] if ids.dim() == 2 else DEFAULT_COLS
-        rows = rows_from_file(args.tokens, args.rows, cols, vocab_size=cfg.vocab_size)
+    rows = model_rows(ck.root, ck.config, text=args.text, tokens=args.tokens, rows=args.rows, cols=args.cols,
+                      default_cols=DEFAULT_COLS)
     if rows.shape[1] < 2:
         raise UserError(f"{args.text or args.tokens}: rows of {rows.shape[1]} token leave nothing to predict; use --cols 2 or more")
     print(f"ppl: {rows.shape[0]} rows of {rows.shape[1]} tokens", file=sys.stderr)

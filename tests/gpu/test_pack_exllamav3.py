@@ -5,9 +5,10 @@ Two packs of the tiny V4 checkpoint: one quantized on CUDA by exllamav3 (uniform
 one by our CPU codec (a few attention linears, wo_a among them, so the fused-wo_a slicing is covered).
 For each: exllamav3 loads it (Config.from_directory, Model.from_config, model.load()), every EXL3
 linear holds exactly the trellis the pack stores, its CUDA `reconstruct` equals our rotated-basis decode
-bit for bit, its original-basis weight matches ours to fp16 rounding, and its logits track the native
-checkpoint's logits in exllamav3 (which catches a wrongly sliced or transposed tensor that would
-still decode consistently).
+bit for bit, its original-basis weight matches ours to fp16 rounding, and its logits in exllamav3
+agree with our forward running the same pack (PackSource) as closely as the two engines agree on
+the native checkpoint (which catches a wrongly sliced or transposed tensor that would still decode
+consistently).
 """
 
 from __future__ import annotations
@@ -20,20 +21,23 @@ import torch
 from quantizer.build.build import BuildRequest, build
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear, decode_rotated, dequantize
+from quantizer.model.streaming import CheckpointSource, LayerStreamer
+from quantizer.pack.manifest import MANIFEST_NAME
 from quantizer.plan.plan import make_plan
 from quantizer.plan.targets import targets
+from quantizer.ppl.pack_source import PackSource
 from quantizer.quantize.settings import QuantizeSettings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and exllamav3")
 
 CPU_KEYS = {"layers.0.attn.wq_a": 4.0, "layers.0.attn.wo_a": 4.0}
-MIN_COSINE = {"cpu": 0.99, "cuda": 0.9}  # logits vs the native checkpoint: 3 linears at K4 vs all at 4 bpw
+MIN_COSINE = {"cpu": 0.95, "cuda": 0.9}  # logits vs the native checkpoint: 3 linears at K4 vs all at 4 bpw
 
 
 @pytest.fixture(scope="module")
 def packs(tiny_v4, tmp_path_factory):
     root = tmp_path_factory.mktemp("packs")
-    cuda = build(BuildRequest(str(tiny_v4), root / "cuda", bpw=4.0, quantize=QuantizeSettings(device="cuda")))
+    cuda = build(BuildRequest(str(tiny_v4), root / "cuda", bpw=4.0, method="uniform", quantize=QuantizeSettings(device="cuda")))
     cfg = Checkpoint.open(tiny_v4).config
     plan = make_plan(cfg, {t.key: CPU_KEYS.get(t.key) for t in targets(cfg)})
     cpu = build(BuildRequest(str(tiny_v4), root / "cpu", plan=plan, quantize=QuantizeSettings(device="cpu")))
@@ -62,6 +66,16 @@ def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _our_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    ck = Checkpoint.open(path)
+    source = PackSource(ck) if (path / MANIFEST_NAME).exists() else CheckpointSource(ck)
+    return next(iter(LayerStreamer(source, progress=False, report=lambda line: None).row_logits(ids))).float().cpu()
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
+
+
 @pytest.mark.parametrize("which", ["cuda", "cpu"])
 def test_exllamav3_loads_our_pack_and_decodes_as_we_do(packs, which, tiny_v4):
     from quantizer.codec.exllamav3_adapter import reconstruct_rotated
@@ -85,5 +99,11 @@ def test_exllamav3_loads_our_pack_and_decodes_as_we_do(packs, which, tiny_v4):
     model.unload()
     ids = torch.randint(3, 4000, (1, 64), generator=torch.Generator().manual_seed(0))
     logits, native = _logits(pack, ids), _logits(tiny_v4, ids)
-    cosine = torch.nn.functional.cosine_similarity(logits.flatten(), native.flatten(), dim=0)
-    assert torch.isfinite(logits).all() and cosine > MIN_COSINE[which], float(cosine)
+    engines_pack = _cosine(logits, _our_logits(pack, ids))
+    engines_native = _cosine(native, _our_logits(tiny_v4, ids))
+    print(f"{which}: cosine exllamav3 vs our forward on the pack {engines_pack:.6f}, on the native checkpoint "
+          f"{engines_native:.6f}; pack vs native (exllamav3) {_cosine(logits, native):.6f}")
+    assert torch.isfinite(logits).all() and _cosine(logits, native) > MIN_COSINE[which]
+    # exllamav3 runs the pack as our forward runs it (PackSource decode): as closely as the two engines
+    # agree on the native checkpoint.
+    assert engines_pack > min(0.9999, engines_native) - 1e-3

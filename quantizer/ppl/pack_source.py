@@ -1,0 +1,54 @@
+"""A pack as a weight source for the reference forward: what a loader of the pack would compute with.
+
+EXL3 linears are decoded (on the device the forward runs on) to the weights exllamav3 reconstructs,
+`wo_a` from its per-group slices; native tensors are read as stored; an aliased cold expert is
+served by the expert the manifest names. Streaming loads one block at a time, so a large pack is
+decoded layer by layer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.codec import EXL3Linear, dequantize
+from quantizer.errors import UserError
+from quantizer.model.streaming import CheckpointSource
+from quantizer.pack.manifest import MANIFEST_NAME
+
+EXL3_LEAVES = ("trellis", "suh", "svh", "mul1", "mcg")
+
+
+class PackSource(CheckpointSource):
+    def __init__(self, pack: Checkpoint):
+        super().__init__(pack)
+        path = pack.root / MANIFEST_NAME
+        if not path.exists():
+            raise UserError(f"{pack.root}: no {MANIFEST_NAME}; not a pack written by quantizer")
+        self.aliases: dict[str, str] = json.loads(path.read_text()).get("aliases", {})
+
+    def weight(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
+        key = name[: -len(".weight")] if name.endswith(".weight") else None
+        if key is None:
+            return super().weight(name, dtype, device)
+        key = self.aliases.get(key, key)
+        if f"{key}.trellis" in self.checkpoint:
+            return self._decode(key, device).to(dtype)
+        if f"{key}.slice.0.trellis" in self.checkpoint:
+            slices, g = [], 0
+            while f"{key}.slice.{g}.trellis" in self.checkpoint:
+                slices.append(self._decode(f"{key}.slice.{g}", device))
+                g += 1
+            return torch.cat(slices).to(dtype)
+        return super().weight(f"{key}.weight", dtype, device)
+
+    def _decode(self, key: str, device) -> torch.Tensor:
+        """The HF-orientation [out, in] float32 weight of one EXL3 linear."""
+        leaves = {f"{key}.{leaf}": self.checkpoint.raw(f"{key}.{leaf}").to(device)
+                  for leaf in EXL3_LEAVES if f"{key}.{leaf}" in self.checkpoint}
+        try:
+            return dequantize(EXL3Linear.from_tensors(leaves, key))
+        except ValueError as e:
+            raise UserError(f"{self.checkpoint.root}: {key}: {e}")
