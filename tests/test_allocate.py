@@ -161,7 +161,7 @@ def test_stock_groups_share_k_and_mixedk_varies(small, small_sens):
             per_group_mixed.setdefault((t.layer, t.proj), set()).add(mixed.k[t.key])
     assert all(len(ks) == 1 for ks in per_group_stock.values())
     assert len({next(iter(ks)) for ks in per_group_stock.values()}) > 1  # K differs between layers
-    assert sum(len(ks) > 1 for ks in per_group_mixed.values()) > len(per_group_mixed) // 2
+    assert any(len(ks) > 1 for ks in per_group_mixed.values())  # per-expert K where a group's budget splits
     assert plan_cost(small_sens, mixed) <= plan_cost(small_sens, stock)  # mixedk has strictly more freedom
 
 

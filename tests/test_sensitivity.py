@@ -74,11 +74,13 @@ def test_importance_is_gain_times_share_of_site_output(tiny):
     tokens = 1000.0
     routed = [2.0 * 100 * (e + 1) / tokens for e in range(experts)]  # out_energy(w2) x routed tokens / tokens
     total = 2.0 + sum(routed)  # + shared expert's w2 energy
+    pooled = float(np.exp(np.log(routed).mean()))  # the experts of a (layer, projection) share one importance
     gate = silu_gate_factor(np.array([np.sqrt(2.0 / tiny.moe_intermediate_size)]))[0]
-    assert imp["layers.0.ffn.experts.3.w2"] == pytest.approx(0.7 * routed[3] / total)
-    assert imp["layers.0.ffn.experts.3.w3"] == pytest.approx(0.7 * routed[3] / total)
-    assert imp["layers.0.ffn.experts.3.w1"] == pytest.approx(0.7 * routed[3] / total * gate)
-    assert imp["layers.1.ffn.experts.3.w2"] == pytest.approx(5.0 * routed[3] / total)
+    for e in (0, 3):
+        assert imp[f"layers.0.ffn.experts.{e}.w2"] == pytest.approx(0.7 * pooled / total)
+        assert imp[f"layers.0.ffn.experts.{e}.w3"] == pytest.approx(0.7 * pooled / total)
+        assert imp[f"layers.0.ffn.experts.{e}.w1"] == pytest.approx(0.7 * pooled / total * gate)
+        assert imp[f"layers.1.ffn.experts.{e}.w2"] == pytest.approx(5.0 * pooled / total)
     assert imp["layers.0.ffn.shared_experts.w2"] == pytest.approx(0.7 * 2.0 / total)
     for key in ("layers.0.attn.wq_a", "layers.0.attn.wo_b", "layers.2.attn.indexer.wq_b"):
         assert imp[key] == pytest.approx(0.3)
@@ -94,7 +96,8 @@ def test_importance_is_gain_times_share_of_site_output(tiny):
     assert np.all(np.diff(sens.cost[row]) < 0)
     (alias,) = sens.aliases
     assert (alias.expert, alias.warm, alias.layer) == ("layers.0.ffn.experts.1", "layers.0.ffn.experts.0", 0)
-    assert alias.cost == pytest.approx(imp["layers.0.ffn.experts.1.w2"] * ref * (0.8 / ref) ** EXPONENT)
+    # an alias is priced by the cold expert's own routed share, not the pooled importance
+    assert alias.cost == pytest.approx(0.7 * routed[1] / total * ref * (0.8 / ref) ** EXPONENT)
     assert alias.relative_share == pytest.approx(200 / np.mean([100.0 * (e + 1) for e in range(experts)]))
     assert not sens.synthetic and sens.measured == 0
 

@@ -33,7 +33,7 @@ def planner(cfg: ModelConfig, method: str, settings: AllocationSettings = Alloca
     if method not in METHODS:
         raise UserError(f"method {method!r}; choose from {', '.join(METHODS)}")
     if method != OURS and (settings.mode == MIXEDK or settings.alias):
-        raise UserError(f"--loader mixedk and --alias apply to the ours method; {method} plans are stock, one K per "
+        raise UserError(f"--loader mixedk and --alias apply to --method ours; {method} plans are stock, one K per "
                         "projection per layer")
     if method == UNIFORM:
         return (lambda b: uniform_plan(cfg, b, settings.codebook, settings.head_bits, settings.drafter_bits,
