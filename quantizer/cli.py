@@ -23,6 +23,7 @@ COMMANDS = (
     "quantizer.fit.cli",
     "quantizer.build.cli",
     "quantizer.verify.cli",
+    "quantizer.demo.cli",
 )
 
 

@@ -1,0 +1,56 @@
+"""`quantizer demo [--json]`: the bundled small model built at 2.5, 2.9 and 3.5 bpw by four methods."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from quantizer.demo.demo import METHODS, SIZES, DemoResult, DemoSettings, as_json_rows, run_demo
+from quantizer.report import table
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="build the bundled small model at several sizes and methods; print size, fit, quality")
+    p.add_argument("--json", action="store_true",
+                   help="print a list of rows (bpw, method, bytes, ppl, kl, top1, ...) as JSON")
+    p.add_argument("--work", type=Path, help="keep the work (calibration, encodings, packs) here and resume from it "
+                                             "(default: a temporary directory, deleted at the end)")
+    p.add_argument("--sizes", type=_floats, default=SIZES, help="comma-separated bpw (default 2.5,2.9,3.5)")
+    p.add_argument("--methods", type=lambda s: tuple(s.split(",")), default=METHODS,
+                   help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--eval-rows", type=int, default=DemoSettings.eval_rows, help="held-out rows of 512 tokens")
+    p.set_defaults(func=run)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = DemoSettings(sizes=args.sizes, methods=args.methods, eval_rows=args.eval_rows)
+    if args.work:
+        result = run_demo(args.work, settings)
+    else:
+        work = Path(tempfile.mkdtemp(prefix="quantizer-demo-"))
+        try:
+            result = run_demo(work, settings)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(as_json_rows(result), indent=1) if args.json else render(result))
+    return 0 if all(r.verified for r in result.rows) else 1
+
+
+def render(result: DemoResult) -> str:
+    rows = [[f"{r.bpw:g}", r.method, f"{r.achieved_bpw:.3f}", f"{r.bytes:,}", f"{r.ppl:.3f}",
+             f"{r.kl:.4f} ± {r.kl_stderr:.4f}", f"{r.top1:.2%}", f"{r.nll_delta:+.4f} ± {r.nll_delta_stderr:.4f}",
+             "ok" if r.verified else "FAULT", f"{r.weights_gib:.3f} GiB, {'fits' if r.fits_1_spark else 'no'}"]
+            for r in result.rows]
+    head = ["bpw", "method", "achieved", "bytes", "ppl", "KL", "top-1", "NLL delta", "verify", "1 Spark"]
+    return "\n".join([
+        f"native (FP8/FP4) perplexity {result.native_ppl:.3f} over {result.tokens:,} held-out tokens; "
+        f"{result.seconds / 60:.1f} min",
+        table(head, rows, right=set(range(2, len(head)))),
+    ])
