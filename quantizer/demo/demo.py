@@ -49,7 +49,7 @@ from quantizer.quantize.results import RESULTS_DIR, SUFFIX
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import quantize
 from quantizer.shipped import shipped
-from quantizer.textdata import load_tokenizer, rows_from_file, shipped_text_path
+from quantizer.textdata import model_rows, shipped_text_path
 from quantizer.verify.verify import verify_pack
 
 SIZES = (2.5, 2.9, 3.5)
@@ -97,11 +97,10 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
     methods = _available(settings.methods)
     ck = Checkpoint.open(shipped("small_model"))
     cfg = ck.config
-    tok = load_tokenizer(ck.root)
 
     def rows(name: str, count: int) -> torch.Tensor:
-        return rows_from_file(shipped_text_path(name), count, settings.cols, tokenizer=tok, bos=cfg.bos_token_id,
-                              eos=cfg.eos_token_id, vocab_size=cfg.vocab_size)
+        return model_rows(ck.root, cfg, text=shipped_text_path(name), rows=count, cols=settings.cols,
+                          default_cols=settings.cols)
 
     _say(f"demo: {ck.root.name}, sizes {', '.join(f'{s:g}' for s in settings.sizes)} bpw, methods "
          f"{', '.join(methods)}; work in {work}")
