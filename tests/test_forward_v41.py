@@ -64,7 +64,7 @@ def test_state_dict_holds_every_native_tensor(model, checkpoint):
         assert torch.equal(state[name], checkpoint.weight(name, state[name].dtype)), name
 
 
-def test_query_chunking_does_not_change_attention():
+def test_query_chunking_and_key_padding_do_not_change_attention():
     """A whole-model comparison would be chaotic (1e-7 differences flip routing in a random tiny
     model), so the chunked attention core is compared directly."""
     gen = torch.Generator().manual_seed(0)
@@ -81,6 +81,9 @@ def test_query_chunking_does_not_change_attention():
     chunked = attend(q, kv, entries, mask, sinks, window, budget=B * H * 7 * (7 + window + n))
     assert query_chunk(B, H, S, window, n, B * H * 7 * (7 + window + n)) == 7
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-5)
+    # the masked zero keys CUDA pads each chunk with change nothing
+    padded = attend(q, kv, entries, mask, sinks, window, budget=B * H * 7 * (7 + window + n), align=64)
+    torch.testing.assert_close(padded, chunked, rtol=0, atol=1e-6)
 
 
 def test_later_tokens_do_not_change_earlier_logits(model, tokens, logits):

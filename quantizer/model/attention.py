@@ -172,20 +172,28 @@ def query_chunk(rows: int, heads: int, length: int, window: int, entries: int, b
     return max(1, min(length, c, max(256, 4 * window)))
 
 
+CUDA_KEY_ALIGN = 64  # on CUDA, keys per chunk padded to a multiple of this (see attend)
+
+
 def attend(q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None, entry_mask: EntryMask | None,
-           sinks: torch.Tensor, window: int, budget: int) -> torch.Tensor:
+           sinks: torch.Tensor, window: int, budget: int, align: int | None = None) -> torch.Tensor:
     """q [B, S, H, hd], kv [B, S, hd], entries [B, n, hd] -> [B, S, H, hd].
 
     Per query chunk, the window keys and the entries form one key set; scores are formed in q's
     dtype and softmaxed in float32. The sink logit joins the softmax denominator exactly through
     out = softmax(s) @ v * sigmoid(logsumexp(s) - sink). `entry_mask(c0, c1)` is called once per
-    query chunk, in order."""
+    query chunk, in order.
+
+    Each chunk's keys are padded with masked zero keys to a multiple of `align` (default
+    CUDA_KEY_ALIGN on CUDA, 1 elsewhere): with rows of the probabilities 16-byte aligned cuBLAS keeps
+    its fast bf16 kernels (on an H200 a full-size top-k layer ran 10% faster)."""
     B, S, H, hd = q.shape
     n = 0 if entries is None else entries.shape[1]
     entries = None if entries is None else entries.to(q.dtype)
     chunk = query_chunk(B, H, S, window, n, budget)
     scale = hd ** -0.5
     sink = sinks.float().view(1, H, 1, 1)
+    align = align or (CUDA_KEY_ALIGN if q.is_cuda else 1)
     outs = []
     for c0 in range(0, S, chunk):
         c1 = min(S, c0 + chunk)
@@ -197,6 +205,10 @@ def attend(q: torch.Tensor, kv: torch.Tensor, entries: torch.Tensor | None, entr
         if n:
             keys = torch.cat((keys, entries), dim=1)
             allowed = torch.cat((allowed, entry_mask(c0, c1).expand(B, C, n)), dim=-1)
+        pad = -keys.shape[1] % align
+        if pad:
+            keys = torch.cat((keys, keys.new_zeros(B, pad, hd)), dim=1)
+            allowed = torch.cat((allowed, allowed.new_zeros(B, C, pad)), dim=-1)
         qc = q[:, c0:c1].permute(0, 2, 1, 3).reshape(B, H * C, hd)
         # the scale rides in the GEMM epilogue (alpha), before any rounding to q's dtype
         scores = torch.baddbmm(qc.new_empty(1, 1, 1), qc, keys.transpose(1, 2), beta=0, alpha=scale)
