@@ -46,8 +46,8 @@ from quantizer.errors import UserError
 from quantizer.model.state import DEFAULT_ATTN_CHUNK_ELEMENTS, ForwardState
 from quantizer.model.streaming import CheckpointSource, load_block
 from quantizer.model.transformer import DeepseekModel
-from quantizer.quantize.job import job_lock, write_json_atomic
 from quantizer.report import gib
+from quantizer.workdir import job_lock, write_json_atomic
 
 
 @dataclass(frozen=True)

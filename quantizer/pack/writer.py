@@ -8,9 +8,9 @@ dropped silently (a missing quantized result stops the stage with the key to red
 
 from __future__ import annotations
 
-import sys
 import json
 import shutil
+import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from importlib import metadata
@@ -33,10 +33,10 @@ from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, write_sh
 from quantizer.plan.plan import MIXEDK, Plan, achieved_bpw, expert_of
 from quantizer.plan.sizes import UNQUANTIZED, exl3_leaves
 from quantizer.plan.targets import targets
-from quantizer.quantize.job import require_free_space, write_json_atomic
 from quantizer.quantize.linears import StoredLinear, stored_linears
 from quantizer.quantize.results import ResultStore
 from quantizer.report import GIB
+from quantizer.workdir import require_free_space, write_json_atomic
 
 DEFAULT_SHARD_SIZE = 8 << 30
 SKIPPED_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")

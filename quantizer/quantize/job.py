@@ -3,25 +3,19 @@
 A job is its source (by fingerprint, not path: a moved checkpoint is the same checkpoint), its plan
 (hash plus the full K map, so a difference can be named per tensor) and its settings (seed, device,
 encoder, calibration, tool version). Any difference refuses the resume with one line per field.
-The work directory's other guards live here too: one job at a time (a lock the kernel releases however
-its holder dies), enough free disk checked up front, and JSON written atomically.
+The directory's other guards (lock, free disk, atomic JSON) are in quantizer/workdir.py.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import shutil
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from quantizer.errors import UserError
-from quantizer.report import GIB
+from quantizer.workdir import LOCK_NAME, write_json_atomic
 
 JOB_NAME = "job.json"
-LOCK_NAME = ".lock"
 SHOWN_KEYS = 3
 
 
@@ -30,36 +24,6 @@ class JobSpec:
     source: dict  # path, revision, fingerprint
     plan: dict  # hash, K (EXL3 key -> K or None), and the plan's other fields
     settings: dict  # seed, device, encoder, calibration, quantizer_version
-
-
-def write_json_atomic(path: Path, data) -> None:
-    """JSON to a temporary name, fsynced, then renamed: a reader sees the old file or the new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def require_free_space(path: Path, need: int, what: str) -> None:
-    """Refuse up front rather than fail hours later on a full disk."""
-    free = shutil.disk_usage(path).free
-    if need > free:
-        raise UserError(f"{path}: {what} needs {need / GIB:,.2f} GiB but only {free / GIB:,.2f} GiB are free; "
-                        "free some space or choose another location")
-
-
-@contextmanager
-def job_lock(work: Path):
-    """One process per work directory; the kernel drops the lock when its holder dies, even by SIGKILL."""
-    work.mkdir(parents=True, exist_ok=True)
-    with open(work / LOCK_NAME, "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"{work}: another quantizer job is running in this work directory; wait for it or stop it")
-        yield
 
 
 def open_job(work: Path, spec: JobSpec) -> bool:

@@ -8,8 +8,8 @@ per-linear seeds, so the results (and the pack) are byte-identical to an uninter
 
 from __future__ import annotations
 
-import sys
 import importlib.util
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +24,12 @@ from quantizer.errors import UserError
 from quantizer.plan.plan import Plan
 from quantizer.plan.sizes import exl3_bytes
 from quantizer.quantize.encode import encode_unit
-from quantizer.quantize.job import JobSpec, job_lock, open_job, require_free_space
+from quantizer.quantize.job import JobSpec, open_job
 from quantizer.quantize.linears import StoredLinear, stored_linears, work_units
 from quantizer.quantize.results import ResultStore
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.report import GIB, gib
+from quantizer.workdir import job_lock, require_free_space
 
 # hessian(stored key) -> (H [in, in] float32 summed over `count` rows, count), or None (uncalibrated)
 HessianProvider = Callable[[str], "tuple[torch.Tensor, int] | None"]
