@@ -56,3 +56,13 @@ def test_inputs_that_cannot_make_a_plan_exit_2(tmp_path, capsys, extra, message)
     assert main(["build", SMALL, "--out", str(tmp_path / "pack"), *extra]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "pack").exists()
+
+
+def test_sparks_builds_the_most_bits_that_fit(tmp_path, capsys):
+    args = ["build", SMALL, "--sparks", "1", "--context", "64K", "--method", "uniform", "--no-calibrate",
+            "--out", str(tmp_path / "pack")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "FITS: fits 1 Spark" in out and "65,536 tokens" in out
+    plan = Plan.load(tmp_path / "pack.work" / PLAN_FILE)
+    assert plan.achieved_bpw == pytest.approx(8.0)  # a 6.5M-parameter model fits at the highest rate
