@@ -104,8 +104,3 @@ def _model_groups(cfg: ModelConfig) -> tuple[tuple[HGroup, ...], ...]:
 def head_group(cfg: ModelConfig) -> HGroup | None:
     head = target_map(cfg).get(HEAD_KEY)
     return None if head is None else HGroup(HEAD_KEY, head.in_features, None, "head.weight")
-
-
-def group_bytes(cfg: ModelConfig, layer: int) -> int:
-    """fp32 bytes of one layer's full Hessian accumulators."""
-    return sum(4 * g.size * g.size for g in layer_groups(cfg, layer))

@@ -106,9 +106,6 @@ class Checkpoint:
     def payload_bytes(self) -> int:
         return sum(e.nbytes for e in self.tensors.values())
 
-    def file_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.shards)
-
 
 def _resolve(src: str | Path, revision: str | None, include_engram: bool) -> Path:
     path = Path(src).expanduser()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from quantizer.checkpoint.source import ENGRAM_TABLE as ENGRAM_TABLE_NAME
 from quantizer.checkpoint.source import Checkpoint
@@ -37,17 +36,6 @@ class Inventory:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Inventory":
-        data = json.loads(text)
-        data["classes"] = [ClassTotals(**c) for c in data["classes"]]
-        return cls(**data)
-
-    def save(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
 
 
 def take_inventory(ck: Checkpoint) -> Inventory:

@@ -89,8 +89,3 @@ def budget_bpw(items: list[tuple[int, float]]) -> float:
     """exllamav3's `bits` figure: sum(numel*K) / sum(numel) over (numel, K) of budgeted tensors."""
     total = sum(n for n, _ in items)
     return sum(n * k for n, k in items) / total if total else 0.0
-
-
-def stored_bpw(nbytes: int, numel: int) -> float:
-    """Bits actually stored per weight, overheads (suh/svh/marker) included."""
-    return 8 * nbytes / numel if numel else 0.0
