@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from quantizer.build.build import PLAN_FILE, RECIPE_FILE
@@ -66,3 +67,13 @@ def test_sparks_builds_the_most_bits_that_fit(tmp_path, capsys):
     assert "FITS: fits 1 Spark" in out and "65,536 tokens" in out
     plan = Plan.load(tmp_path / "pack.work" / PLAN_FILE)
     assert plan.achieved_bpw == pytest.approx(8.0)  # a 6.5M-parameter model fits at the highest rate
+
+
+def test_a_target_nothing_fits_is_refused_before_calibration(full_v41, tmp_path, capsys):
+    out, ids = tmp_path / "pack", tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(3, 1000, size=(2, 64)))
+    args = ["build", str(full_v41), "--sparks", "1", "--context", "1M", "--streams", "8", "--tokens", str(ids),
+            "--out", str(out)]
+    assert main(args) == 2
+    assert "does not fit 1 Spark at 1,048,576 tokens x 8 streams" in capsys.readouterr().err
+    assert not (tmp_path / "pack.work" / "calibration").exists() and not out.exists()

@@ -27,8 +27,8 @@ from quantizer.model.config import ModelConfig
 from quantizer.pack.manifest import Manifest
 from quantizer.pack.writer import PackSettings, check_new_pack_dir, write_pack
 from quantizer.plan.allocate import AllocationSettings, FitTarget, largest_fitting_plan
-from quantizer.plan.methods import METHODS, OURS, planner
-from quantizer.plan.plan import Plan
+from quantizer.plan.methods import METHODS, OURS, UNIFORM, planner
+from quantizer.plan.plan import STOCK, Plan
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sizes import rate_grid
 from quantizer.quantize.settings import QuantizeSettings
@@ -37,6 +37,7 @@ from quantizer.verify.verify import VerifyReport, verify_pack
 
 QUANTIZE_DIR = "quantize"
 PLAN_FILE, RECIPE_FILE = "plan.json", "recipe.yaml"
+FIT_PROBE_BPW = 0.5  # the early fit check searches this far above the lowest rate
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ def build(req: BuildRequest) -> BuildResult:
         raise UserError("--method ours allocates from a calibration; drop --no-calibrate, or use --method uniform")
     check_new_pack_dir(req.out)  # before hours of work, not after
     ck = Checkpoint.open(req.src, req.revision)
+    if req.target is not None:
+        check_fits_at_all(ck.config, req)
     store, summary = None, None
     if req.calibration_rows is not None:
         summary = calibrate(ck, req.calibration_rows, req.work_dir, req.calibration).summary
@@ -103,6 +106,13 @@ def save_plan(cfg: ModelConfig, plan: Plan, work: Path) -> None:
     plan.save(work / PLAN_FILE)
     write_recipe(cfg, plan, work / RECIPE_FILE, f"{plan.made_by}\nAchieved bits (exllamav3 accounting, budgeted "
                  f"tensors): {plan.achieved_bpw:.4f}; mode {plan.mode}")
+
+
+def check_fits_at_all(cfg: ModelConfig, req: BuildRequest) -> None:
+    """UserError, before hours of calibration, when not even the lowest uniform plan fits req.target:
+    a plan's bytes follow from its budget, whatever the calibration decides within it."""
+    plan_at, lowest = planner(cfg, UNIFORM, replace(req.allocation, mode=STOCK, alias=None))
+    largest_fitting_plan(cfg, plan_at, lowest, lowest + FIT_PROBE_BPW, req.target)
 
 
 def choose_plan(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None

@@ -53,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--no-calibrate", action="store_true",
                       help="no calibration: linears quantized without Hessians (uniform, exl3 or --plan only)")
     p.add_argument("--calib-rows", type=int, help=f"calibration rows (default: up to {CALIB_ROWS}, as many as the text holds)")
-    p.add_argument("--calib-cols", type=int, default=CALIB_COLS, help=f"tokens per calibration row (default {CALIB_COLS})")
+    p.add_argument("--calib-cols", type=int,
+                   help=f"tokens per calibration row (default: a 2-D token file's width, else {CALIB_COLS})")
     p.add_argument("--out", type=Path, required=True, help="pack directory to write (must not exist)")
     p.add_argument("--work", type=Path, help="work directory (default: <out>.work); rerun to resume")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu: our codec; cuda: exllamav3")
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 def _calibration_rows(args: argparse.Namespace, ck: Checkpoint):
     text = None if args.tokens else args.text or shipped_text_path("calibration")
     rows = model_rows(ck.root, ck.config, text=text, tokens=args.tokens, rows=args.calib_rows, cols=args.calib_cols,
-                      default_cols=args.calib_cols)
+                      default_cols=CALIB_COLS)
     return rows if args.calib_rows is not None else rows[:CALIB_ROWS]
 
 
