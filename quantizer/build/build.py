@@ -37,7 +37,6 @@ from quantizer.verify.verify import VerifyReport, verify_pack
 
 QUANTIZE_DIR = "quantize"
 PLAN_FILE, RECIPE_FILE = "plan.json", "recipe.yaml"
-FIT_PROBE_BPW = 0.5  # the early fit check searches this far above the lowest rate
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,7 @@ def check_fits_at_all(cfg: ModelConfig, req: BuildRequest) -> None:
     """UserError, before hours of calibration, when not even the lowest uniform plan fits req.target:
     a plan's bytes follow from its budget, whatever the calibration decides within it."""
     plan_at, lowest = planner(cfg, UNIFORM, replace(req.allocation, mode=STOCK, alias=None))
-    largest_fitting_plan(cfg, plan_at, lowest, lowest + FIT_PROBE_BPW, req.target)
+    largest_fitting_plan(cfg, plan_at, lowest, rate_grid(req.allocation.codebook)[-1], req.target)
 
 
 def choose_plan(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None
