@@ -18,7 +18,11 @@ from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_bytes, read_h
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import main
 from quantizer.codec import EXL3Linear, dequantize
+from quantizer.build.build import PLAN_FILE
+from quantizer.fit.memory import fit
+from quantizer.fit.stored import stored_from_pack, stored_from_plan
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
+from quantizer.plan.plan import Plan, make_plan
 
 CAP = 4 << 20
 BPW = "2.5"
@@ -147,3 +151,17 @@ def test_a_manifest_k_that_disagrees_with_the_trellis_is_a_fault(built, tmp_path
     assert main(["verify", str(copy)]) == 1
     out = capsys.readouterr().out
     assert "FAULT layers.0.attn.wo_a.slice.1: trellis holds K=4 but the manifest says K=3" in out
+
+
+def test_the_plan_predicts_the_packs_bytes_and_fit_exactly(built):
+    """What `plan` and `fit --plan` say before a build is what the pack holds (wo_a's slices included)."""
+    src, pack = built
+    cfg = Checkpoint.open(src).config
+    saved = Plan.load(pack.with_name("pack.work") / PLAN_FILE)
+    plan = make_plan(cfg, saved.k, saved.codebook, saved.mode)
+    totals = Manifest.load(pack).totals
+    assert {c: plan.expected_bytes.get(c) for c in totals} == {c: t["bytes"] for c, t in totals.items()}
+    for sparks in (1, 2):
+        before = fit(cfg, stored_from_plan(cfg, plan), sparks, 4096)
+        after = fit(cfg, stored_from_pack(pack)[1], sparks, 4096)
+        assert [r.weights_gib for r in before.ranks] == [r.weights_gib for r in after.ranks]

@@ -14,6 +14,8 @@ from quantizer.fit.memory import fit, fit_table
 from quantizer.fit.placement import Options, block_split, rank_weights
 from quantizer.fit.stored import stored_from_plan
 from quantizer.model.config import ModelConfig
+from quantizer.plan.plan import make_plan
+from quantizer.plan.targets import targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 
@@ -208,3 +210,14 @@ def test_v4_0731_shape_fits():
     four = fit(v4, stored, 4, 65_536, 1, "vllm")
     head = [m.weights_by_class_gib["head"] for m in four.ranks]  # vocab 32,384 / 32,384 / 32,256 / 32,256
     assert four.fits and head[0] == head[1] > head[2] == head[3]
+
+
+def test_wo_a_slices_split_by_group(v41):
+    """A pack stores a quantized wo_a as o_groups slices; tensor parallelism gives each rank whole
+    groups, so the slices' bytes divide by the ranks instead of repeating on each."""
+    plan = make_plan(v41, {t.key: (4.0 if t.proj == "wo_a" else None) for t in targets(v41)})
+    slices = [t for t in stored_from_plan(v41, plan) if ".wo_a.slice." in t.name]
+    assert len({t.name.split(".slice.")[1].split(".")[0] for t in slices}) == v41.o_groups
+    (whole,) = rank_weights(v41, slices, Options(1)).totals
+    for sparks in (2, 4):
+        assert rank_weights(v41, slices, Options(sparks)).totals == [whole // sparks] * sparks

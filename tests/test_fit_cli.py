@@ -16,7 +16,7 @@ from quantizer.fit.stored import stored_from_pack, stored_from_plan
 from quantizer.model.config import ModelConfig
 from quantizer.plan.plan import Plan
 from quantizer.plan.sizes import exl3_leaves
-from quantizer.plan.targets import classified_layout, target_map
+from quantizer.plan.targets import classified_layout, stored_parts, target_map
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 
@@ -35,8 +35,10 @@ def write_fake_pack(out, cfg: ModelConfig, plan: Plan):
             tensors.append(PlannedTensor(spec.name, spec.dtype, spec.shape, None))
         elif spec.name.endswith(".weight"):
             t = tmap[key]
-            tensors += [PlannedTensor(s.name, s.dtype, s.shape, None)
-                        for s in exl3_leaves(key, t.in_features, t.out_features, k, plan.codebook)]
+            for part, rows in stored_parts(cfg, t, k):  # a quantized wo_a as its o_groups slices
+                out_features = rows[1] - rows[0] if rows else t.out_features
+                tensors += [PlannedTensor(s.name, s.dtype, s.shape, None)
+                            for s in exl3_leaves(part, t.in_features, out_features, k, plan.codebook)]
     out.mkdir()
     half = len(tensors) // 2
     weight_map = {}
@@ -66,7 +68,7 @@ def test_pack_headers_give_the_plans_tensors(tiny_pack):
     assert pack_cfg.num_layers == cfg.num_layers
     want = sorted((t.name, t.nbytes, t.storage, t.K) for t in stored_from_plan(cfg, plan))
     assert sorted((t.name, t.nbytes, t.storage, t.K) for t in stored) == want
-    from_headers = {t.name[: -len(".trellis")]: t.K for t in stored if t.name.endswith(".trellis")}
+    from_headers = {t.name[: -len(".trellis")].split(".slice.")[0]: t.K for t in stored if t.name.endswith(".trellis")}
     assert from_headers == {key: k for key, k in plan.k.items() if k is not None}
     assert len(set(from_headers.values())) >= 3  # K read from trellis.shape[-1] / 16, half rates included
     for sparks in (1, 2, 4):

@@ -13,7 +13,7 @@ from quantizer.model.config import ModelConfig
 from quantizer.plan.plan import MIXEDK, make_plan
 from quantizer.plan.recipe import _KeyPool, plan_from_recipe, read_recipe, recipe_entries, write_recipe
 from quantizer.plan.sizes import exl3_bytes
-from quantizer.plan.targets import target_map
+from quantizer.plan.targets import stored_parts, target_map
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path, shipped
 
@@ -85,7 +85,8 @@ def test_native_16_and_drafter_entries(tiny, tmp_path):
     assert plan.k["mtp.1.ffn.experts.3.w2"] == 4.0 and plan.k["mtp.1.attn.wq_a"] is None
     base = plan_from_recipe(tiny, _recipe(tmp_path, RECIPE_HEAD, "base.yaml"))
     attention_native = sum(t.native_bytes for t in tmap.values() if t.group == "attention")
-    attention_exl3 = sum(exl3_bytes(t.in_features, t.out_features, 4) for t in tmap.values() if t.group == "attention")
+    attention_exl3 = sum(exl3_bytes(t.in_features, rows[1] - rows[0] if rows else t.out_features, 4)
+                         for t in tmap.values() if t.group == "attention" for _, rows in stored_parts(tiny, t, 4.0))
     assert plan.expected_bytes["attention"] - base.expected_bytes["attention"] == attention_native - attention_exl3
     w2 = tmap["layers.0.ffn.shared_experts.w2"]
     assert plan.expected_bytes["shared_expert"] - base.expected_bytes["shared_expert"] == \

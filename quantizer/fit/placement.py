@@ -47,6 +47,7 @@ _MTP_PREFIX = re.compile(r"^mtp\.\d+\.")
 _TABLE = ".engram.embed."
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
 _EXPERT_NUMBER = re.compile(r"\.experts\.(\d+)\.")
+_WO_A_SLICE = re.compile(r"\.wo_a\.slice\.(\d+)$")  # exllamav3 stores a quantized wo_a as o_groups slices
 # the drafter's vocab-sized tables (V4.1 embed/head, V4 markov_w1/w2), split by vocab like embed
 _VOCAB_ROWS = (".markov_head.embed", ".markov_head.head", ".markov_head.markov_w1", ".markov_head.markov_w2")
 
@@ -132,6 +133,10 @@ class Placer:
             return self._whole(t.nbytes, bisect_right(edges, expert))
         parsed = exl3_key(t.name) if t.storage == EXL3 else None
         key, leaf = parsed if parsed else t.name.rpartition(".")[::2]
+        group = _WO_A_SLICE.search(key)
+        if group:  # a whole wo_a slice per group, the groups split across ranks like the heads
+            edges = list(accumulate(distribute(self.cfg.o_groups, self.ranks)))
+            return self._whole(t.nbytes, bisect_right(edges, int(group[1])))
         if key == "embed" or key.endswith(_VOCAB_ROWS):
             return self._split(t.nbytes, self.cfg.vocab_size)  # native [vocab, dim] tables
         axis = _AXIS.get(cls, {}).get(key.rsplit(".", 1)[-1])
@@ -165,14 +170,16 @@ class RankWeights:
 def rank_weights(cfg: ModelConfig, stored: list[StoredTensor], options: Options) -> RankWeights:
     """Sum placed bytes per rank and class. Tensors that differ only in layer/expert numbers place
     alike (same shape, same rule), so each kind is placed once and counted; under `ep` the expert
-    number decides the rank and stays in the kind."""
+    number decides the rank and stays in the kind, as a wo_a slice's group number always does."""
     stored = with_engram_tables(cfg, stored, options.engram)
     ep = options.split == "ep" and options.sparks > 1
     kinds: dict[tuple, int] = defaultdict(int)
     examples: dict[tuple, StoredTensor] = {}
     for t in stored:
         expert = _EXPERT_NUMBER.search(t.name) if ep else None
-        kind = (_NUMBER.sub("#", t.name), t.nbytes, t.storage, expert[1] if expert else None)
+        group = _WO_A_SLICE.search(t.name.rpartition(".")[0])  # a wo_a slice's group decides its rank
+        kind = (_NUMBER.sub("#", t.name), t.nbytes, t.storage, expert[1] if expert else None,
+                group[1] if group else None)
         kinds[kind] += 1
         if kind not in examples:
             examples[kind] = t

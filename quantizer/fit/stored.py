@@ -15,7 +15,7 @@ from quantizer.errors import UserError
 from quantizer.model.config import ModelConfig
 from quantizer.plan.plan import Plan, aliased_keys, check_plan
 from quantizer.plan.sizes import EXL3_LEAVES, k_from_trellis, leaf_layout
-from quantizer.plan.targets import classified_layout, target_map
+from quantizer.plan.targets import classified_layout, stored_parts, target_map
 
 EXL3 = "exl3"
 NATIVE = "native"
@@ -73,9 +73,12 @@ def stored_from_plan(cfg: ModelConfig, plan: Plan) -> list[StoredTensor]:
         elif key in cold or not native.name.endswith(".weight"):
             continue
         else:
-            for suffix, shape, _, nbytes in leaf_layout(t.in_features, t.out_features, k, plan.codebook):
-                exl3 = suffix != ".weight"  # K 16 stores a plain fp16 weight
-                stored.append(StoredTensor(key + suffix, nbytes, shape, EXL3 if exl3 else NATIVE, k if exl3 else None))
+            for part, rows in stored_parts(cfg, t, k):
+                out_features = rows[1] - rows[0] if rows else t.out_features
+                for suffix, shape, _, nbytes in leaf_layout(t.in_features, out_features, k, plan.codebook):
+                    exl3 = suffix != ".weight"  # K 16 stores a plain fp16 weight
+                    stored.append(StoredTensor(part + suffix, nbytes, shape, EXL3 if exl3 else NATIVE,
+                                               k if exl3 else None))
     return stored
 
 

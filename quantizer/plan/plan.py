@@ -19,7 +19,7 @@ from quantizer.errors import UserError
 from quantizer.model.config import ModelConfig
 from quantizer.model.tensor_classes import ENGRAM_TABLE
 from quantizer.plan.sizes import CODEBOOKS, budget_bpw, check_k, exl3_bytes
-from quantizer.plan.targets import DRAFT, ROUTED, classified_layout, target_map, targets
+from quantizer.plan.targets import DRAFT, ROUTED, classified_layout, stored_parts, target_map, targets
 
 STOCK = "stock"
 MIXEDK = "mixedk"
@@ -200,7 +200,9 @@ def expected_bytes(cfg: ModelConfig, plan: Plan) -> dict[str, int]:
         elif key in cold:
             continue
         elif spec.name.endswith(".weight"):
-            by_class[cls] += exl3_bytes(t.in_features, t.out_features, plan.k[key], plan.codebook)
+            by_class[cls] += sum(exl3_bytes(t.in_features, rows[1] - rows[0] if rows else t.out_features,
+                                            plan.k[key], plan.codebook)
+                                 for _, rows in stored_parts(cfg, t, plan.k[key]))
         # a quantized target's native .scale grid is not stored
     out = dict(sorted(by_class.items()))
     out[TOTAL] = sum(by_class.values())

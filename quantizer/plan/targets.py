@@ -18,6 +18,7 @@ from quantizer.model.layout import TensorSpec, native_layout
 from quantizer.model.tensor_classes import (
     ATTENTION, DRAFTER, ENGRAM_RESIDENT, HEAD, INDEXER, ROUTED_EXPERT, SHARED_EXPERT, classify,
 )
+from quantizer.plan.sizes import UNQUANTIZED
 
 # Target groups: the unit of floors in a uniform plan and of patterns in a recipe.
 ROUTED = "routed"
@@ -59,6 +60,19 @@ class Target:
     def integer_only(self) -> bool:
         """exllamav3's DSV4 attention modules (indexer query included) set q_half_bits=False."""
         return self.group in (ATTN, INDEX) or (self.group == DRAFT and self.proj in ATTENTION_PROJECTIONS)
+
+
+FUSED_SLICED = "wo_a"  # exllamav3 stores a quantized grouped wo_a as o_groups row slices
+
+
+def stored_parts(cfg: ModelConfig, t: Target, k: float | None) -> list[tuple[str, tuple[int, int] | None]]:
+    """(stored key, row range of the native [out, in] weight or None for all of it) of each linear a
+    pack stores for `t` at K `k`: the o_groups slices `<key>.slice.<g>` of a quantized wo_a
+    (exllamav3's DSV4 attention loads it so; K 16 keeps it fused), else the target itself."""
+    if t.proj == FUSED_SLICED and k is not None and k != UNQUANTIZED:
+        width = t.out_features // cfg.o_groups
+        return [(f"{t.key}.slice.{g}", (g * width, (g + 1) * width)) for g in range(cfg.o_groups)]
+    return [(t.key, None)]
 
 
 def weight_features(spec: TensorSpec) -> tuple[int, int]:

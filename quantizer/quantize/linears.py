@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from quantizer.model.config import ModelConfig
 from quantizer.plan.plan import Plan, aliased_keys
 from quantizer.plan.sizes import UNQUANTIZED
-from quantizer.plan.targets import DRAFT, ROUTED, Target, targets
+from quantizer.plan.targets import DRAFT, ROUTED, Target, stored_parts, targets
 from quantizer.quantize.results import Unit
 
-FUSED_SLICED = "wo_a"
 GPU_BATCH_BYTES = 4 << 30  # fp32 weights of one batched unit on the GPU
 
 
@@ -56,11 +55,7 @@ def stored_linears(cfg: ModelConfig, plan: Plan) -> list[StoredLinear]:
         k = plan.k[t.key]
         if k is None or t.key in cold:
             continue
-        if t.proj == FUSED_SLICED and k != UNQUANTIZED:
-            width = t.out_features // cfg.o_groups
-            out += [StoredLinear(f"{t.key}.slice.{g}", t, k, (g * width, (g + 1) * width)) for g in range(cfg.o_groups)]
-        else:
-            out.append(StoredLinear(t.key, t, k, None))
+        out += [StoredLinear(key, t, k, rows) for key, rows in stored_parts(cfg, t, k)]
     return out
 
 
