@@ -1,5 +1,6 @@
 """Work-directory guards every stage uses: one job per directory at a time (a lock the kernel
-releases however its holder dies), free disk checked before hours of work, JSON written atomically."""
+releases however its holder dies), free disk checked before hours of work, JSON written atomically
+and read back with one clear line for a missing or broken file."""
 
 from __future__ import annotations
 
@@ -24,6 +25,18 @@ def write_json_atomic(path: Path, data) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def read_json(path: str | os.PathLike, missing: str, hint: str = ""):
+    """The JSON in `path`; UserError "<path>: <missing>" when there is no such file, and one naming
+    the line when it is not JSON (`hint` says what to do about it)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: {missing}")
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})" + (f"; {hint}" if hint else ""))
 
 
 def require_free_space(path: Path, need: int, what: str) -> None:

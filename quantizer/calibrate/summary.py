@@ -16,13 +16,13 @@ calibrate/unit_kl.py). Version 1 files (before unit_kl) load as STREAM_ENERGY su
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from quantizer.errors import UserError
 from quantizer.plan.targets import ENGRAM, ROUTED, SHARED
+from quantizer.workdir import read_json, write_json_atomic
 
 FORMAT = "quantizer-calibration-summary"
 VERSION = 2
@@ -103,20 +103,13 @@ class CalibrationSummary:
 
     def save(self, path: str | os.PathLike) -> Path:
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict()) + "\n")
-        tmp.replace(path)
+        write_json_atomic(path, self.to_dict())
         return path
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "CalibrationSummary":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"{path}: calibration summary not found; run `quantizer calibrate` first")
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: not valid JSON ({e.msg})")
+        data = read_json(path, "calibration summary not found; run `quantizer calibrate` first",
+                         "run `quantizer calibrate` again")
         if data.get("format") != FORMAT or data.get("version") not in READABLE_VERSIONS:
             raise UserError(f"{path}: not a quantizer calibration summary (format {FORMAT} v{VERSION}); "
                             "run `quantizer calibrate` again")

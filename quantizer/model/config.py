@@ -6,11 +6,11 @@ architectures differ in exactly one place.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantizer.errors import UserError
+from quantizer.workdir import read_json
 
 V4 = "v4"
 V41 = "v41"
@@ -127,14 +127,7 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"{path}: config.json not found")
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})")
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_json(path, "config.json not found"), source=str(path))
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> "ModelConfig":

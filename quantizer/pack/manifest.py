@@ -23,11 +23,11 @@ Schema (manifest_version 1):
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from quantizer.errors import UserError
+from quantizer.workdir import read_json
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -85,12 +85,8 @@ class Manifest:
     @classmethod
     def load(cls, pack: Path) -> "Manifest":
         path = Path(pack) / MANIFEST_NAME
-        if not path.is_file():
-            raise UserError(f"{path}: no manifest; this is not a pack written by quantizer (or it is incomplete)")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); the manifest is corrupt")
+        data = read_json(path, "no manifest; this is not a pack written by quantizer (or it is incomplete)",
+                         "the manifest is corrupt")
         return cls.from_dict(data, str(path))
 
     def exl3_keys(self) -> dict[str, float | int]:

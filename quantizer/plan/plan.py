@@ -20,6 +20,7 @@ from quantizer.model.config import ModelConfig
 from quantizer.model.tensor_classes import ENGRAM_TABLE
 from quantizer.plan.sizes import CODEBOOKS, budget_bpw, check_k, exl3_bytes
 from quantizer.plan.targets import DRAFT, ROUTED, classified_layout, stored_parts, target_map, targets
+from quantizer.workdir import read_json, write_json_atomic
 
 STOCK = "stock"
 MIXEDK = "mixedk"
@@ -65,21 +66,12 @@ class Plan:
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically (temp name, then rename)."""
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=0) + "\n")
-        tmp.replace(path)
+        write_json_atomic(path, self.to_dict())
         return path
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise UserError(f"{path}: plan file not found")
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); "
-                            "write it again with `quantizer plan`")
+        data = read_json(path, "plan file not found", "write it again with `quantizer plan`")
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise UserError(f"{path}: not a quantizer plan (no \"format\": \"{FORMAT}\")")
         if data.get("version") != VERSION:

@@ -8,26 +8,20 @@ decoded layer by layer.
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear, dequantize
 from quantizer.errors import UserError
 from quantizer.model.streaming import CheckpointSource
-from quantizer.pack.manifest import MANIFEST_NAME
-
-EXL3_LEAVES = ("trellis", "suh", "svh", "mul1", "mcg")
+from quantizer.pack.manifest import Manifest
+from quantizer.plan.sizes import EXL3_LEAVES
 
 
 class PackSource(CheckpointSource):
     def __init__(self, pack: Checkpoint):
         super().__init__(pack)
-        path = pack.root / MANIFEST_NAME
-        if not path.exists():
-            raise UserError(f"{pack.root}: no {MANIFEST_NAME}; not a pack written by quantizer")
-        self.aliases: dict[str, str] = json.loads(path.read_text()).get("aliases", {})
+        self.aliases: dict[str, str] = Manifest.load(pack.root).aliases
 
     def weight(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
         key = name[: -len(".weight")] if name.endswith(".weight") else None
