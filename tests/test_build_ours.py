@@ -52,11 +52,12 @@ def test_a_rerun_resumes_without_encoding_again(built, capsys):
     (["--bpw", "2.5", "--context", "64K"], "add --sparks"),
     (["--bpw", "2.5", "--method", "uniform", "--loader", "mixedk"], "--loader mixedk and --alias apply"),
     (["--bpw", "2.5", "--tokens", "ids.txt"], "--tokens takes a .npy or .safetensors file"),
+    (["--bpw", "0.5"], "--bpw 0.5 is too low"),  # refused before calibration, not after
 ])
 def test_inputs_that_cannot_make_a_plan_exit_2(tmp_path, capsys, extra, message):
     assert main(["build", SMALL, "--out", str(tmp_path / "pack"), *extra]) == 2
     assert message in capsys.readouterr().err
-    assert not (tmp_path / "pack").exists()
+    assert not (tmp_path / "pack").exists() and not (tmp_path / "pack.work" / "calibration").exists()
 
 
 def test_sparks_builds_the_most_bits_that_fit(tmp_path, capsys):

@@ -39,6 +39,8 @@ def test_ours_costs_less_kl_than_uniform_at_equal_bytes(rows):
     assert ours["kl"] < uniform["kl"]
 
 
-def test_unknown_method_is_a_user_error(capsys):
+def test_unknown_method_and_empty_evaluation_are_user_errors(capsys):
     assert main(["demo", "--methods", "uniform,best"]) == 2
     assert "unknown method(s) best" in capsys.readouterr().err
+    assert main(["demo", "--eval-rows", "0"]) == 2
+    assert "--eval-rows 0: rows must be at least 1" in capsys.readouterr().err

@@ -30,6 +30,7 @@ from quantizer.plan.allocate import AllocationSettings, FitTarget, largest_fitti
 from quantizer.plan.methods import METHODS, OURS, UNIFORM, planner
 from quantizer.plan.plan import STOCK, Plan
 from quantizer.plan.recipe import write_recipe
+from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plan.sizes import rate_grid
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import QuantizeResult, quantize
@@ -83,8 +84,7 @@ def build(req: BuildRequest) -> BuildResult:
         raise UserError("--method ours allocates from a calibration; drop --no-calibrate, or use --method uniform")
     check_new_pack_dir(req.out)  # before hours of work, not after
     ck = Checkpoint.open(req.src, req.revision)
-    if req.target is not None:
-        check_fits_at_all(ck.config, req)
+    check_plannable(ck.config, req)
     store, summary = None, None
     if req.calibration_rows is not None:
         summary = calibrate(ck, req.calibration_rows, req.work_dir, req.calibration).summary
@@ -107,11 +107,16 @@ def save_plan(cfg: ModelConfig, plan: Plan, work: Path) -> None:
                  f"tensors): {plan.achieved_bpw:.4f}; mode {plan.mode}")
 
 
-def check_fits_at_all(cfg: ModelConfig, req: BuildRequest) -> None:
-    """UserError, before hours of calibration, when not even the lowest uniform plan fits req.target:
-    a plan's bytes follow from its budget, whatever the calibration decides within it."""
-    plan_at, lowest = planner(cfg, UNIFORM, replace(req.allocation, mode=STOCK, alias=None))
-    largest_fitting_plan(cfg, plan_at, lowest, rate_grid(req.allocation.codebook)[-1], req.target)
+def check_plannable(cfg: ModelConfig, req: BuildRequest) -> None:
+    """UserError, before hours of calibration, when no plan can come of the request: a --bpw below the
+    method's floors (tried on a synthetic summary: the floors do not depend on calibration), or a
+    --sparks target not even the lowest uniform plan fits (a plan's bytes follow from its budget)."""
+    if req.bpw is not None:
+        summary = synthetic_summary(cfg) if req.method == OURS else None
+        planner(cfg, req.method, req.allocation, summary)[0](req.bpw)
+    elif req.target is not None:
+        plan_at, lowest = planner(cfg, UNIFORM, replace(req.allocation, mode=STOCK, alias=None))
+        largest_fitting_plan(cfg, plan_at, lowest, rate_grid(req.allocation.codebook)[-1], req.target)
 
 
 def choose_plan(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None

@@ -66,6 +66,12 @@ class DemoSettings:
     cols: int = 512
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if not self.sizes or not self.methods:
+            raise UserError("give at least one size and one method")
+        if min(self.calib_rows, self.eval_rows) < 1 or self.cols < 2:
+            raise UserError(f"--eval-rows {self.eval_rows}: rows must be at least 1 (and columns 2)")
+
 
 @dataclass(frozen=True)
 class DemoRow:
