@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quantizer.checkpoint.dequant import dequantize, quantize_mxfp4
 from quantizer.checkpoint.safetensors_file import planned, write_safetensors
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
-from quantizer.plan.plan import MIXEDK, make_plan
+from quantizer.plan.plan import make_plan
+from quantizer.plan.profiles import MIXEDK
 from quantizer.plan.targets import targets
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import quantize
@@ -91,7 +92,7 @@ def direct(weights, hessian, K: int, device: torch.device) -> float:
 
 def ours(src: Path, work: Path, hessian, K: int, device: torch.device) -> float:
     ck = Checkpoint.open(src)
-    plan = make_plan(ck.config, {t.key: (float(K) if t.key in KEYS else None) for t in targets(ck.config)}, mode=MIXEDK)
+    plan = make_plan(ck.config, {t.key: (float(K) if t.key in KEYS else None) for t in targets(ck.config)}, loader=MIXEDK)
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     quantize(ck, plan, work, QuantizeSettings(device="cuda"), hessian=lambda key: hessian)

@@ -15,7 +15,8 @@ from quantizer.model.config import ModelConfig
 from quantizer.plan.allocate import (
     DEFAULT_FLOOR, AllocationSettings, Allocator, InfeasibleBudget, allocate, marginal_allocation,
 )
-from quantizer.plan.plan import MIXEDK, STOCK, Plan, aliased_keys, check_plan
+from quantizer.plan.plan import Plan, aliased_keys, check_plan
+from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
 from quantizer.plan.recipe import plan_from_recipe, read_recipe, write_recipe
 from quantizer.plan.sensitivity import Sensitivity, sensitivity, synthetic_summary
 from quantizer.plan.targets import ATTN, DRAFT, ENGRAM, INDEX, ROUTED, SHARED, targets
@@ -122,9 +123,9 @@ def test_marginal_allocation_infeasible():
         marginal_allocation(bits, np.ones_like(bits), 1.5)
 
 
-@pytest.mark.parametrize("mode", [STOCK, MIXEDK])
+@pytest.mark.parametrize("mode", [EXLLAMAV3, MIXEDK])
 def test_rate_rules(small, small_sens, mode):
-    plan = allocate(small, small_sens, 2.9, AllocationSettings(mode=mode, floor=4))
+    plan = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode, floor=4))
     check_plan(small, plan)
     for t in targets(small):
         k = plan.k[t.key]
@@ -134,16 +135,19 @@ def test_rate_rules(small, small_sens, mode):
             assert k >= 4, t.key
         elif t.group == DRAFT:
             assert k is None
-    default = allocate(small, small_sens, 2.9, AllocationSettings(mode=mode))
+    default = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode))
     assert min(default.k[t.key] for t in targets(small) if t.group in (ATTN, INDEX, SHARED, ENGRAM)) >= DEFAULT_FLOOR
-    assert plan.k["head"] == 6.0 and plan.mode == mode
+    assert plan.k["head"] == 6.0 and plan.loader == mode
     # mcg has no half rates; floor, head and drafter settings are honoured
-    mcg = allocate(small, sensitivity(small, synthetic_summary(small, seed=1), "mcg"), 2.9,
-                   AllocationSettings(mode=MIXEDK, codebook="mcg", floor=3, head_bits=None, drafter_bits=5))
+    mcg_sens = sensitivity(small, synthetic_summary(small, seed=1), "mcg")
+    mcg = allocate(small, mcg_sens, 2.9,
+                   AllocationSettings(loader=EXLLAMAV3, codebook="mcg", floor=3, head_bits=None, drafter_bits=5))
+    with pytest.raises(UserError, match="the mixedk loader takes mul1"):  # its per-expert kernels are mul1 only
+        allocate(small, mcg_sens, 2.9, AllocationSettings(loader=MIXEDK, codebook="mcg"))
     assert {k for k in mcg.k.values() if k is not None} <= set(range(1, 9))
     assert mcg.k["head"] is None and mcg.codebook == "mcg" and mcg.k["mtp.0.ffn.experts.0.w1"] == 5.0
     assert min(mcg.k[t.key] for t in targets(small) if t.group in (ATTN, SHARED)) == 3
-    drafted = allocate(small, small_sens, 2.9, AllocationSettings(mode=mode, drafter_bits=3.5))
+    drafted = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode, drafter_bits=3.5))
     assert drafted.k["mtp.0.ffn.experts.0.w1"] == 3.5 and drafted.k["mtp.0.attn.wq_b"] == 3.0
     with pytest.raises(ValueError, match="rates"):
         Allocator(small, small_sens, AllocationSettings(codebook="mcg"))
@@ -152,8 +156,8 @@ def test_rate_rules(small, small_sens, mode):
 
 
 def test_stock_groups_share_k_and_mixedk_varies(small, small_sens):
-    stock = allocate(small, small_sens, 2.9, AllocationSettings(mode=STOCK))
-    mixed = allocate(small, small_sens, 2.9, AllocationSettings(mode=MIXEDK, alias=False))
+    stock = allocate(small, small_sens, 2.9, AllocationSettings(loader=EXLLAMAV3))
+    mixed = allocate(small, small_sens, 2.9, AllocationSettings(loader=MIXEDK, alias=False))
     per_group_stock, per_group_mixed = {}, {}
     for t in targets(small):
         if t.group == ROUTED:
@@ -171,11 +175,11 @@ def test_budget_and_equal_bytes_against_uniform(name, bpw):
     cfg = ModelConfig.from_file(model_config_path(name))
     sens = sensitivity(cfg, synthetic_summary(cfg))
     uniform = uniform_plan(cfg, bpw)
-    for mode in (STOCK, MIXEDK):
-        plan = allocate(cfg, sens, bpw, AllocationSettings(mode=mode))
+    for mode in (EXLLAMAV3, MIXEDK):
+        plan = allocate(cfg, sens, bpw, AllocationSettings(loader=mode))
         assert bpw - 0.005 <= plan.achieved_bpw <= bpw + 1e-9 and plan.target_bpw == bpw
         # at the bits uniform spends: the same bytes (within 0.2%) at a lower estimated cost
-        same = allocate(cfg, sens, uniform.achieved_bpw, AllocationSettings(mode=mode))
+        same = allocate(cfg, sens, uniform.achieved_bpw, AllocationSettings(loader=mode))
         assert abs(budget_bytes(cfg, same) / budget_bytes(cfg, uniform) - 1) < 0.002
         assert plan_cost(sens, same) < plan_cost(sens, uniform)
 
@@ -198,13 +202,14 @@ def with_cold_experts(summary: CalibrationSummary) -> CalibrationSummary:
 
 def test_aliases_only_where_allowed_and_within_cap(small):
     sens = sensitivity(small, with_cold_experts(synthetic_summary(small, seed=1)))
-    stock = allocate(small, sens, 2.9, AllocationSettings(mode=STOCK))
-    mixed = allocate(small, sens, 2.9, AllocationSettings(mode=MIXEDK))
-    opted = allocate(small, sens, 2.9, AllocationSettings(mode=STOCK, alias=True))
-    off = allocate(small, sens, 2.9, AllocationSettings(mode=MIXEDK, alias=False))
-    assert not stock.aliases and not off.aliases and mixed.aliases and opted.aliases
+    stock = allocate(small, sens, 2.9, AllocationSettings(loader=EXLLAMAV3))
+    mixed = allocate(small, sens, 2.9, AllocationSettings(loader=MIXEDK))
+    with pytest.raises(UserError, match="the exllamav3 loader reads every expert's own tensors"):
+        allocate(small, sens, 2.9, AllocationSettings(loader=EXLLAMAV3, alias=True))
+    off = allocate(small, sens, 2.9, AllocationSettings(loader=MIXEDK, alias=False))
+    assert not stock.aliases and not off.aliases and mixed.aliases
     cold = {a.expert: a for a in sens.aliases}
-    for plan in (mixed, opted):
+    for plan in (mixed,):
         check_plan(small, plan)
         per_layer = {}
         for expert, warm in plan.aliases.items():
@@ -214,17 +219,16 @@ def test_aliases_only_where_allowed_and_within_cap(small):
                 assert plan.k[f"{expert}.{proj}"] == plan.k[f"{warm}.{proj}"]
         assert max(per_layer.values()) == 1  # 8 experts: the cap is 1 per layer
         assert plan.achieved_bpw <= 2.9 + 1e-9
-    two = allocate(small, sens, 2.9, AllocationSettings(mode=MIXEDK, alias_cap=2))
+    two = allocate(small, sens, 2.9, AllocationSettings(loader=MIXEDK, alias_cap=2))
     assert max(sum(1 for e in two.aliases if e.startswith(f"layers.{L}.")) for L in range(small.num_layers)) == 2
-    assert not allocate(small, sens, 2.9, AllocationSettings(mode=MIXEDK, alias_cap=0)).aliases
+    assert not allocate(small, sens, 2.9, AllocationSettings(loader=MIXEDK, alias_cap=0)).aliases
     # aliasing frees bits that go elsewhere: same budget, lower estimated cost than without
     assert plan_cost(sens, mixed) < plan_cost(sens, off)
 
 
-@pytest.mark.parametrize("mode", [STOCK, MIXEDK])
-def test_alias_taken_only_when_it_pays(tiny, mode):
+def test_alias_taken_only_when_it_pays(tiny):
     summary = hand_summary(tiny)
-    settings = AllocationSettings(mode=mode, alias=True, alias_below=1.0)
+    settings = AllocationSettings(loader=MIXEDK, alias=True, alias_below=1.0)
     summary.layers[0].alias_candidates = {1: (0, 0.001)}  # the warm expert computes nearly the same
     assert allocate(tiny, sensitivity(tiny, summary), 3.0, settings).aliases == \
         {"layers.0.ffn.experts.1": "layers.0.ffn.experts.0"}
@@ -232,11 +236,11 @@ def test_alias_taken_only_when_it_pays(tiny, mode):
     assert not allocate(tiny, sensitivity(tiny, summary), 3.0, settings).aliases
 
 
-@pytest.mark.parametrize("mode", [STOCK, MIXEDK])
+@pytest.mark.parametrize("mode", [EXLLAMAV3, MIXEDK])
 def test_recipe_round_trip(small, small_sens, mode, tmp_path):
-    plan = allocate(small, small_sens, 2.9, AllocationSettings(mode=mode, alias=True))
+    plan = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode))
     write_recipe(small, plan, tmp_path / "r.yaml", header="test")
-    back = plan_from_recipe(small, read_recipe(tmp_path / "r.yaml"), mode=mode)
+    back = plan_from_recipe(small, read_recipe(tmp_path / "r.yaml"), loader=mode)
     assert back.k == plan.k and back.target_bpw == plan.target_bpw
     text = (tmp_path / "r.yaml").read_text()
     if mode == MIXEDK:  # per-expert K gives per-expert keys

@@ -15,7 +15,8 @@ from quantizer.fit.memory import fit
 from quantizer.fit.stored import stored_from_plan
 from quantizer.model.config import ModelConfig
 from quantizer.plan.allocate import AllocationSettings, FitTarget, allocate, allocate_to_fit
-from quantizer.plan.plan import MIXEDK, STOCK, Plan
+from quantizer.plan.plan import Plan
+from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
 from quantizer.plan.targets import targets
@@ -67,14 +68,14 @@ def test_equal_bpw_plans_are_within_one_percent_in_bytes(v41, v41_sens, bpw):
         return sum(n for c, n in plan.expected_bytes.items() if c in classes)
 
     uniform = routed_and_budgeted(uniform_plan(v41, bpw))
-    for mode in (STOCK, MIXEDK):
-        assert abs(routed_and_budgeted(allocate(v41, v41_sens, bpw, AllocationSettings(mode=mode))) / uniform - 1) < 0.01
+    for mode in (EXLLAMAV3, MIXEDK):
+        assert abs(routed_and_budgeted(allocate(v41, v41_sens, bpw, AllocationSettings(loader=mode))) / uniform - 1) < 0.01
 
 
 def test_one_spark_at_1m_fits_only_at_a_low_rate(v41, v41_sens):
-    plan, report = allocate_to_fit(v41, v41_sens, FitTarget(1, MILLION), AllocationSettings(mode=MIXEDK))
+    plan, report = allocate_to_fit(v41, v41_sens, FitTarget(1, MILLION), AllocationSettings(loader=MIXEDK))
     assert report.fits and report.sparks == 1
-    assert 1.2 < plan.achieved_bpw < 1.6 and plan.mode == MIXEDK and plan.aliases
+    assert 1.2 < plan.achieved_bpw < 1.6 and plan.loader == MIXEDK and plan.aliases
     routed = [plan.k[t.key] for t in targets(v41) if t.group == "routed"]
     assert sum(routed) / len(routed) < 1.5
 
@@ -98,7 +99,7 @@ def test_plan_cli_methods_on_a_small_model(tmp_path, capsys):
                      "--out", str(tmp_path / "p.json"), "--recipe-out", str(tmp_path / "r.yaml")]) == 0
         out = capsys.readouterr().out
         plan = Plan.load(tmp_path / "p.json")
-        assert plan.mode == loader and plan.aliases and "aliased cold experts:" in out and per_layer in out
+        assert plan.loader == loader and plan.aliases and "aliased cold experts:" in out and per_layer in out
         assert "Aliases:" in (tmp_path / "r.yaml").read_text()
     # uniform stays the default without calibration; ours needs a summary
     assert main(["plan", "--model-config", small, "--bpw", "2.9"]) == 0

@@ -158,7 +158,7 @@ def test_the_plan_predicts_the_packs_bytes_and_fit_exactly(built):
     src, pack = built
     cfg = Checkpoint.open(src).config
     saved = Plan.load(pack.with_name("pack.work") / PLAN_FILE)
-    plan = make_plan(cfg, saved.k, saved.codebook, saved.mode)
+    plan = make_plan(cfg, saved.k, saved.codebook, saved.loader)
     totals = Manifest.load(pack).totals
     assert {c: plan.expected_bytes.get(c) for c in totals} == {c: t["bytes"] for c, t in totals.items()}
     for sparks in (1, 2):

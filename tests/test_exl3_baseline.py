@@ -14,7 +14,8 @@ from quantizer.model.config import ModelConfig
 from quantizer.plan import exl3_baseline
 from quantizer.plan.allocate import AllocationSettings, allocate
 from quantizer.plan.exl3_baseline import exl3_plan, exl3_strategy, v4_twin_config
-from quantizer.plan.plan import MIXEDK, STOCK, Plan, achieved_bpw, aliased_keys, check_plan
+from quantizer.plan.plan import Plan, achieved_bpw, aliased_keys, check_plan
+from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
 from quantizer.plan.targets import ATTN, ENGRAM, INDEX, ROUTED, targets
 from quantizer.shipped import model_config_path
@@ -70,7 +71,7 @@ def test_exl3_plan_maps_back_at_equal_bytes(name):
     cfg = config(name)
     plan = exl3_plan(cfg, 2.9)
     check_plan(cfg, plan)
-    assert plan.made_by.startswith("exllamav3.create_q_strategy(") and plan.mode == STOCK
+    assert plan.made_by.startswith("exllamav3.create_q_strategy(") and plan.loader == EXLLAMAV3
     assert plan.achieved_bpw <= 2.9 + 1e-9 and plan.target_bpw == 2.9
     rates = {}
     for t in targets(cfg):
@@ -86,7 +87,7 @@ def test_exl3_plan_maps_back_at_equal_bytes(name):
     # the largest exllamav3 input whose plan stays in budget: a little more would exceed it
     bits = float(plan.made_by.split("bits=")[1].split(",")[0])
     strategy, _ = exl3_strategy(cfg, bits + 2 * exl3_baseline.MATCH_TOLERANCE)
-    more = Plan(cfg.arch, "mul1", STOCK, exl3_baseline.our_rates(cfg, strategy, 6.0, None))
+    more = Plan(cfg.arch, "mul1", EXLLAMAV3, exl3_baseline.our_rates(cfg, strategy, 6.0, None))
     assert achieved_bpw(cfg, more) > 2.9
 
 
@@ -104,8 +105,8 @@ def test_ours_costs_less_than_exl3_at_its_bytes(bpw):
         return float(sens.cost[rows, [col[plan.k[sens.keys[i]]] for i in rows]].sum()) + \
             sum(a.cost for a in sens.aliases if a.expert in plan.aliases)
 
-    for mode in (STOCK, MIXEDK):
-        ours = allocate(cfg, sens, base.achieved_bpw, AllocationSettings(mode=mode))
+    for mode in (EXLLAMAV3, MIXEDK):
+        ours = allocate(cfg, sens, base.achieved_bpw, AllocationSettings(loader=mode))
         assert ours.achieved_bpw <= base.achieved_bpw + 1e-9
         assert abs(budget_bytes(cfg, ours) / budget_bytes(cfg, base) - 1) < 0.002
         assert cost(ours) < cost(base)

@@ -10,7 +10,8 @@ import pytest
 from quantizer.errors import UserError
 from quantizer.model.config import ModelConfig
 from quantizer.model.tensor_classes import ATTENTION, HEAD, ROUTED_EXPERT, classify
-from quantizer.plan.plan import MIXEDK, STOCK, Plan, make_plan
+from quantizer.plan.plan import Plan, make_plan
+from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
 from quantizer.plan.sizes import check_k, exl3_bytes, exl3_leaves, k_from_trellis
 from quantizer.plan.targets import quantizable, target_map, targets
 from quantizer.plan.uniform import uniform_plan
@@ -158,17 +159,28 @@ def test_plan_save_load_and_hash(tiny, tmp_path):
         Plan.load(path)
 
 
-def test_stock_and_mixedk_and_aliases(tiny):
+def test_loader_profiles_and_aliases(tiny):
     k = dict(uniform_plan(tiny, 3.0).k)
     k["layers.2.ffn.experts.1.w2"] = 1.0  # the layer has K 2 (tiny: attention takes much of the budget)
-    with pytest.raises(UserError, match="one K per projection per layer"):
-        make_plan(tiny, k, mode=STOCK)
-    mixed = make_plan(tiny, k, mode=MIXEDK)
-    base = make_plan(tiny, uniform_plan(tiny, 3.0).k, mode=MIXEDK)
+    with pytest.raises(UserError, match=r"layers\.2\.ffn\.experts: experts of one projection must share one K.*"
+                                        r"rule one_k_per_projection: exllamav3/modules/multilinear\.py"):
+        make_plan(tiny, k, loader=EXLLAMAV3)
+    tied = dict(uniform_plan(tiny, 3.0).k)
+    tied.update({f"layers.4.ffn.experts.{e}.w3": 3.0 for e in range(tiny.n_routed_experts)})
+    with pytest.raises(UserError, match=r"gate \(w1\) and up \(w3\) must share one K.*rule gate_up_tied"):
+        make_plan(tiny, tied, loader=EXLLAMAV3)
+    assert make_plan(tiny, tied, loader=MIXEDK).k["layers.4.ffn.experts.0.w3"] == 3.0
+    with pytest.raises(UserError, match="rule codebook"):
+        make_plan(tiny, uniform_plan(tiny, 3.0, codebook="3inst").k, codebook="3inst", loader=EXLLAMAV3)
+    with pytest.raises(UserError, match="rule aliases"):
+        make_plan(tiny, uniform_plan(tiny, 3.0).k, loader=EXLLAMAV3,
+                  aliases={"layers.2.ffn.experts.1": "layers.2.ffn.experts.0"})
+    mixed = make_plan(tiny, k, loader=MIXEDK)
+    base = make_plan(tiny, uniform_plan(tiny, 3.0).k, loader=MIXEDK)
     assert base.k["layers.2.ffn.experts.0.w2"] == 2.0
     assert mixed.expected_bytes["routed_expert"] < base.expected_bytes["routed_expert"]
     # a cold expert aliased to a warm one of its layer stores nothing
-    aliased = make_plan(tiny, k, mode=MIXEDK, aliases={"layers.2.ffn.experts.1": "layers.2.ffn.experts.0"})
+    aliased = make_plan(tiny, k, loader=MIXEDK, aliases={"layers.2.ffn.experts.1": "layers.2.ffn.experts.0"})
     tmap = target_map(tiny)
     cold_bytes = sum(exl3_bytes(tmap[f"layers.2.ffn.experts.1.{p}"].in_features,
                                 tmap[f"layers.2.ffn.experts.1.{p}"].out_features, k[f"layers.2.ffn.experts.1.{p}"])
@@ -176,9 +188,9 @@ def test_stock_and_mixedk_and_aliases(tiny):
     assert mixed.expected_bytes["routed_expert"] - aliased.expected_bytes["routed_expert"] == cold_bytes
     assert aliased.content_hash() != mixed.content_hash()
     with pytest.raises(UserError, match="same layer"):
-        make_plan(tiny, k, mode=MIXEDK, aliases={"layers.2.ffn.experts.1": "layers.3.ffn.experts.0"})
+        make_plan(tiny, k, loader=MIXEDK, aliases={"layers.2.ffn.experts.1": "layers.3.ffn.experts.0"})
     with pytest.raises(UserError, match="not a routed expert"):
-        make_plan(tiny, k, mode=MIXEDK, aliases={"layers.2.ffn.experts.99": "layers.2.ffn.experts.0"})
+        make_plan(tiny, k, loader=MIXEDK, aliases={"layers.2.ffn.experts.99": "layers.2.ffn.experts.0"})
     k.pop("head")
     with pytest.raises(UserError, match="no K for 1 target"):
-        make_plan(tiny, k, mode=MIXEDK)
+        make_plan(tiny, k, loader=MIXEDK)

@@ -10,7 +10,8 @@ import pytest
 from quantizer.cli import main
 from quantizer.errors import UserError
 from quantizer.model.config import ModelConfig
-from quantizer.plan.plan import MIXEDK, make_plan
+from quantizer.plan.plan import make_plan
+from quantizer.plan.profiles import MIXEDK
 from quantizer.plan.recipe import _KeyPool, plan_from_recipe, read_recipe, recipe_entries, write_recipe
 from quantizer.plan.sizes import exl3_bytes
 from quantizer.plan.targets import stored_parts, target_map
@@ -40,7 +41,7 @@ def _recipe(tmp_path, body: str, name="r.yaml"):
 def test_last_matching_entry_wins(tiny, tmp_path):
     r = _recipe(tmp_path, RECIPE_HEAD + '  "layers.*.ffn.experts.*.w2": 2\n  layers.3.ffn.experts.1.w2: 1.5\n'
                 '  "layers.3.ffn.experts.*.w2": 2.5\n')
-    plan = plan_from_recipe(tiny, r, mode=MIXEDK)
+    plan = plan_from_recipe(tiny, r, loader=MIXEDK)
     assert plan.k["layers.3.ffn.experts.1.w2"] == 2.5  # the later pattern overrides the exact key
     assert plan.k["layers.4.ffn.experts.1.w2"] == 2.0 and plan.k["layers.4.ffn.experts.1.w1"] == 3.0
     assert plan.k["layers.2.attn.indexer.wq_b"] == 4.0  # `layers.*.attn.*` also covers the indexer
@@ -84,9 +85,9 @@ def test_native_16_and_drafter_entries(tiny, tmp_path):
     assert plan.k["layers.0.attn.wq_b"] is None and plan.k["head"] is None
     assert plan.k["mtp.1.ffn.experts.3.w2"] == 4.0 and plan.k["mtp.1.attn.wq_a"] is None
     base = plan_from_recipe(tiny, _recipe(tmp_path, RECIPE_HEAD, "base.yaml"))
-    attention_native = sum(t.native_bytes for t in tmap.values() if t.group == "attention")
+    attention_native = sum(t.native_bytes for t in tmap.values() if t.cls == "attention")
     attention_exl3 = sum(exl3_bytes(t.in_features, rows[1] - rows[0] if rows else t.out_features, 4)
-                         for t in tmap.values() if t.group == "attention" for _, rows in stored_parts(tiny, t, 4.0))
+                         for t in tmap.values() if t.cls == "attention" for _, rows in stored_parts(tiny, t, 4.0))
     assert plan.expected_bytes["attention"] - base.expected_bytes["attention"] == attention_native - attention_exl3
     w2 = tmap["layers.0.ffn.shared_experts.w2"]
     assert plan.expected_bytes["shared_expert"] - base.expected_bytes["shared_expert"] == \
@@ -107,9 +108,9 @@ def test_written_recipes_round_trip(v41, tiny, tmp_path):
     # a per-expert (mixedk) plan with native and drafter entries round-trips too
     k = dict(uniform_plan(tiny, 2.5, drafter_bits=3).k)
     k.update({"layers.3.ffn.experts.1.w2": 4.0, "layers.0.attn.wkv": None, "mtp.2.ffn.experts.0.w1": None})
-    mixed = make_plan(tiny, k, mode=MIXEDK)
+    mixed = make_plan(tiny, k, loader=MIXEDK)
     write_recipe(tiny, mixed, tmp_path / "m.yaml")
-    assert plan_from_recipe(tiny, read_recipe(tmp_path / "m.yaml"), mode=MIXEDK).k == mixed.k
+    assert plan_from_recipe(tiny, read_recipe(tmp_path / "m.yaml"), loader=MIXEDK).k == mixed.k
 
 
 @pytest.mark.parametrize("bpw", ["2.5", "2.9", "3.5"])
@@ -120,7 +121,7 @@ def test_shipped_recipes_are_what_uniform_plan_writes(v41, bpw, tmp_path, capsys
     capsys.readouterr()
     assert fresh.read_text() == shipped_path.read_text(), "regenerate configs/recipes with the command in its header"
     plan = plan_from_recipe(v41, read_recipe(shipped_path))
-    assert plan.achieved_bpw <= float(bpw) and plan.mode == "stock"
+    assert plan.achieved_bpw <= float(bpw) and plan.loader == "exllamav3"
 
 
 def test_glob_regex_agrees_with_fnmatch():

@@ -15,7 +15,8 @@ from quantizer.cli import main
 from quantizer.codec import EXL3Linear, dequantize
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.transformer import DeepseekModel
-from quantizer.plan.plan import MIXEDK, make_plan
+from quantizer.plan.plan import make_plan
+from quantizer.plan.profiles import MIXEDK
 from quantizer.plan.targets import targets
 from quantizer.ppl.compare import compare
 from quantizer.ppl.perplexity import RowPredictions
@@ -32,7 +33,7 @@ def rows_file(tmp_path_factory):
 
 def _pack(src, root, k: dict[str, float | None]):
     cfg = Checkpoint.open(src).config
-    make_plan(cfg, {t.key: k.get(t.key) for t in targets(cfg)}, mode=MIXEDK).save(root / "plan.json")
+    make_plan(cfg, {t.key: k.get(t.key) for t in targets(cfg)}, loader=MIXEDK).save(root / "plan.json")
     assert main(["build", str(src), "--plan", str(root / "plan.json"), "--out", str(root / "pack"),
                  "--no-calibrate"]) == 0
     return root / "pack"

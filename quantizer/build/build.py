@@ -28,7 +28,7 @@ from quantizer.pack.manifest import Manifest
 from quantizer.pack.writer import PackSettings, check_new_pack_dir, write_pack
 from quantizer.plan.allocate import AllocationSettings, FitTarget, largest_fitting_plan
 from quantizer.plan.methods import METHODS, OURS, UNIFORM, planner
-from quantizer.plan.plan import STOCK, Plan
+from quantizer.plan.plan import Plan
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plan.sizes import rate_grid
@@ -104,7 +104,7 @@ def save_plan(cfg: ModelConfig, plan: Plan, work: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     plan.save(work / PLAN_FILE)
     write_recipe(cfg, plan, work / RECIPE_FILE, f"{plan.made_by}\nAchieved bits (exllamav3 accounting, budgeted "
-                 f"tensors): {plan.achieved_bpw:.4f}; mode {plan.mode}")
+                 f"tensors): {plan.achieved_bpw:.4f}; loader {plan.loader}")
 
 
 def check_plannable(cfg: ModelConfig, req: BuildRequest) -> None:
@@ -115,7 +115,7 @@ def check_plannable(cfg: ModelConfig, req: BuildRequest) -> None:
         summary = synthetic_summary(cfg) if req.method == OURS else None
         planner(cfg, req.method, req.allocation, summary)[0](req.bpw)
     elif req.target is not None:
-        plan_at, lowest = planner(cfg, UNIFORM, replace(req.allocation, mode=STOCK, alias=None))
+        plan_at, lowest = planner(cfg, UNIFORM, replace(req.allocation, alias=None))
         largest_fitting_plan(cfg, plan_at, lowest, rate_grid(req.allocation.codebook)[-1], req.target)
 
 

@@ -1,5 +1,5 @@
 """`quantizer build SRC (--bpw B | --sparks N [--context C] | --plan PLAN.json) --out PACK
-[--method ours|uniform|exl3] [--loader stock|mixedk] [--text FILE | --tokens FILE | --no-calibrate] ...`
+[--method ours|uniform|exl3] [--loader exllamav3|mixedk] [--text FILE | --tokens FILE | --no-calibrate] ...`
 
 Calibrates (the shipped calibration set by default), plans, quantizes, packs and verifies. Rerun the
 same command after an interruption and it continues where it stopped; a rerun with a different
@@ -21,7 +21,7 @@ from quantizer.fit.cli import tokens
 from quantizer.fit.memory import TOPOLOGIES
 from quantizer.plan.allocate import AllocationSettings, FitTarget
 from quantizer.plan.methods import METHODS, OURS
-from quantizer.plan.plan import MODES, STOCK
+from quantizer.plan.profiles import EXLLAMAV3, LOADERS
 from quantizer.textdata import model_rows, shipped_text_path
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.plan import Plan
@@ -45,8 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", help="with --sparks: engine profile (default: the hardware file's default_engine)")
     p.add_argument("--method", choices=METHODS, default=OURS,
                    help="ours: the allocator on the calibration (default); uniform; exl3: exllamav3's own allocator")
-    p.add_argument("--loader", choices=MODES, default=STOCK,
-                   help="ours: stock = one K per projection per layer (any EXL3 loader); mixedk = K per expert")
+    p.add_argument("--loader", choices=LOADERS, default=EXLLAMAV3,
+                   help="loader profile the pack must load in: exllamav3 (stock 1.6.5, default) or mixedk "
+                        "(per-expert K kernels, cold-expert aliases); the pack is verified against it")
     data = p.add_mutually_exclusive_group()
     data.add_argument("--text", help="calibration text (.txt, .jsonl, optionally .zst; default: the shipped set)")
     data.add_argument("--tokens", help="calibration token ids (.npy, or .safetensors with input_ids)")
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         target = FitTarget(args.sparks, context, args.streams, args.engine)
     req = BuildRequest(
         src=args.src, out=args.out, bpw=args.bpw, plan=plan, target=target, method=args.method,
-        allocation=AllocationSettings(mode=args.loader, codebook=args.codebook or "mul1"),
+        allocation=AllocationSettings(loader=args.loader, codebook=args.codebook or "mul1"),
         calibration_rows=None if args.no_calibrate else _calibration_rows(args, ck),
         calibration=CalibrationSettings(device=args.device), work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),

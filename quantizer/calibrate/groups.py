@@ -1,8 +1,10 @@
 """Which EXL3 targets share an input Hessian, and which forward report fills each one.
 
 A Hessian group is one input space seen by one or more linears. Per trunk layer:
-- `attn.input`: the attention input (attn_norm output), read by wq_a and wkv;
+- `attn.input`: the attention input (attn_norm output), read by wq_a, wkv and the compressors'
+  wkv / wgate (the attention's and, in V4, the indexer's);
 - `attn.q_latent`: the q latent, read by wq_b and the indexer's wq_b;
+- `attn.indexer.wk` (V4.1): the compressed latent the indexer's keys are projected from;
 - `attn.wo_a.slice.<g>`: group g of the grouped wo_a input (exllamav3 stores wo_a as o_groups row
   slices, each reading only its own group, so each gets its own H; the wo_a target's H is their mean);
 - `attn.wo_b`, `engram.wkv`, `ffn.shared_experts.w2`: each its own;
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from quantizer.model.config import ModelConfig
-from quantizer.plan.targets import ATTN, DRAFT, HEAD_GROUP, INDEX, ROUTED, SHARED, Target, target_map, targets
+from quantizer.plan.targets import (
+    ATTN, COMPRESSOR_PROJECTIONS, DRAFT, HEAD_GROUP, INDEX, ROUTED, SHARED, Target, target_map, targets,
+)
 
 SLICE = ".slice."  # stored-key infix of a wo_a row slice (quantizer/quantize/linears.py)
 HEAD_KEY = "head"
@@ -45,13 +49,13 @@ def group_key(t: Target) -> str | None:
     base = f"layers.{t.layer}"
     if t.group in (ROUTED, SHARED) and t.proj in ("w1", "w3"):
         return f"{base}.ffn.input"
-    if t.group == ATTN and t.proj in ("wq_a", "wkv"):
+    if t.group in (ATTN, INDEX) and t.proj in ("wq_a", "wkv") + COMPRESSOR_PROJECTIONS:
         return f"{base}.attn.input"
-    if (t.group == ATTN and t.proj == "wq_b") or t.group == INDEX:
+    if t.proj == "wq_b" and t.group in (ATTN, INDEX):
         return f"{base}.attn.q_latent"
     if t.group == HEAD_GROUP:
         return HEAD_KEY
-    return t.key  # wo_a (pooled over its slices), wo_b, w2s, engram wkv
+    return t.key  # wo_a (pooled over its slices), wo_b, indexer wk, w2s, engram wkv
 
 
 def wo_a_slices(cfg: ModelConfig, key: str) -> list[str]:

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from quantizer.demo.demo import METHODS, SIZES, DemoResult, DemoSettings, as_json_rows, run_demo
+from quantizer.plan.profiles import LOADERS
 from quantizer.report import table
 
 
@@ -21,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sizes", type=_floats, default=SIZES, help="comma-separated bpw (default 2.5,2.9,3.5)")
     p.add_argument("--methods", type=lambda s: tuple(s.split(",")), default=METHODS,
                    help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--loader", type=lambda s: tuple(s.split(",")), default=LOADERS,
+                   help=f"comma-separated loader profiles our allocator plans for (default {','.join(LOADERS)}); "
+                        "uniform and exl3 plans are made for exllamav3")
     p.add_argument("--eval-rows", type=int, default=DemoSettings.eval_rows, help="held-out rows of 512 tokens")
     p.set_defaults(func=run)
 
@@ -30,7 +34,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = DemoSettings(sizes=args.sizes, methods=args.methods, eval_rows=args.eval_rows)
+    settings = DemoSettings(sizes=args.sizes, methods=args.methods, loaders=args.loader, eval_rows=args.eval_rows)
     if args.work:
         result = run_demo(args.work, settings)
     else:
@@ -44,13 +48,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(result: DemoResult) -> str:
-    rows = [[f"{r.bpw:g}", r.method, f"{r.achieved_bpw:.3f}", f"{r.bytes:,}", f"{r.ppl:.3f}",
+    rows = [[f"{r.bpw:g}", r.method, r.loader, f"{r.achieved_bpw:.3f}", f"{r.bytes:,}", f"{r.ppl:.3f}",
              f"{r.kl:.4f} ± {r.kl_stderr:.4f}", f"{r.top1:.2%}", f"{r.nll_delta:+.4f} ± {r.nll_delta_stderr:.4f}",
              "ok" if r.verified else "FAULT", f"{r.weights_gib:.3f} GiB, {'fits' if r.fits_1_spark else 'no'}"]
             for r in result.rows]
-    head = ["bpw", "method", "achieved", "bytes", "ppl", "KL", "top-1", "NLL delta", "verify", "1 Spark"]
+    head = ["bpw", "method", "loader", "achieved", "bytes", "ppl", "KL", "top-1", "NLL delta", "verify", "1 Spark"]
     return "\n".join([
         f"native (FP8/FP4) perplexity {result.native_ppl:.3f} over {result.tokens:,} held-out tokens; "
         f"{result.seconds / 60:.1f} min",
-        table(head, rows, right=set(range(2, len(head)))),
+        table(head, rows, right=set(range(3, len(head)))),
     ])

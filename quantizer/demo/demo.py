@@ -2,7 +2,8 @@
 with the size, fit and quality of every pack.
 
 One calibration serves every pack. Each size is anchored on exllamav3's own allocator (its plan's
-`bits`), and uniform K and our allocator (stock and mixedk loaders) get the same budget, so the
+`bits`), and uniform K and our allocator (once per loader profile asked for: exllamav3, mixedk)
+get the same budget, so the
 packs of one size compare at equal bytes. Every (tensor, K) any plan needs is encoded once and the
 packs share those encodings: first the references' pairs, whose measured proxy errors then feed
 our sensitivity, then whatever our plans add. Each pack is written, verified, fitted and compared
@@ -37,7 +38,8 @@ from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.pack.writer import PackSettings, write_pack
 from quantizer.plan.allocate import AllocationSettings, allocate
 from quantizer.plan.exl3_baseline import exl3_plan
-from quantizer.plan.plan import MIXEDK, STOCK, Plan, make_plan
+from quantizer.plan.plan import Plan, make_plan
+from quantizer.plan.profiles import EXLLAMAV3, LOADERS, MIXEDK
 from quantizer.plan.sensitivity import sensitivity
 from quantizer.plan.targets import targets
 from quantizer.plan.uniform import uniform_plan
@@ -53,22 +55,26 @@ from quantizer.textdata import model_rows, shipped_text_path
 from quantizer.verify.verify import verify_pack
 
 SIZES = (2.5, 2.9, 3.5)
-UNIFORM, EXL3, OURS_STOCK, OURS_MIXEDK = "uniform", "exl3", "ours-stock", "ours-mixedk"
-METHODS = (UNIFORM, EXL3, OURS_STOCK, OURS_MIXEDK)
+UNIFORM, EXL3, OURS = "uniform", "exl3", "ours"
+METHODS = (UNIFORM, EXL3, OURS)
 
 
 @dataclass(frozen=True)
 class DemoSettings:
     sizes: tuple[float, ...] = SIZES
     methods: tuple[str, ...] = METHODS
+    loaders: tuple[str, ...] = LOADERS  # ours is planned once per profile; uniform and exl3 plans load in all
     calib_rows: int = 16
     eval_rows: int = 16
     cols: int = 512
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.sizes or not self.methods:
-            raise UserError("give at least one size and one method")
+        if not self.sizes or not self.methods or not self.loaders:
+            raise UserError("give at least one size, one method and one loader")
+        unknown = [name for name in self.loaders if name not in LOADERS]
+        if unknown:
+            raise UserError(f"unknown loader(s) {', '.join(unknown)}; choose from {', '.join(LOADERS)}")
         if min(self.calib_rows, self.eval_rows) < 1 or self.cols < 2:
             raise UserError(f"--eval-rows {self.eval_rows}: rows must be at least 1 (and columns 2)")
 
@@ -77,6 +83,7 @@ class DemoSettings:
 class DemoRow:
     bpw: float  # the size asked for
     method: str
+    loader: str  # the loader profile the pack is made for (and verified against)
     achieved_bpw: float  # exllamav3's `bits` accounting of the plan (budgeted tensors)
     bytes: int  # the pack's shards
     ppl: float
@@ -114,34 +121,34 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
     store = HessianStore(work, ck)
     encoder = Encoder(ck, work / "encodings", store, settings.seed)
 
-    plans: dict[tuple[float, str], Plan] = {}
+    plans: dict[tuple[float, str, str], Plan] = {}
     for size in settings.sizes:
         if EXL3 in methods:
-            plans[size, EXL3] = exl3_plan(cfg, size)
-        budget = plans[size, EXL3].achieved_bpw if EXL3 in methods else size
+            plans[size, EXL3, EXLLAMAV3] = exl3_plan(cfg, size)
+        budget = plans[size, EXL3, EXLLAMAV3].achieved_bpw if EXL3 in methods else size
         if UNIFORM in methods:
-            plans[size, UNIFORM] = uniform_plan(cfg, budget)
+            plans[size, UNIFORM, EXLLAMAV3] = uniform_plan(cfg, budget)
     encoder.encode([p for p in plans.values()])  # the references' pairs: their proxy errors are measured
     sens = sensitivity(cfg, calibrated.summary, measured=encoder.measured_proxies())
     for size in settings.sizes:
-        budget = plans[size, EXL3].achieved_bpw if EXL3 in methods else size
-        for method, mode in ((OURS_STOCK, STOCK), (OURS_MIXEDK, MIXEDK)):
-            if method in methods:
-                plans[size, method] = allocate(cfg, sens, budget, AllocationSettings(mode=mode))
+        budget = plans[size, EXL3, EXLLAMAV3].achieved_bpw if EXL3 in methods else size
+        if OURS in methods:
+            for loader in settings.loaders:
+                plans[size, OURS, loader] = allocate(cfg, sens, budget, AllocationSettings(loader=loader))
     encoder.encode(list(plans.values()))
 
     held = rows("heldout", settings.eval_rows)
     reference = list(row_predictions(_streamer(CheckpointSource(ck)), held))
     native_nll = torch.cat([r.nll() for r in reference])
     out = []
-    for (size, method), plan in plans.items():
-        pack = work / "packs" / f"{size:g}-{method}"
+    for (size, method, loader), plan in plans.items():
+        pack = work / "packs" / f"{size:g}-{method}-{loader}"
         _say(f"demo: pack {pack.name} ({plan.achieved_bpw:.3f} bpw)")
         manifest = _pack(ck, plan, encoder, work / "pack-work" / pack.name, pack)
         report = verify_pack(pack)
         c = compare(reference, row_predictions(_streamer(PackSource(Checkpoint.open(pack))), held))
         out.append(_row(size, method, plan, manifest, c, not report.faults))
-    rows_sorted = sorted(out, key=lambda r: (r.bpw, METHODS.index(r.method)))
+    rows_sorted = sorted(out, key=lambda r: (r.bpw, METHODS.index(r.method), LOADERS.index(r.loader)))
     return DemoResult(rows_sorted, float(native_nll.mean().exp()), native_nll.numel(), time.monotonic() - start)
 
 
@@ -229,7 +236,7 @@ def _streamer(source) -> LayerStreamer:
 def _row(size: float, method: str, plan: Plan, manifest, c: Comparison, verified: bool) -> DemoRow:
     one = manifest.fit["topologies"]["1"]
     weights = next(iter(one.values()))["weights_gib"][0]
-    return DemoRow(size, method, plan.achieved_bpw, sum(s.bytes for s in manifest.shards), c.pack.ppl, c.kl,
+    return DemoRow(size, method, plan.loader, plan.achieved_bpw, sum(s.bytes for s in manifest.shards), c.pack.ppl, c.kl,
                    c.kl_stderr, c.top1, c.nll_delta, c.nll_delta_stderr, verified,
                    all(v["fits"] for v in one.values()), weights)
 

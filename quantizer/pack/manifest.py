@@ -1,11 +1,11 @@
 """`manifest.json`: what a pack claims about itself, written by the pack stage and checked by verify.
 
-Schema (manifest_version 1):
+Schema (manifest_version 2):
 
 - `tool`: name, version, torch, `exllamav3_target` (the format version the pack is written for) and
   `exllamav3` (the version that encoded it on the GPU, or null for the CPU codec);
 - `source`: path, revision, arch and fingerprint of the native checkpoint;
-- `plan`: hash, loader_mode, codebook, head_bits;  `settings`: seed, device, encoder, calibration;
+- `plan`: hash, loader (the loader profile the pack is made for; verify checks it), codebook, head_bits;  `settings`: seed, device, encoder, calibration;
 - `quantization`: the integer `bits`, the `bpw` and the K histogram written into config.json;
 - `shards`: [{file, bytes, sha256, engram}] in file order;
 - `tensors`: every tensor in the shards (alignment pads excepted) -> {shard, K, class}; K is the
@@ -30,7 +30,7 @@ from quantizer.errors import UserError
 from quantizer.workdir import read_json
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: plan.loader (a profile name) replaces plan.loader_mode
 NATIVE = "native"
 HASH_CHUNK = 16 << 20
 

@@ -30,7 +30,8 @@ from quantizer.model.tensor_classes import classify
 from quantizer.pack.exl3_config import EXLLAMAV3_TARGET, pack_config, quantization_config, tensor_storage
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, ShardRecord, TensorRecord, sha256_file
 from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, write_shards
-from quantizer.plan.plan import MIXEDK, Plan, achieved_bpw, expert_of
+from quantizer.plan.plan import Plan, achieved_bpw, expert_of
+from quantizer.plan.profiles import load_profile
 from quantizer.plan.sizes import UNQUANTIZED, exl3_leaves
 from quantizer.plan.targets import targets
 from quantizer.quantize.linears import StoredLinear, stored_linears
@@ -181,7 +182,7 @@ def _copy_side_files(src: Path, pack: Path) -> None:
 def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackSettings, fit: dict) -> Manifest:
     tensors = {t.name: TensorRecord(s.file, t.K, t.cls) for s in shards for t in s.tensors}
     aliases = {t.key: alias_of(plan, t.key) for t in targets(ck.config) if alias_of(plan, t.key)}
-    features = (["per-expert-K"] if plan.mode == MIXEDK else []) + (["expert-aliases"] if aliases else [])
+    features = (["per-expert-K"] if load_profile(plan.loader).per_expert_k else []) + (["expert-aliases"] if aliases else [])
     return Manifest(
         tool={
             "name": "quantizer", "version": __version__, "torch": torch.__version__.split("+")[0],
@@ -189,7 +190,7 @@ def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackS
         },
         source={"path": str(ck.root), "revision": settings.revision, "arch": ck.config.arch,
                 "fingerprint": source_fingerprint(ck)},
-        plan={"hash": plan.content_hash(), "loader_mode": plan.mode, "codebook": plan.codebook,
+        plan={"hash": plan.content_hash(), "loader": plan.loader, "codebook": plan.codebook,
               "head_bits": qcfg["head_bits"]},
         settings=dict(settings.job_settings or {}),
         quantization={"bits": qcfg["bits"], "bpw": qcfg["bpw"], "k_histogram": _histogram(linears)},

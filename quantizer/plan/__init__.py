@@ -1,11 +1,12 @@
 """Plans: the K of every EXL3 target, cold-expert aliases, expected bytes, exllamav3 recipes."""
 
-from quantizer.plan.plan import MIXEDK, STOCK, Plan, check_plan, make_plan
+from quantizer.plan.plan import Plan, check_plan, make_plan
+from quantizer.plan.profiles import EXLLAMAV3, LOADERS, MIXEDK, load_profile
 from quantizer.plan.recipe import Recipe, plan_from_recipe, read_recipe, write_recipe
 from quantizer.plan.targets import Target, quantizable, target_map, targets
 from quantizer.plan.uniform import uniform_plan
 
 __all__ = [
-    "MIXEDK", "STOCK", "Plan", "Recipe", "Target", "check_plan", "make_plan", "plan_from_recipe",
+    "EXLLAMAV3", "LOADERS", "MIXEDK", "Plan", "Recipe", "Target", "check_plan", "load_profile", "make_plan", "plan_from_recipe",
     "quantizable", "read_recipe", "target_map", "targets", "uniform_plan", "write_recipe",
 ]

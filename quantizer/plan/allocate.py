@@ -8,11 +8,13 @@ are the segments of the lower convex hull of its (bits, cost) options, so a rate
 worse than the one after it (a non-convex step) does not stop the unit. All segments, best
 cost-per-bit first, are taken while they fit; this prefix is the Lagrangian optimum, exact for
 the bits it spends. What is left is filled by the best upgrades (any rate, hull or not) that still
-fit. A unit is one tensor in `mixedk` mode; in `stock` mode the routed experts of one layer share
-one K per projection, so the unit is (layer, projection), cost and bits summed over its experts.
+fit. The loader profile (profiles.py) decides the units: one tensor where the loader takes K per
+expert (`mixedk`); under `exllamav3` the routed experts of one layer share one K per projection and
+gate and up share one K, so a layer's gate+up is one unit and its down another, cost and bits
+summed over their tensors. A profile's constraint is part of the problem, never a repair after it.
 
-Rules: attention and the indexer query take integer K only, half rates exist only with mul1 (the
-rate grid of the codebook), attention, indexer, shared experts and Engram's wkv start at `floor`.
+Rules: the profile's (codebook, K range, integer K for DSV4 attention, compressor and indexer; half
+rates only with mul1), and attention, indexer, shared experts and Engram's wkv start at `floor`.
 The head takes `head_bits` and the DSpark drafter `drafter_bits` (native by default), both outside
 the budget as in exllamav3.
 
@@ -20,8 +22,8 @@ Cold experts (routed share below `alias_below` x the layer's mean, with an alias
 calibration) may be served by their warm expert: 0 bits, cost = importance x aliasing error. The
 choice is Lagrangian: alias when that cost is below what keeping the expert costs, its bits priced
 at the marginal value of bits in the current solution; at most `alias_cap` per layer; re-solved
-until the alias set is stable. On by default in mixedk; in stock it needs an alias-aware loader,
-so it is opt-in.
+until the alias set is stable. On by default where the profile's loader honours aliases (mixedk);
+refused where it does not (exllamav3).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from quantizer.fit.hardware import GIB, Hardware, load_hardware
 from quantizer.fit.memory import FitReport, Scenario, evaluate, fit
 from quantizer.fit.stored import stored_from_plan
 from quantizer.model.config import ModelConfig
-from quantizer.plan.plan import MIXEDK, MODES, STOCK, Plan, expert_of, make_plan
+from quantizer.plan.plan import Plan, expert_of, make_plan
+from quantizer.plan.profiles import EXLLAMAV3, load_profile
 from quantizer.plan.sensitivity import AliasOption, Sensitivity
 from quantizer.plan.sizes import check_k, rate_grid
 from quantizer.plan.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, target_map, targets
@@ -53,18 +56,23 @@ FIT_PROBES = 12
 
 @dataclass(frozen=True)
 class AllocationSettings:
-    mode: str = STOCK
+    loader: str = EXLLAMAV3  # a loader profile name (profiles.py)
     codebook: str = "mul1"
     floor: float = DEFAULT_FLOOR
     head_bits: float | None = 6.0
     drafter_bits: float | None = None
-    alias: bool | None = None  # None: on in mixedk, off in stock
+    alias: bool | None = None  # None: on where the loader honours aliases
     alias_below: float = ALIAS_BELOW
     alias_cap: int | None = None  # per layer; None: ALIAS_CAP_SHARE of the experts, at least 1
 
     @property
     def aliasing(self) -> bool:
-        return self.mode == MIXEDK if self.alias is None else self.alias
+        """Whether cold experts may be aliased; UserError where the loader cannot serve aliases."""
+        allowed = load_profile(self.loader).aliases
+        if self.alias and not allowed:
+            raise UserError(f"--alias: the {self.loader} loader reads every expert's own tensors and has no alias "
+                            "map; use --loader mixedk")
+        return allowed if self.alias is None else self.alias
 
 
 class Allocator:
@@ -72,23 +80,27 @@ class Allocator:
     asks for several)."""
 
     def __init__(self, cfg: ModelConfig, sens: Sensitivity, settings: AllocationSettings = AllocationSettings()):
-        if settings.mode not in MODES:
-            raise UserError(f"--loader {settings.mode!r}; choose stock or mixedk")
+        profile = load_profile(settings.loader)
+        if settings.codebook not in profile.codebooks:
+            raise UserError(f"--codebook {settings.codebook}: the {profile.name} loader takes "
+                            f"{' or '.join(profile.codebooks)} ({profile.sources['codebook']})")
         if tuple(sens.rates) != rate_grid(settings.codebook):
             raise ValueError(f"sensitivity was computed for rates {sens.rates}, not the {settings.codebook} grid")
         floor = check_k(settings.floor, settings.codebook, True, "--floor")
         if floor not in sens.rates:
             raise UserError(f"--floor {floor:g}: choose an integer rate 1..8")
-        self.cfg, self.sens, self.settings = cfg, sens, settings
+        self.cfg, self.sens, self.settings, self.profile = cfg, sens, settings, profile
         tmap = target_map(cfg)
         self.targets = [tmap[k] for k in sens.keys]
         self.rates = np.asarray(sens.rates)
         self.numel = np.array([t.numel for t in self.targets], dtype=float)
-        allowed = np.ones((len(self.targets), len(self.rates)), dtype=bool)
-        integer = self.rates == np.round(self.rates)
+        by_kind = {}  # the profile's rule depends on the target only through integer_only
+        for t in self.targets:
+            if t.integer_only not in by_kind:
+                by_kind[t.integer_only] = [profile.allows_k(float(r), settings.codebook, t) for r in self.rates]
+        allowed = np.array([by_kind[t.integer_only] for t in self.targets], dtype=bool).reshape(
+            len(self.targets), len(self.rates))
         for i, t in enumerate(self.targets):
-            if t.integer_only:
-                allowed[i] &= integer
             if t.group in FLOORED:
                 allowed[i] &= self.rates >= floor
         self.cost = np.where(allowed, sens.cost, np.inf)
@@ -116,7 +128,7 @@ class Allocator:
         try:
             for _ in range(ALIAS_ROUNDS):
                 choice, lam = self._solve(budget_bits, aliased)
-                chosen = self._choose_aliases(choice, lam)
+                chosen = self._choose_aliases(lam)
                 if chosen == aliased:
                     break
                 aliased = chosen
@@ -133,13 +145,16 @@ class Allocator:
     # ---- the marginal solver --------------------------------------------------------------------
 
     def _units(self, aliased: dict[str, str]) -> np.ndarray:
-        """Unit index per row (-1: aliased): one per tensor, or per (layer, projection) in stock mode."""
+        """Unit index per row (-1: aliased): one per tensor, except where the profile ties tensors to
+        one K: a layer's experts per projection (no per-expert K), gate with up (tie_gate_up)."""
         unit = np.arange(len(self.targets))
-        if self.settings.mode == STOCK:
-            groups: dict[tuple, int] = {}
-            for i, t in enumerate(self.targets):
-                if t.group == ROUTED:
-                    unit[i] = groups.setdefault((t.layer, t.proj), i)
+        groups: dict[tuple, int] = {}
+        for i, t in enumerate(self.targets):
+            if t.group != ROUTED:
+                continue
+            proj = "w1+w3" if self.profile.tie_gate_up and t.proj in ("w1", "w3") else t.proj
+            who = t.expert if self.profile.per_expert_k else None
+            unit[i] = groups.setdefault((t.layer, who, proj), i)
         for expert in aliased:
             unit[self.expert_rows[expert]] = -1
         return unit
@@ -177,15 +192,12 @@ class Allocator:
             return self.settings.alias_cap
         return max(1, int(self.cfg.n_routed_experts * ALIAS_CAP_SHARE))
 
-    def _choose_aliases(self, choice: np.ndarray, lam: float) -> dict[str, str]:
-        """Alias where cost + lam x bits of keeping the expert exceeds its aliasing cost."""
+    def _choose_aliases(self, lam: float) -> dict[str, str]:
+        """Alias where cost + lam x bits of keeping the expert (at its Lagrangian-best rates: a loader
+        that honours aliases takes K per expert) exceeds its aliasing cost."""
         if not self.candidates:
             return {}
-        if self.settings.mode == MIXEDK:  # a kept expert takes its Lagrangian-best rates
-            kept = (self.cost + lam * self.bits).min(axis=1)
-        else:  # a kept expert takes its layer's rates (aliased rows hold them, _solve)
-            rows = np.arange(len(self.targets))
-            kept = self.cost[rows, choice] + lam * self.bits[rows, choice]
+        kept = (self.cost + lam * self.bits).min(axis=1)
         net = {a.expert: a.cost - float(kept[self.expert_rows[a.expert]].sum()) for a in self.candidates}
         chosen: dict[str, str] = {}
         warms: set[str] = set()
@@ -213,11 +225,11 @@ class Allocator:
             elif t.group == DRAFT:
                 k[t.key] = drafter_k(s.drafter_bits, t.integer_only)
         bpw = budget_bits / self.total_numel if target_bpw is None else target_bpw
-        made_by = (f"allocate(bpw={bpw:.4g}, loader={s.mode}, floor={s.floor:g}, codebook={s.codebook}, "
+        made_by = (f"allocate(bpw={bpw:.4g}, loader={s.loader}, floor={s.floor:g}, codebook={s.codebook}, "
                    f"aliases={len(aliased)}, calibration={'synthetic' if self.sens.synthetic else 'measured'}, "
                    f"gains={self.sens.gains}, "
                    f"measured_proxies={self.sens.measured})")
-        return make_plan(self.cfg, k, s.codebook, s.mode, target_bpw=round(bpw, 4), aliases=aliased,
+        return make_plan(self.cfg, k, s.codebook, s.loader, target_bpw=round(bpw, 4), aliases=aliased,
                          made_by=made_by)
 
 

@@ -1,5 +1,5 @@
 """`quantizer plan SRC|--model-config C (--bpw B | --sparks N [--context C] [--streams S] [--engine E])
-[--calibration WORK_OR_SUMMARY | --synthetic] [--loader stock|mixedk] [--method ours|uniform|exl3]
+[--calibration WORK_OR_SUMMARY | --synthetic] [--loader exllamav3|mixedk] [--method ours|uniform|exl3]
 [--alias/--no-alias] [--out plan.json] [--recipe-out recipe.yaml]`
 
 Methods: `ours` (allocate.py: least estimated error under the budget, from a calibration summary
@@ -24,7 +24,8 @@ from quantizer.model.config import ModelConfig
 from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings, FitTarget, largest_fitting_plan
 from quantizer.plan.exl3_baseline import HQ
 from quantizer.plan.methods import EXL3, METHODS, OURS, UNIFORM, planner
-from quantizer.plan.plan import MIXEDK, MODES, STOCK, TOTAL, TOTAL_RESIDENT, Plan
+from quantizer.plan.plan import TOTAL, TOTAL_RESIDENT, Plan
+from quantizer.plan.profiles import EXLLAMAV3, LOADERS, load_profile
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plan.sizes import CODEBOOKS, rate_grid
@@ -53,10 +54,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the --synthetic summary")
     p.add_argument("--method", choices=METHODS,
                    help="allocator (default: ours with --calibration/--synthetic, else uniform)")
-    p.add_argument("--loader", choices=MODES, default=STOCK,
-                   help="stock: one K per projection per layer (any EXL3 loader); mixedk: K per expert")
+    p.add_argument("--loader", choices=LOADERS, default=EXLLAMAV3,
+                   help="loader profile the plan must load in: exllamav3 (stock 1.6.5: one K per projection per "
+                        "layer, gate = up, no aliases) or mixedk (K per expert, aliases)")
     p.add_argument("--alias", action=argparse.BooleanOptionalAction, default=None,
-                   help="alias cold experts to warm ones (default: on with mixedk, off with stock)")
+                   help="alias cold experts to warm ones (default: on where the loader honours aliases)")
     p.add_argument("--alias-below", type=float, default=ALIAS_BELOW,
                    help="alias candidates: routed share below this fraction of the layer's mean")
     p.add_argument("--alias-cap", type=int, help="at most this many aliased experts per layer (default: 1/16 of them)")
@@ -169,10 +171,8 @@ def recipe_header(args: argparse.Namespace, plan: Plan, method: str = UNIFORM, t
     budget = f"--bpw {args.bpw:g}" if args.bpw is not None else _fit_flags(target)
     if method != UNIFORM:
         extra += _method_flags(args, method)
-    mode = ("one K per projection per layer" if plan.mode == STOCK
-            else "K per expert: needs a loader with per-expert kernels")
     lines = [
-        f"exllamav3 recipe for {model} at {plan.target_bpw:g} bpw, {plan.mode} mode ({mode}).",
+        f"exllamav3 recipe for {model} at {plan.target_bpw:g} bpw, for the {plan.loader} loader profile.",
         f"Made by {plan.made_by}.",
         f"Regenerate: quantizer plan --model-config {model} {budget}{extra} --recipe-out <this file>",
         f"Achieved bits (exllamav3 accounting, budgeted tensors): {plan.achieved_bpw:.4f}; "
@@ -219,10 +219,10 @@ def render(cfg: ModelConfig, plan: Plan) -> str:
     sizes = plan.expected_bytes
     lines = [
         f"{plan.made_by}: achieved {plan.achieved_bpw:.4f} bits over budgeted tensors "
-        f"(target {plan.target_bpw:g}); mode {plan.mode}, codebook {plan.codebook}; hash {plan.content_hash()[:16]}",
+        f"(target {plan.target_bpw:g}); loader {plan.loader}, codebook {plan.codebook}; hash {plan.content_hash()[:16]}",
         table(["group", "K (count)"], rows, right=set()),
     ]
-    if plan.mode == MIXEDK:
+    if load_profile(plan.loader).per_expert_k:
         lines.append("routed experts by layer (mean K): " + "; ".join(
             f"L{layer} {sum(ks) / len(ks):.2f}" for layer, ks in sorted(layers.items()) if None not in ks))
     else:

@@ -14,8 +14,11 @@ config.json and a header-only safetensors file.
 Its rates map back to our targets one to one, except:
 - `attn.wo_a.slice.G` (exllamav3 plans the fused wo_a as o_groups equal slices, each its own
   group): our single wo_a takes their mean, rounded down to an integer rate;
-- `attn.compressor.*` and `attn.indexer.compressor.*`: exllamav3 quantizes them, we keep them
-  native (they count in its budget, not ours);
+- compressors: one to one where our model has them (V4 always; V4.1 in its KV-source layers); the
+  twin's compressors our V4.1 model lacks (reuse layers, and every `attn.indexer.compressor.*`) are
+  left out;
+- V4.1's `attn.indexer.wk`: the rate exllamav3 gives the twin's indexer compressor `wkv` of that
+  layer (the twin's index keys), else the layer's attention `wkv`;
 - Engram's `wkv` (V4.1 only): the rate exllamav3 gives the same layer's attention `wkv`.
 The head takes head_bits; the DSpark drafter stays native unless drafter_bits is given (no MTP
 component is built).
@@ -39,7 +42,8 @@ from pathlib import Path
 
 from quantizer.errors import UserError
 from quantizer.model.config import V4, ModelConfig
-from quantizer.plan.plan import STOCK, Plan, achieved_bpw, make_plan
+from quantizer.plan.plan import Plan, achieved_bpw, make_plan
+from quantizer.plan.profiles import EXLLAMAV3
 from quantizer.plan.sizes import rate_grid
 from quantizer.plan.targets import DRAFT, ENGRAM, HEAD_GROUP, target_map, targets
 from quantizer.plan.uniform import drafter_k, rate_floor
@@ -60,12 +64,12 @@ def exl3_strategy(cfg: ModelConfig, bits: float, codebook: str = "mul1", head_bi
 
 
 def exl3_plan(cfg: ModelConfig, bpw: float, codebook: str = "mul1", head_bits: float | None = 6.0,
-              hq: int = HQ, drafter_bits: float | None = None) -> Plan:
+              hq: int = HQ, drafter_bits: float | None = None, loader: str = EXLLAMAV3) -> Plan:
     """exllamav3's allocation at the largest `bits` whose plan stays within `bpw` (our accounting)."""
     def rates_at(bits: float) -> tuple[dict[str, float | None], float]:
         strategy, _ = exl3_strategy(cfg, bits, codebook, 6.0 if head_bits is None else head_bits, hq)
         k = our_rates(cfg, strategy, head_bits, drafter_bits)
-        return k, achieved_bpw(cfg, Plan(cfg.arch, codebook, STOCK, k))
+        return k, achieved_bpw(cfg, Plan(cfg.arch, codebook, loader, k))
 
     lo, hi = float(rate_grid(codebook)[0]), float(rate_grid(codebook)[-1])
     best, achieved = rates_at(lo)
@@ -84,7 +88,7 @@ def exl3_plan(cfg: ModelConfig, bpw: float, codebook: str = "mul1", head_bits: f
             hi = mid
     made_by = (f"exllamav3.create_q_strategy(bits={lo:.4f}, hq={hq}, half_steps={codebook == 'mul1'}) "
                f"matched to {bpw:g} bpw; exllamav3 {EXLLAMAV3_VERSION} on a V4 twin")
-    return make_plan(cfg, best, codebook, STOCK, target_bpw=bpw, made_by=made_by)
+    return make_plan(cfg, best, codebook, loader, target_bpw=bpw, made_by=made_by)
 
 
 def our_rates(cfg: ModelConfig, strategy: dict[str, float], head_bits: float | None,
@@ -93,12 +97,15 @@ def our_rates(cfg: ModelConfig, strategy: dict[str, float], head_bits: float | N
     tmap = target_map(cfg)
     k: dict[str, float | None] = {}
     slices: dict[str, list[float]] = defaultdict(list)
+    twin_only: dict[str, float] = {}
     for key, rate in strategy.items():
         if key in tmap:
             k[key] = float(rate)
         elif ".wo_a.slice." in key:
             slices[key.split(".slice.")[0]].append(float(rate))
-        elif ".compressor." not in key:
+        elif ".compressor." in key:
+            twin_only[key] = float(rate)
+        else:
             raise ValueError(f"exllamav3 plans {key}, which this model has no target for")
     integer = rate_grid("mcg")
     for key, rates in slices.items():
@@ -106,6 +113,8 @@ def our_rates(cfg: ModelConfig, strategy: dict[str, float], head_bits: float | N
     for t in targets(cfg):
         if t.group == ENGRAM:
             k[t.key] = k[f"layers.{t.layer}.attn.wkv"]
+        elif t.key not in k and t.key.endswith(".attn.indexer.wk"):
+            k[t.key] = twin_only.get(f"layers.{t.layer}.attn.indexer.compressor.wkv", k[f"layers.{t.layer}.attn.wkv"])
         elif t.group == HEAD_GROUP:
             k[t.key] = head_bits
         elif t.group == DRAFT:

@@ -15,7 +15,7 @@ from quantizer.errors import UserError
 from quantizer.model.config import ModelConfig
 from quantizer.plan.allocate import AllocationSettings, Allocator
 from quantizer.plan.exl3_baseline import HQ, exl3_plan
-from quantizer.plan.plan import MIXEDK, Plan
+from quantizer.plan.plan import Plan
 from quantizer.plan.sensitivity import sensitivity
 from quantizer.plan.sizes import rate_grid
 from quantizer.plan.uniform import uniform_plan
@@ -32,14 +32,14 @@ def planner(cfg: ModelConfig, method: str, settings: AllocationSettings = Alloca
     lowest = rate_grid(settings.codebook)[0]
     if method not in METHODS:
         raise UserError(f"method {method!r}; choose from {', '.join(METHODS)}")
-    if method != OURS and (settings.mode == MIXEDK or settings.alias):
-        raise UserError(f"--loader mixedk and --alias apply to --method ours; {method} plans are stock, one K per "
-                        "projection per layer")
+    if method != OURS and settings.alias:
+        raise UserError(f"--alias applies to --method ours; {method} plans store every expert")
     if method == UNIFORM:
         return (lambda b: uniform_plan(cfg, b, settings.codebook, settings.head_bits, settings.drafter_bits,
-                                       floor)), lowest
+                                       floor, settings.loader)), lowest
     if method == EXL3:
-        return (lambda b: exl3_plan(cfg, b, settings.codebook, settings.head_bits, hq, settings.drafter_bits)), lowest
+        return (lambda b: exl3_plan(cfg, b, settings.codebook, settings.head_bits, hq, settings.drafter_bits,
+                                    settings.loader)), lowest
     if summary is None:
         raise ValueError("planner: the ours method needs a calibration summary")
     if floor is not None:

@@ -1,9 +1,10 @@
 """The plan: what K every EXL3 target gets, which cold experts alias warm ones, and the bytes that
 follow. It is the contract between planning (uniform or allocator) and the quantize/pack stages.
 
-K None means the tensor keeps its native storage; 16 means an unquantized fp16 linear. In "stock"
-mode every routed (and drafter) expert of one layer shares one K per projection, which stock
-exllamav3, vllm-exl3 and TensorFold load; "mixedk" allows K per expert (per-expert kernels).
+K None means the tensor keeps its native storage; 16 means an unquantized fp16 linear. A plan is
+made for one loader profile (profiles.py): `exllamav3` (stock exllamav3 1.6.5: one K per projection
+per layer, gate and up tied, no aliases) or `mixedk` (per-expert kernels); `make_plan` refuses a plan
+that breaks its profile's rules.
 """
 
 from __future__ import annotations
@@ -18,15 +19,13 @@ from pathlib import Path
 from quantizer.errors import UserError
 from quantizer.model.config import ModelConfig
 from quantizer.model.tensor_classes import ENGRAM_TABLE
-from quantizer.plan.sizes import CODEBOOKS, budget_bpw, check_k, exl3_bytes
+from quantizer.plan.profiles import EXLLAMAV3, StoredLinear, load_profile, violations
+from quantizer.plan.sizes import CODEBOOKS, UNQUANTIZED, budget_bpw, check_k, exl3_bytes
 from quantizer.plan.targets import DRAFT, ROUTED, classified_layout, stored_parts, target_map, targets
 from quantizer.workdir import read_json, write_json_atomic
 
-STOCK = "stock"
-MIXEDK = "mixedk"
-MODES = (STOCK, MIXEDK)
 FORMAT = "quantizer-plan"
-VERSION = 1
+VERSION = 2  # 2: `loader` (a profile name) replaces `mode`
 TOTAL = "total"
 TOTAL_RESIDENT = "total_without_engram_tables"
 
@@ -35,7 +34,7 @@ TOTAL_RESIDENT = "total_without_engram_tables"
 class Plan:
     arch: str
     codebook: str
-    mode: str
+    loader: str  # the loader profile the plan satisfies (profiles.py)
     k: dict[str, float | None]  # every EXL3 target key of the model -> K, or None = native
     target_bpw: float | None = None
     aliases: dict[str, str] = field(default_factory=dict)  # cold expert -> warm expert of its layer
@@ -48,8 +47,8 @@ class Plan:
         return self.k.get("head")
 
     def content_hash(self) -> str:
-        """sha256 of what decides the pack's tensors: K map, aliases, codebook, mode, arch."""
-        body = {"arch": self.arch, "codebook": self.codebook, "mode": self.mode,
+        """sha256 of what decides the pack's tensors: K map, aliases, codebook, loader, arch."""
+        body = {"arch": self.arch, "codebook": self.codebook, "loader": self.loader,
                 "k": self.k, "aliases": self.aliases}
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
@@ -58,7 +57,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "format": FORMAT, "version": VERSION, "arch": self.arch, "codebook": self.codebook,
-            "mode": self.mode, "target_bpw": self.target_bpw, "achieved_bpw": self.achieved_bpw,
+            "loader": self.loader, "target_bpw": self.target_bpw, "achieved_bpw": self.achieved_bpw,
             "head_bits": self.head_bits, "made_by": self.made_by, "content_hash": self.content_hash(),
             "expected_bytes": self.expected_bytes, "aliases": self.aliases, "k": self.k,
         }
@@ -78,7 +77,7 @@ class Plan:
             raise UserError(f"{path}: plan version {data.get('version')}; this quantizer reads version {VERSION}")
         try:
             plan = cls(
-                arch=data["arch"], codebook=data["codebook"], mode=data["mode"],
+                arch=data["arch"], codebook=data["codebook"], loader=data["loader"],
                 k={key: (None if v is None else float(v)) for key, v in data["k"].items()},
                 target_bpw=data.get("target_bpw"), aliases=dict(data.get("aliases") or {}),
                 expected_bytes={c: int(n) for c, n in (data.get("expected_bytes") or {}).items()},
@@ -97,14 +96,14 @@ def make_plan(
     cfg: ModelConfig,
     k: dict[str, float | None],
     codebook: str = "mul1",
-    mode: str = STOCK,
+    loader: str = EXLLAMAV3,
     target_bpw: float | None = None,
     aliases: dict[str, str] | None = None,
     made_by: str = "",
 ) -> Plan:
     """A checked plan with its expected bytes; every target of `cfg` must have an entry in `k`."""
     k = {key: (None if v is None else float(v)) for key, v in k.items()}
-    plan = Plan(cfg.arch, codebook, mode, k, target_bpw, dict(aliases or {}), made_by=made_by)
+    plan = Plan(cfg.arch, codebook, loader, k, target_bpw, dict(aliases or {}), made_by=made_by)
     check_plan(cfg, plan)
     plan.expected_bytes = expected_bytes(cfg, plan)
     plan.achieved_bpw = achieved_bpw(cfg, plan)
@@ -112,12 +111,11 @@ def make_plan(
 
 
 def check_plan(cfg: ModelConfig, plan: Plan) -> None:
-    """Every target has a K it may take; stock mode holds one K per projection per layer; aliases
-    point cold experts at warm experts of the same layer. UserError names the first problem."""
+    """Every target has a K it may take, aliases point cold experts at warm experts of the same
+    layer, and the plan keeps every rule of its loader profile. UserError names the first problem."""
     if plan.codebook not in CODEBOOKS:
         raise UserError(f"plan codebook {plan.codebook!r}; choose one of {', '.join(CODEBOOKS)}")
-    if plan.mode not in MODES:
-        raise UserError(f"plan mode {plan.mode!r}; choose stock or mixedk")
+    profile = load_profile(plan.loader)
     if plan.arch != cfg.arch:
         raise UserError(f"plan is for arch {plan.arch}, the model is {cfg.arch}")
     tmap = target_map(cfg)
@@ -131,8 +129,23 @@ def check_plan(cfg: ModelConfig, plan: Plan) -> None:
         if value is not None:
             check_k(value, plan.codebook, tmap[key].integer_only, key)
     _check_aliases(cfg, plan)
-    if plan.mode == STOCK:
-        _check_stock(tmap, plan)
+    broken = violations(profile, plan_linears(cfg, plan), plan.aliases)
+    if broken:
+        more = f" (and {len(broken) - 1} more)" if len(broken) > 1 else ""
+        raise UserError(f"plan breaks the {profile.name} loader profile: {broken[0].line(profile)}{more}")
+
+
+def plan_linears(cfg: ModelConfig, plan: Plan) -> list[StoredLinear]:
+    """The linears a pack of `plan` stores, as its loader sees them (aliased experts store none)."""
+    tmap, cold = target_map(cfg), aliased_keys(plan)
+    out = []
+    for key, k in plan.k.items():
+        if key in cold:
+            continue
+        t = tmap[key]
+        codebook = plan.codebook if k is not None and k != UNQUANTIZED else None
+        out += [StoredLinear(stored, t, k, codebook) for stored, _ in stored_parts(cfg, t, k)]
+    return out
 
 
 def expert_of(key: str) -> str:
@@ -154,28 +167,6 @@ def _check_aliases(cfg: ModelConfig, plan: Plan) -> None:
             raise UserError(f"alias {cold} -> {warm}: a cold expert must alias an expert of the same layer")
         if warm in plan.aliases:
             raise UserError(f"alias {cold} -> {warm}: {warm} is itself aliased; point at a stored expert")
-
-
-def _check_stock(tmap, plan: Plan) -> None:
-    cold = aliased_keys(plan)
-    seen: dict[tuple, tuple[str, float | None]] = {}
-    for key, value in plan.k.items():
-        t = tmap[key]
-        if t.expert is None or key in cold:
-            continue
-        unit = (t.group, t.layer, t.proj)
-        if unit not in seen:
-            seen[unit] = (key, value)
-        elif seen[unit][1] != value:
-            first, k0 = seen[unit]
-            raise UserError(
-                f"stock plans need one K per projection per layer: {first} has {_show(k0)} but {key} has "
-                f"{_show(value)}; use mode mixedk (per-expert kernels) or give the layer one K"
-            )
-
-
-def _show(k: float | None) -> str:
-    return "native" if k is None else f"K {k:g}"
 
 
 def expected_bytes(cfg: ModelConfig, plan: Plan) -> dict[str, int]:

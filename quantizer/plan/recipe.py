@@ -25,7 +25,8 @@ import yaml
 
 from quantizer.errors import UserError
 from quantizer.model.config import ModelConfig
-from quantizer.plan.plan import STOCK, Plan, make_plan
+from quantizer.plan.plan import Plan, make_plan
+from quantizer.plan.profiles import EXLLAMAV3
 from quantizer.plan.sizes import check_k
 from quantizer.plan.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, Target, targets
 
@@ -70,7 +71,7 @@ def _value(v, what: str) -> float | None:
     return float(v)
 
 
-def plan_from_recipe(cfg: ModelConfig, recipe: Recipe, codebook: str = "mul1", mode: str = STOCK) -> Plan:
+def plan_from_recipe(cfg: ModelConfig, recipe: Recipe, codebook: str = "mul1", loader: str = EXLLAMAV3) -> Plan:
     """Apply the recipe to the model's targets: last matching entry wins, as in exllamav3."""
     all_targets = targets(cfg)
     budgeted = [t for t in all_targets if t.budgeted]
@@ -102,7 +103,7 @@ def plan_from_recipe(cfg: ModelConfig, recipe: Recipe, codebook: str = "mul1", m
     for key, value in k.items():
         if value is not None:
             check_k(value, codebook, by_key[key].integer_only, f"{recipe.path}: {key}")
-    return make_plan(cfg, k, codebook, mode, recipe.target_bpw, made_by=f"recipe {recipe.path}")
+    return make_plan(cfg, k, codebook, loader, recipe.target_bpw, made_by=f"recipe {recipe.path}")
 
 
 class _KeyPool:

@@ -2,7 +2,10 @@
 
 The EXL3 key of a linear is its native weight name minus `.weight` (`layers.3.ffn.experts.5.w1`),
 the name exllamav3 gives the Linear. A target is budgeted when exllamav3's allocator spends `--bits`
-on it: the trunk's routed and shared experts, attention, the indexer's query and Engram's `wkv`.
+on it: the trunk's routed and shared experts, attention with its compressor (`attn.compressor.wkv`
+/ `.wgate`), the indexer's query, its compressor (V4) or its key projection `indexer.wk` (V4.1),
+and Engram's `wkv` (docs/loader-profiles.md: every Linear exllamav3's DeepSeek-V4 attention block
+quantizes).
 The head (`head_bits`), the DSpark drafter (`mtp_bits`) and vision sit outside the budget
 (ref/exllamav3-internals.md 2.4, 3.1). Everything that is not a target keeps its native storage.
 """
@@ -16,7 +19,7 @@ from typing import Mapping
 from quantizer.model.config import ModelConfig
 from quantizer.model.layout import TensorSpec, native_layout
 from quantizer.model.tensor_classes import (
-    ATTENTION, DRAFTER, ENGRAM_RESIDENT, HEAD, INDEXER, ROUTED_EXPERT, SHARED_EXPERT, classify,
+    ATTENTION, COMPRESSOR, DRAFTER, ENGRAM_RESIDENT, HEAD, INDEXER, ROUTED_EXPERT, SHARED_EXPERT, classify,
 )
 from quantizer.plan.sizes import UNQUANTIZED
 
@@ -33,6 +36,8 @@ BUDGETED_GROUPS = (ROUTED, SHARED, ATTN, INDEX, ENGRAM)
 
 EXL3_ALIGN = 128  # EXL3 rotates 128-wide Hadamard blocks: in and out features must be multiples
 ATTENTION_PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
+COMPRESSOR_PROJECTIONS = ("compressor.wkv", "compressor.wgate")  # read the attention input, as wq_a does
+INDEXER_PROJECTIONS = ("wq_b", "wk") + COMPRESSOR_PROJECTIONS  # under attn.indexer.
 DRAFTER_EXTRA_LINEARS = ("main_proj",)  # markov/confidence heads stay native, as in exllamav3's MTP
 
 
@@ -94,8 +99,10 @@ def _group(name: str) -> tuple[str, str] | None:
         return SHARED, leaf
     if c.cls == ATTENTION and leaf in ATTENTION_PROJECTIONS and key.endswith(f".attn.{leaf}"):
         return ATTN, leaf
-    if c.cls == INDEXER and key.endswith(".attn.indexer.wq_b"):
-        return INDEX, "wq_b"
+    if c.cls == COMPRESSOR and key.split(".attn.", 1)[-1] in COMPRESSOR_PROJECTIONS:
+        return ATTN, key.split(".attn.", 1)[-1]
+    if c.cls == INDEXER and key.split(".attn.indexer.", 1)[-1] in INDEXER_PROJECTIONS:
+        return INDEX, key.split(".attn.indexer.", 1)[-1]
     if c.cls == ENGRAM_RESIDENT and key.endswith(".engram.wkv"):
         return ENGRAM, "wkv"
     if c.cls == HEAD and key == "head":

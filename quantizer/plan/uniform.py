@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from quantizer.errors import UserError
 from quantizer.model.config import ModelConfig
-from quantizer.plan.plan import STOCK, Plan, make_plan
+from quantizer.plan.plan import Plan, make_plan
+from quantizer.plan.profiles import EXLLAMAV3
 from quantizer.plan.sizes import check_k, rate_grid
 from quantizer.plan.targets import DRAFT, HEAD_GROUP, ROUTED, targets
 
@@ -38,8 +39,9 @@ def uniform_plan(
     head_bits: float | None = 6,
     drafter_bits: float | None = None,
     floor: float | None = None,
+    loader: str = EXLLAMAV3,
 ) -> Plan:
-    """Stock plan whose budgeted bits come to at most `bpw` (exllamav3's `bits` accounting)."""
+    """One K per projection per layer (any loader takes it), whose budgeted bits come to at most `bpw` (exllamav3's `bits` accounting)."""
     all_targets = targets(cfg)
     budgeted = [t for t in all_targets if t.budgeted]
     routed = [t for t in budgeted if t.group == ROUTED]
@@ -78,7 +80,7 @@ def uniform_plan(
             k[t.key] = drafter_k(drafter_bits, t.integer_only)
     made_by = (f"uniform_plan(bpw={bpw:g}, codebook={codebook}, head_bits={head_bits}, "
                f"drafter_bits={drafter_bits}, floor={fixed:g})")
-    return make_plan(cfg, k, codebook, STOCK, target_bpw=bpw, made_by=made_by)
+    return make_plan(cfg, k, codebook, loader, target_bpw=bpw, made_by=made_by)
 
 
 def drafter_k(bits: float | None, integer_only: bool) -> float | None:

@@ -61,7 +61,7 @@ def quantize(
         _check_cuda()
     spec = JobSpec(
         source={"path": str(ck.root), "fingerprint": source_fingerprint(ck)},
-        plan={"hash": plan.content_hash(), "K": plan.k, "codebook": plan.codebook, "mode": plan.mode,
+        plan={"hash": plan.content_hash(), "K": plan.k, "codebook": plan.codebook, "loader": plan.loader,
               "aliases": plan.aliases},
         settings=settings.record(),
     )

@@ -3,7 +3,10 @@
 Every check yields a Finding; a FAULT names the shard or tensor and what is wrong. Header-level checks
 catch truncated, replaced, missing and extra shards, tensors beyond EOF, misalignment, an index that
 disagrees with the shards, dropped tensors and trellis shapes that disagree with the K the manifest
-claims; --full adds the sha256 of every shard, which catches any flipped byte.
+claims. Then the loader check: the K and codebook each stored linear holds (read from the shards,
+not the manifest) against the rules of a loader profile (plan/profiles.py), by default the one the
+pack was made for; a fault names the tensor, the rule and the engine code it comes from. --full adds
+the sha256 of every shard, which catches any flipped byte.
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ from quantizer.checkpoint.safetensors_file import PAD_PREFIX, SafetensorsHeader,
 from quantizer.checkpoint.source import ENGRAM_TABLE, INDEX_NAME
 from quantizer.codec.codebook import Codebook, parse_codebook
 from quantizer.errors import UserError
+from quantizer.model.config import ModelConfig
 from quantizer.pack.manifest import NATIVE, Manifest, sha256_file
+from quantizer.plan.profiles import StoredLinear, load_profile, violations
+from quantizer.plan.sizes import UNQUANTIZED
+from quantizer.plan.targets import target_map
 
 ALIGN = 64
 EXL3_SCALES = ("suh", "svh")
@@ -56,12 +63,14 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def verify_pack(pack: str | Path, full: bool = False) -> VerifyReport:
-    """All checks; raises UserError only when there is nothing to check against (no pack, no manifest)."""
+def verify_pack(pack: str | Path, full: bool = False, loader: str | None = None) -> VerifyReport:
+    """All checks, the loader rules of `loader` (default: the profile the manifest names); raises
+    UserError only when there is nothing to check against (no pack, no manifest, unknown profile)."""
     pack = Path(pack)
     if not pack.is_dir():
         raise UserError(f"{pack}: not a directory; pass the pack directory that holds manifest.json")
     manifest = Manifest.load(pack)
+    profile = load_profile(loader or manifest.plan["loader"])
     report = VerifyReport(pack)
     headers = _check_shards(pack, manifest, report)
     _check_extra_files(pack, manifest, report)
@@ -71,6 +80,7 @@ def verify_pack(pack: str | Path, full: bool = False) -> VerifyReport:
     _check_aliases(manifest, report)
     _check_sources(manifest, report)
     _check_configs(pack, manifest, report)
+    _check_loader(pack, manifest, headers, profile, report)
     if full:
         _check_hashes(pack, manifest, report)
     return report
@@ -266,6 +276,48 @@ def _check_configs(pack: Path, manifest: Manifest, report: VerifyReport) -> None
         report.fault("quantization_config.json", f"bits_per_weight disagrees with the manifest for {len(wrong_k)} linears, e.g. {wrong_k[0]}")
     else:
         report.ok("quantization_config.json", f"bits_per_weight of all {len(keys):,} EXL3 linears as in the manifest")
+
+
+def _check_loader(pack: Path, manifest: Manifest, headers: dict[str, SafetensorsHeader], profile,
+                  report: VerifyReport) -> None:
+    """Every rule of the loader profile, on the K and codebook the shards hold for each linear."""
+    try:
+        cfg = ModelConfig.from_file(pack / "config.json")
+    except UserError as e:
+        report.fault(f"loader {profile.name}", f"cannot read the model config ({e})")
+        return
+    tmap = target_map(cfg)
+    entries = {name: e for h in headers.values() for name, e in h.tensors.items()}
+    linears = []
+    for key, t in tmap.items():
+        if key in manifest.aliases:
+            continue
+        stored = [key] if f"{key}.trellis" in entries or f"{key}.weight" in entries else \
+            sorted({n.rsplit(".", 1)[0] for n in entries if n.startswith(f"{key}.slice.") and n.endswith(".trellis")})
+        for s in stored:
+            linears.append(StoredLinear(s, t, *_held(s, entries)))
+    broken = violations(profile, linears, manifest.aliases)
+    for v in broken[:20]:
+        report.fault(v.subject, v.reason(profile))
+    if len(broken) > 20:
+        report.fault(f"loader {profile.name}", f"{len(broken)} rule violations in all")
+    if not broken:
+        report.ok(f"loader {profile.name}", f"{len(linears):,} linears keep every rule of the {profile.name} profile "
+                                            f"({profile.engine})")
+
+
+def _held(key: str, entries: dict[str, TensorEntry]) -> tuple[float | None, str | None]:
+    """(K, codebook) of a stored linear: from its trellis width and marker; 16 for an fp16 weight;
+    (None, None) for native storage."""
+    trellis = entries.get(f"{key}.trellis")
+    if trellis is not None and len(trellis.shape) == 3:
+        marker = next((cb.value for cb in (Codebook.MUL1, Codebook.MCG) if f"{key}.{cb.value}" in entries),
+                      Codebook.INST3.value)
+        return trellis.shape[2] / 16, marker
+    weight = entries.get(f"{key}.weight")
+    if weight is not None and weight.dtype == "F16" and f"{key}.scale" not in entries:
+        return UNQUANTIZED, None
+    return None, None
 
 
 def _check_hashes(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
