@@ -44,3 +44,29 @@ def test_unknown_method_and_empty_evaluation_are_user_errors(capsys):
     assert "unknown method(s) best" in capsys.readouterr().err
     assert main(["demo", "--eval-rows", "0"]) == 2
     assert "--eval-rows 0: rows must be at least 1" in capsys.readouterr().err
+    assert main(["demo", "--model", "small-v5"]) == 2
+    assert "unknown --model 'small-v5'; choose from small-v41, small-v4" in capsys.readouterr().err
+
+
+def test_bundled_v4_model_is_the_shape_exllamav3_runs():
+    # `demo --model small-v4` opens this checkpoint: the shipped config, every tensor its layout implies,
+    # and what stock exllamav3 1.6.5 asserts or needs (architecture/deepseek_v4*.py, modules/dsv4.py).
+    from quantizer.checkpoint.source import Checkpoint
+    from quantizer.demo.demo import MODELS
+    from quantizer.inventory.inventory import check_against_config
+    from quantizer.model.config import V4
+    from quantizer.shipped import model_config_path, shipped
+    from quantizer.textdata import shipped_tokenizer_path
+
+    root = shipped(MODELS["small-v4"])
+    ck = Checkpoint.open(root)
+    cfg = ck.config
+    assert cfg.arch == V4 and cfg.raw == json.loads(model_config_path("small-v4.json").read_text())
+    assert not check_against_config(ck)
+    assert cfg.raw["num_key_value_heads"] == 1 and cfg.hc_mult == 4 and set(cfg.compress_ratios) == {0, 4, 128}
+    assert cfg.num_hash_layers > 0 and cfg.num_mtp_blocks == 3
+    dims = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.q_lora_rank, cfg.o_lora_rank, cfg.head_dim,
+            cfg.index_head_dim, cfg.dspark_markov_rank)
+    assert all(d % 128 == 0 for d in dims), dims
+    assert (root / "tokenizer.json").read_bytes() == shipped_tokenizer_path().read_bytes()
+    assert json.loads((root / "training.json").read_text())["arch"] == V4

@@ -1,5 +1,5 @@
-"""`quantizer demo`: the bundled small V4.1 model built at several sizes by four methods, on the CPU,
-with the size, fit and quality of every pack.
+"""`quantizer demo`: a bundled small model (V4.1 by default, or V4) built at several sizes by four
+methods, on the CPU, with the size, fit and quality of every pack.
 
 One calibration serves every pack. Each size is anchored on exllamav3's own allocator (its plan's
 `bits`), and uniform K and our allocator (stock and mixedk loaders) get the same budget, so the
@@ -55,12 +55,15 @@ from quantizer.verify.verify import verify_pack
 SIZES = (2.5, 2.9, 3.5)
 UNIFORM, EXL3, OURS_STOCK, OURS_MIXEDK = "uniform", "exl3", "ours-stock", "ours-mixedk"
 METHODS = (UNIFORM, EXL3, OURS_STOCK, OURS_MIXEDK)
+# The bundled trained models, by the name `--model` takes, and the package folder that holds each.
+MODELS = {"small-v41": "small_model", "small-v4": "small_model_v4"}
 
 
 @dataclass(frozen=True)
 class DemoSettings:
     sizes: tuple[float, ...] = SIZES
     methods: tuple[str, ...] = METHODS
+    model: str = "small-v41"
     calib_rows: int = 16
     eval_rows: int = 16
     cols: int = 512
@@ -69,6 +72,8 @@ class DemoSettings:
     def __post_init__(self) -> None:
         if not self.sizes or not self.methods:
             raise UserError("give at least one size and one method")
+        if self.model not in MODELS:
+            raise UserError(f"unknown --model {self.model!r}; choose from {', '.join(MODELS)}")
         if min(self.calib_rows, self.eval_rows) < 1 or self.cols < 2:
             raise UserError(f"--eval-rows {self.eval_rows}: rows must be at least 1 (and columns 2)")
 
@@ -101,7 +106,7 @@ class DemoResult:
 def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
     start = time.monotonic()
     methods = _available(settings.methods)
-    ck = Checkpoint.open(shipped("small_model"))
+    ck = Checkpoint.open(shipped(MODELS[settings.model]))
     cfg = ck.config
 
     def rows(name: str, count: int) -> torch.Tensor:
