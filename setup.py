@@ -14,7 +14,7 @@ class BuildPy(build_py):
 
 setup(
     packages=find_packages(include=["quantizer", "quantizer.*"])
-    + ["quantizer.configs", "quantizer.calibration", "quantizer.small_model"],
+    + ["quantizer.configs", "quantizer.calibration", "quantizer.small_model", "quantizer.small_model_v4"],
     package_dir={"quantizer.configs": "configs", "quantizer.calibration": "calibration"},
     cmdclass={"build_py": BuildPy},
 )

@@ -12,7 +12,7 @@ import pytest
 from quantizer.cli import main
 
 KEYS = {"bpw", "method", "achieved_bpw", "bytes", "ppl", "kl", "kl_stderr", "top1", "nll_delta",
-        "nll_delta_stderr", "verified", "fits_1_spark", "weights_gib"}
+        "nll_delta_stderr", "loader", "verified", "fits_1_spark", "weights_gib"}
 
 
 @pytest.fixture(scope="module")
@@ -20,21 +20,22 @@ def rows(tmp_path_factory):
     out = io.StringIO()
     work = tmp_path_factory.mktemp("demo")
     with contextlib.redirect_stdout(out):
-        assert main(["demo", "--json", "--sizes", "2.5", "--methods", "uniform,ours-stock", "--eval-rows", "4",
+        assert main(["demo", "--json", "--sizes", "2.5", "--methods", "uniform,ours", "--loader", "exllamav3",
+                     "--eval-rows", "4",
                      "--work", str(work)]) == 0
     return {r["method"]: r for r in json.loads(out.getvalue())}
 
 
 def test_rows_name_every_method_with_size_fit_and_quality(rows):
-    assert set(rows) == {"uniform", "ours-stock"}
+    assert set(rows) == {"uniform", "ours"}
     for r in rows.values():
-        assert set(r) == KEYS and r["bpw"] == 2.5 and r["verified"] and r["fits_1_spark"]
+        assert set(r) == KEYS and r["bpw"] == 2.5 and r["loader"] == "exllamav3" and r["verified"] and r["fits_1_spark"]
         assert 0 < r["kl"] and 0 < r["top1"] < 1 and r["ppl"] > 1 and r["bytes"] > 0
         assert r["achieved_bpw"] <= 2.5 + 1e-9
 
 
 def test_ours_costs_less_kl_than_uniform_at_equal_bytes(rows):
-    ours, uniform = rows["ours-stock"], rows["uniform"]
+    ours, uniform = rows["ours"], rows["uniform"]
     assert abs(ours["bytes"] - uniform["bytes"]) <= 0.01 * uniform["bytes"]
     assert ours["kl"] < uniform["kl"]
 
@@ -44,3 +45,31 @@ def test_unknown_method_and_empty_evaluation_are_user_errors(capsys):
     assert "unknown method(s) best" in capsys.readouterr().err
     assert main(["demo", "--eval-rows", "0"]) == 2
     assert "--eval-rows 0: rows must be at least 1" in capsys.readouterr().err
+    assert main(["demo", "--loader", "vllm"]) == 2
+    assert "unknown loader(s) vllm" in capsys.readouterr().err
+    assert main(["demo", "--model", "small-v5"]) == 2
+    assert "unknown --model 'small-v5'; choose from small-v41, small-v4" in capsys.readouterr().err
+
+
+def test_bundled_v4_model_is_the_shape_exllamav3_runs():
+    # `demo --model small-v4` opens this checkpoint: the shipped config, every tensor its layout implies,
+    # and what stock exllamav3 1.6.5 asserts or needs (architecture/deepseek_v4*.py, modules/dsv4.py).
+    from quantizer.checkpoint.source import Checkpoint
+    from quantizer.demo.demo import MODELS
+    from quantizer.inventory.inventory import check_against_config
+    from quantizer.model.config import V4
+    from quantizer.shipped import model_config_path, shipped
+    from quantizer.textdata import shipped_tokenizer_path
+
+    root = shipped(MODELS["small-v4"])
+    ck = Checkpoint.open(root)
+    cfg = ck.config
+    assert cfg.arch == V4 and cfg.raw == json.loads(model_config_path("small-v4.json").read_text())
+    assert not check_against_config(ck)
+    assert cfg.raw["num_key_value_heads"] == 1 and cfg.hc_mult == 4 and set(cfg.compress_ratios) == {0, 4, 128}
+    assert cfg.num_hash_layers > 0 and cfg.num_mtp_blocks == 3
+    dims = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.q_lora_rank, cfg.o_lora_rank, cfg.head_dim,
+            cfg.index_head_dim, cfg.dspark_markov_rank)
+    assert all(d % 128 == 0 for d in dims), dims
+    assert (root / "tokenizer.json").read_bytes() == shipped_tokenizer_path().read_bytes()
+    assert json.loads((root / "training.json").read_text())["arch"] == V4

@@ -37,3 +37,18 @@ def test_v4_full_size_layout(tmp_path, capsys):
 
     inv = json.loads(capsys.readouterr().out.split("\n", 1)[1])
     assert (inv["tensors"], inv["bytes"]) == (72_317, 166_878_536_440)
+
+
+def test_v4_drafter_names_and_tokenizer_are_what_exllamav3_reads(tiny_v4, tiny_v41):
+    # exllamav3's V4 MTP reads the Markov head as an Embedding and a Linear (`.weight` leaves), and its
+    # converter needs the model directory's tokenizer.json.
+    import json
+
+    from quantizer.textdata import shipped_tokenizer_path
+
+    names = json.loads((tiny_v4 / "model.safetensors.index.json").read_text())["weight_map"]
+    last = "mtp.2.markov_head"
+    assert {f"{last}.markov_w1.weight", f"{last}.markov_w2.weight"} <= set(names)
+    assert not any(n.endswith(("markov_w1", "markov_w2")) for n in names)
+    assert (tiny_v4 / "tokenizer.json").read_bytes() == shipped_tokenizer_path().read_bytes()
+    assert not (tiny_v41 / "tokenizer.json").exists()  # its Engram hash runs on raw ids

@@ -1,4 +1,4 @@
-"""`quantizer demo [--json]`: the bundled small model built at 2.5, 2.9 and 3.5 bpw by four methods."""
+"""`quantizer demo [--model small-v4] [--json]`: a bundled small model built at 2.5, 2.9 and 3.5 bpw by four methods."""
 
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from quantizer.demo.demo import METHODS, SIZES, DemoResult, DemoSettings, as_json_rows, run_demo
+from quantizer.demo.demo import METHODS, MODELS, SIZES, DemoResult, DemoSettings, as_json_rows, run_demo
 from quantizer.plan.profiles import LOADERS
 from quantizer.report import table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="build the bundled small model at several sizes and methods; print size, fit, quality")
+    p.add_argument("--model", default=DemoSettings.model,
+                   help=f"the bundled model: {' or '.join(MODELS)} (default {DemoSettings.model}; small-v4 is the "
+                        "DeepSeek-V4 architecture, which stock exllamav3 runs)")
     p.add_argument("--json", action="store_true",
                    help="print a list of rows (bpw, method, bytes, ppl, kl, top1, ...) as JSON")
     p.add_argument("--work", type=Path, help="keep the work (calibration, encodings, packs) here and resume from it "
@@ -34,7 +37,8 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    settings = DemoSettings(sizes=args.sizes, methods=args.methods, loaders=args.loader, eval_rows=args.eval_rows)
+    settings = DemoSettings(sizes=args.sizes, methods=args.methods, loaders=args.loader, model=args.model,
+                            eval_rows=args.eval_rows)
     if args.work:
         result = run_demo(args.work, settings)
     else:

@@ -1,5 +1,5 @@
-"""`quantizer demo`: the bundled small V4.1 model built at several sizes by four methods, on the CPU,
-with the size, fit and quality of every pack.
+"""`quantizer demo`: a bundled small model (V4.1 by default, or V4) built at several sizes by four
+methods, on the CPU, with the size, fit and quality of every pack.
 
 One calibration serves every pack. Each size is anchored on exllamav3's own allocator (its plan's
 `bits`), and uniform K and our allocator (once per loader profile asked for: exllamav3, mixedk)
@@ -57,6 +57,8 @@ from quantizer.verify.verify import verify_pack
 SIZES = (2.5, 2.9, 3.5)
 UNIFORM, EXL3, OURS = "uniform", "exl3", "ours"
 METHODS = (UNIFORM, EXL3, OURS)
+# The bundled trained models, by the name `--model` takes, and the package folder that holds each.
+MODELS = {"small-v41": "small_model", "small-v4": "small_model_v4"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class DemoSettings:
     sizes: tuple[float, ...] = SIZES
     methods: tuple[str, ...] = METHODS
     loaders: tuple[str, ...] = LOADERS  # ours is planned once per profile; uniform and exl3 plans load in all
+    model: str = "small-v41"
     calib_rows: int = 16
     eval_rows: int = 16
     cols: int = 512
@@ -75,6 +78,8 @@ class DemoSettings:
         unknown = [name for name in self.loaders if name not in LOADERS]
         if unknown:
             raise UserError(f"unknown loader(s) {', '.join(unknown)}; choose from {', '.join(LOADERS)}")
+        if self.model not in MODELS:
+            raise UserError(f"unknown --model {self.model!r}; choose from {', '.join(MODELS)}")
         if min(self.calib_rows, self.eval_rows) < 1 or self.cols < 2:
             raise UserError(f"--eval-rows {self.eval_rows}: rows must be at least 1 (and columns 2)")
 
@@ -108,7 +113,7 @@ class DemoResult:
 def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
     start = time.monotonic()
     methods = _available(settings.methods)
-    ck = Checkpoint.open(shipped("small_model"))
+    ck = Checkpoint.open(shipped(MODELS[settings.model]))
     cfg = ck.config
 
     def rows(name: str, count: int) -> torch.Tensor:

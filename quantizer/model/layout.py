@@ -185,8 +185,9 @@ def _drafter(b: _Builder) -> None:
                 b.add(f"{p}.markov_head.embed.weight", (V, rank), "BF16")
                 b.add(f"{p}.markov_head.head.weight", (V, rank), "BF16")
             else:
-                b.add(f"{p}.markov_head.markov_w1", (V, rank), "BF16")
-                b.add(f"{p}.markov_head.markov_w2", (V, rank), "BF16")
+                # exllamav3's MTP reads these as an Embedding and a Linear, so `.weight` leaves
+                b.add(f"{p}.markov_head.markov_w1.weight", (V, rank), "BF16")
+                b.add(f"{p}.markov_head.markov_w2.weight", (V, rank), "BF16")
                 n = cfg.hc_mult
                 b.add(f"{p}.hc_head_fn", (n, n * D), "F32")
                 b.add(f"{p}.hc_head_base", (n,), "F32")

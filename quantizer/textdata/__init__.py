@@ -7,7 +7,9 @@ reports bad ones the same way.
 
 from quantizer.textdata.files import read_texts, read_tokens
 from quantizer.textdata.rows import check_ids, model_rows, rows_from_file, token_rows
-from quantizer.textdata.shipped_sets import SET_FILES, default_text, default_tokenizer, shipped_text_path
+from quantizer.textdata.shipped_sets import (
+    SET_FILES, default_text, default_tokenizer, shipped_text_path, shipped_tokenizer_path,
+)
 from quantizer.textdata.tokenizer import SPECIAL_TOKENS, encode_texts, load_tokenizer
 
 __all__ = [
@@ -23,5 +25,6 @@ __all__ = [
     "read_tokens",
     "rows_from_file",
     "shipped_text_path",
+    "shipped_tokenizer_path",
     "token_rows",
 ]

@@ -43,6 +43,10 @@ def default_text(name: str) -> list[str]:
     return read_texts(shipped_text_path(name))
 
 
+def shipped_tokenizer_path() -> Path:
+    """The byte-level BPE trained on the train set (training/tokenizer.py), the small models' tokenizer."""
+    return _shipped_file(TOKENIZER_FILE)
+
+
 def default_tokenizer() -> Tokenizer:
-    """The byte-level BPE trained on the train set (training/tokenizer.py), the small model's tokenizer."""
-    return load_tokenizer(_shipped_file(TOKENIZER_FILE))
+    return load_tokenizer(shipped_tokenizer_path())

@@ -4,6 +4,10 @@ Tiny checkpoints hold random weights in the native formats (FP8 + E8M0 grids, MX
 BF16/F32/I64 small tensors) so every code path runs in CI. Full-size layouts write the exact headers
 of the real V4.1-Flash checkpoint and leave the data as holes in sparse files: no disk is used, and
 inventory, planning and fit run against the real 96,085 tensors.
+
+A tiny V4 checkpoint also carries the shipped 4,096-token tokenizer (its vocabulary size), since
+exllamav3's converter reads the model directory's tokenizer.json. Tiny V4.1 gets none: its Engram
+hash is sized for raw token ids, and a tokenizer there would switch it to the compressed map.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import torch
 
 from quantizer.checkpoint.native_writer import write_native_checkpoint
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
+from quantizer.model.config import V4, ModelConfig
 from quantizer.model.layout import TensorSpec
 from quantizer.shipped import model_config_path
+from quantizer.textdata import shipped_tokenizer_path
 
 TINY_CONFIGS = {"v41": "tiny-v41.json", "v4": "tiny-v4.json"}
 FULL_CONFIGS = {"v41": "deepseek-v4.1-flash.json", "v4": "deepseek-v4-flash-0731.json"}
@@ -41,7 +46,8 @@ def make_tiny(out: str | Path, arch: str, seed: int = 0, full_size: bool = False
         return _values(spec.name, shape, gen)
 
     shards = FULL_BACKBONE_SHARDS if full_size else 2
-    return write_native_checkpoint(out, raw, None if sparse else values, shards)
+    extra = {"tokenizer.json": shipped_tokenizer_path()} if cfg.arch == V4 and not full_size else None
+    return write_native_checkpoint(out, raw, None if sparse else values, shards, extra_files=extra)
 
 
 def _values(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
