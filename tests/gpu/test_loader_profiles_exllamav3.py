@@ -1,0 +1,166 @@
+"""Every method's default build of the small V4 model loads and runs in stock exllamav3 1.6.5, and its
+quality is measured there: against the native model, and against exllamav3's own converter.
+
+Run on the GPU machine: `source .device-cache/setup.sh && python -m pytest tests/gpu/test_loader_profiles_exllamav3.py -q -s`
+(set QUANTIZER_GPU_REPORT=FILE to keep the measured rows as JSON).
+
+1. `quantizer build` with its defaults (loader profile exllamav3, the shipped calibration text) by
+   uniform, exl3 and ours at 2.5, 2.9 and 3.5 bpw, on CUDA. exllamav3 loads each pack and computes
+   logits on held-out rows; KL(native || pack) from exllamav3's logits of both must agree with what
+   `ppl --against` (our forward on the pack's decoded weights) measures, and ours must have the lowest
+   exllamav3-measured KL of the three at every size.
+2. exllamav3's converter (`python -m exllamav3.conversion.convert_model`, its defaults, the same
+   calibration rows) at 2.5 and 3.5, and our default build at the same budgeted bits (bytes of the
+   budgeted linears within 1%): KL of both measured in exllamav3 on the same rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.cli import main
+from quantizer.model.streaming import CheckpointSource, LayerStreamer
+from quantizer.plan.plan import Plan, achieved_bpw
+from quantizer.plan.targets import targets
+from quantizer.ppl.compare import compare
+from quantizer.ppl.pack_source import PackSource
+from quantizer.ppl.perplexity import RowPredictions, row_predictions
+from quantizer.shipped import shipped
+from quantizer.textdata import model_rows, shipped_text_path
+
+from test_small_v4_exllamav3 import _exllamav3_logits  # tests/gpu is on sys.path (pytest prepend import mode)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and exllamav3")
+
+SIZES = (2.5, 2.9, 3.5)
+METHODS = ("uniform", "exl3", "ours")
+CONVERTER_SIZES = (2.5, 3.5)
+EVAL_ROWS, EVAL_COLS = 16, 512
+CALIB_COLS = 2048
+KL_AGREE_REL, KL_AGREE_ABS = 0.05, 0.005
+RESULTS: list[dict] = []
+
+
+@pytest.fixture(scope="module")
+def model():
+    return shipped("small_model_v4")
+
+
+@pytest.fixture(scope="module")
+def heldout(model):
+    ck = Checkpoint.open(model)
+    return model_rows(ck.root, ck.config, text=shipped_text_path("heldout"), rows=EVAL_ROWS, cols=EVAL_COLS,
+                      default_cols=EVAL_COLS)
+
+
+@pytest.fixture(scope="module")
+def native(model, heldout):
+    """(exllamav3's log-probs of the native model, ours) per held-out row."""
+    theirs = _predictions(_exllamav3_logits(model, heldout), heldout)
+    ours = list(row_predictions(_streamer(CheckpointSource(Checkpoint.open(model))), heldout))
+    return theirs, ours
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    path = os.environ.get("QUANTIZER_GPU_REPORT")
+    if path:
+        Path(path).write_text(json.dumps(RESULTS, indent=1))
+
+
+def _streamer(source) -> LayerStreamer:
+    return LayerStreamer(source, progress=False, report=lambda line: None)
+
+
+def _predictions(logits: torch.Tensor, rows: torch.Tensor) -> list[RowPredictions]:
+    return [RowPredictions(i, torch.log_softmax(lg[:-1].float(), dim=-1), row[1:])
+            for i, (lg, row) in enumerate(zip(logits, rows))]
+
+
+def _build(model: Path, out: Path, *flags: str) -> Path:
+    assert main(["build", str(model), "--out", str(out), "--device", "cuda", *flags]) == 0
+    return out
+
+
+def _budgeted_bytes(pack: Path) -> int:
+    """Bytes of the EXL3 leaves of the budgeted linears (wo_a slices included)."""
+    ck = Checkpoint.open(pack)
+    keys = {t.key for t in targets(ck.config) if t.budgeted}
+    return sum(e.nbytes for name, e in ck.tensors.items() if _linear_of(name) in keys)
+
+
+def _linear_of(name: str) -> str:
+    """`layers.0.attn.wo_a.slice.1.trellis` -> `layers.0.attn.wo_a`: the target a stored tensor belongs to."""
+    return name.rsplit(".", 1)[0].split(".slice.")[0]
+
+
+def _measure(pack: Path, heldout, native) -> dict:
+    theirs_native, ours_native = native
+    in_engine = compare(theirs_native, _predictions(_exllamav3_logits(pack, heldout), heldout))
+    ppl_against = compare(ours_native, row_predictions(_streamer(PackSource(Checkpoint.open(pack))), heldout))
+    return {"kl_exllamav3": in_engine.kl, "kl_exllamav3_stderr": in_engine.kl_stderr, "top1_exllamav3": in_engine.top1,
+            "ppl_exllamav3": in_engine.pack.ppl, "kl_ppl_against": ppl_against.kl,
+            "bytes": sum(f.stat().st_size for f in pack.glob("*.safetensors")), "budgeted_bytes": _budgeted_bytes(pack)}
+
+
+def test_every_method_loads_in_exllamav3_and_ours_has_the_least_kl(model, heldout, native, tmp_path_factory):
+    root = tmp_path_factory.mktemp("methods")
+    kl: dict[tuple[float, str], float] = {}
+    for size in SIZES:
+        for method in METHODS:
+            pack = _build(model, root / f"{size:g}-{method}", "--bpw", str(size), "--method", method)
+            row = {"bpw": size, "method": method, "loader": "exllamav3",
+                   "achieved_bpw": Plan.load(root / f"{size:g}-{method}.work" / "plan.json").achieved_bpw,
+                   **_measure(pack, heldout, native)}
+            RESULTS.append(row)
+            print(json.dumps(row))
+            gap = abs(row["kl_exllamav3"] - row["kl_ppl_against"])
+            assert gap <= max(KL_AGREE_ABS, KL_AGREE_REL * row["kl_exllamav3"]), row
+            kl[size, method] = row["kl_exllamav3"]
+    for size in SIZES:
+        assert kl[size, "ours"] < min(kl[size, "uniform"], kl[size, "exl3"]), {m: kl[size, m] for m in METHODS}
+
+
+def test_against_exllamav3s_converter_at_equal_bytes(model, heldout, native, tmp_path_factory):
+    root = tmp_path_factory.mktemp("converter")
+    ck = Checkpoint.open(model)
+    rows = model_rows(ck.root, ck.config, text=shipped_text_path("calibration"), rows=None, cols=CALIB_COLS,
+                      default_cols=CALIB_COLS)
+    save_file({"input_ids": rows.to(torch.long).contiguous()}, str(root / "cal.safetensors"))
+    for size in CONVERTER_SIZES:
+        theirs = root / f"exl3-{size:g}"
+        subprocess.run([sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(model), "-o", str(theirs),
+                        "-w", str(root / f"exl3-{size:g}.work"), "-b", str(size), "-cd", str(root / "cal.safetensors"),
+                        "-cr", str(len(rows)), "-cc", str(CALIB_COLS)], check=True)
+        bits = _stored_bpw(theirs, ck.config)
+        ours = _build(model, root / f"ours-{size:g}", "--bpw", f"{bits:.6f}")
+        converter_row = {"bpw": size, "method": "exllamav3 convert_model", "achieved_bpw": bits,
+                         **_measure(theirs, heldout, native)}
+        ours_row = {"bpw": size, "method": "quantizer build (ours, exllamav3 loader)",
+                    "achieved_bpw": Plan.load(root / f"ours-{size:g}.work" / "plan.json").achieved_bpw,
+                    **_measure(ours, heldout, native)}
+        RESULTS.extend([converter_row, ours_row])
+        print(json.dumps(converter_row))
+        print(json.dumps(ours_row))
+        assert abs(ours_row["budgeted_bytes"] / converter_row["budgeted_bytes"] - 1) <= 0.01
+
+
+def _stored_bpw(pack: Path, cfg) -> float:
+    """The converter's bits over our budgeted targets (our accounting), from its trellis shapes."""
+    ck = Checkpoint.open(pack)
+    widths: dict[str, list[int]] = {}
+    for name, e in ck.tensors.items():
+        if name.endswith(".trellis"):
+            widths.setdefault(_linear_of(name), []).append(e.shape[2])
+    k = {t.key: sum(widths[t.key]) / 16 / len(widths[t.key]) if t.key in widths else 16.0 for t in targets(cfg)}
+    return achieved_bpw(cfg, Plan(cfg.arch, "mul1", "exllamav3", k))
