@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo
+.PHONY: setup test demo figures
 setup: $(VENV)/.installed
 
 # torch is pinned in pyproject.toml (2.13.0): a range would let pip fetch a multi-GB CUDA build.
@@ -18,3 +18,13 @@ test: setup
 # The main job on the embedded default: the bundled small model at 2.5, 2.9 and 3.5 bpw, four methods.
 demo: setup
 	$(VENV)/bin/quantizer demo
+
+# The README's figures, the demo rows the notebook reads, and the notebook with its outputs. The demo
+# encodes every (tensor, K) its plans need: tens of minutes on 2 cores.
+FIGURES := docs/figures
+figures: setup
+	$(VENV)/bin/quantizer fit --model-config deepseek-v4.1-flash --recipe configs/recipes/2.9.yaml --sparks 2 \
+		--context 512K --plot $(FIGURES)/fit-2.9-2sparks.png > /dev/null
+	$(VENV)/bin/quantizer demo --json --plot $(FIGURES)/quality.png > $(FIGURES)/demo.json.tmp
+	mv $(FIGURES)/demo.json.tmp $(FIGURES)/demo.json
+	$(PY) notebooks/execute.py notebooks/first_look.ipynb --in-place

@@ -8,22 +8,32 @@ import io
 import json
 
 import pytest
+from PIL import Image
 
 from quantizer.cli import main
+from quantizer.plots import DPI, save_figure
 
-KEYS = {"bpw", "method", "achieved_bpw", "bytes", "ppl", "kl", "kl_stderr", "top1", "nll_delta",
+KEYS = {"bpw", "method", "achieved_bpw", "bytes", "ppl", "kl", "kl_stderr", "top1", "top1_stderr", "nll_delta",
         "nll_delta_stderr", "loader", "verified", "fits_1_spark", "weights_gib"}
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
+def run(tmp_path_factory):
+    """One demo run: its JSON rows, and the --plot figure it drew with the PNG it saved."""
     out = io.StringIO()
     work = tmp_path_factory.mktemp("demo")
-    with contextlib.redirect_stdout(out):
+    drawn = []
+    with contextlib.redirect_stdout(out), pytest.MonkeyPatch.context() as mp:
+        mp.setattr("quantizer.demo.cli.save_figure", lambda fig, path: drawn.append(fig) or save_figure(fig, path))
         assert main(["demo", "--json", "--sizes", "2.5", "--methods", "uniform,ours", "--loader", "exllamav3",
                      "--eval-rows", "4",
-                     "--work", str(work)]) == 0
-    return {r["method"]: r for r in json.loads(out.getvalue())}
+                     "--work", str(work), "--plot", str(work / "quality.png")]) == 0
+    return json.loads(out.getvalue()), drawn, work / "quality.png"
+
+
+@pytest.fixture(scope="module")
+def rows(run):
+    return {r["method"]: r for r in run[0]}
 
 
 def test_rows_name_every_method_with_size_fit_and_quality(rows):
@@ -38,6 +48,21 @@ def test_ours_costs_less_kl_than_uniform_at_equal_bytes(rows):
     ours, uniform = rows["ours"], rows["uniform"]
     assert abs(ours["bytes"] - uniform["bytes"]) <= 0.01 * uniform["bytes"]
     assert ours["kl"] < uniform["kl"]
+
+
+def test_plot_draws_kl_and_top1_with_error_bars_per_method(run):
+    json_rows, (fig,), png = run
+    with Image.open(png) as img:
+        assert img.format == "PNG" and img.size == tuple(round(x) for x in fig.get_size_inches() * DPI)
+    kl_ax, top_ax = fig.axes
+    for ax, key, scale in ((kl_ax, "kl", 1), (top_ax, "top1", 100)):
+        curves = {c.get_label(): c for c in ax.containers}
+        assert set(curves) == {r["method"] for r in json_rows}  # one curve per method, named from the rows
+        for r in json_rows:  # one loader: each curve is one method's row
+            line, _, (bars,) = curves[r["method"]]
+            assert list(line.get_xdata()) == [r["achieved_bpw"]] and list(line.get_ydata()) == [scale * r[key]]
+            (low, high), = [seg[:, 1] for seg in bars.get_segments()]
+            assert high - low == pytest.approx(2 * scale * r[key + "_stderr"]) and r[key + "_stderr"] > 0
 
 
 def test_unknown_method_and_empty_evaluation_are_user_errors(capsys):

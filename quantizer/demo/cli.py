@@ -10,6 +10,7 @@ from pathlib import Path
 
 from quantizer.demo.demo import METHODS, MODELS, SIZES, DemoResult, DemoSettings, as_json_rows, run_demo
 from quantizer.plan.profiles import LOADERS
+from quantizer.plots import plot_path, save_figure
 from quantizer.report import table
 
 
@@ -29,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"comma-separated loader profiles our allocator plans for (default {','.join(LOADERS)}); "
                         "uniform and exl3 plans are made for exllamav3")
     p.add_argument("--eval-rows", type=int, default=DemoSettings.eval_rows, help="held-out rows of 512 tokens")
+    p.add_argument("--plot", help="also draw KL and top-1 against bits per method to FILE.png (the plots extra)")
     p.set_defaults(func=run)
 
 
@@ -37,6 +39,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    plot = plot_path(args.plot) if args.plot else None
     settings = DemoSettings(sizes=args.sizes, methods=args.methods, loaders=args.loader, model=args.model,
                             eval_rows=args.eval_rows)
     if args.work:
@@ -48,6 +51,10 @@ def run(args: argparse.Namespace) -> int:
         finally:
             shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(as_json_rows(result), indent=1) if args.json else render(result))
+    if plot:
+        from quantizer.plots.quality import quality_figure
+
+        save_figure(quality_figure(as_json_rows(result)), plot)
     return 0 if all(r.verified for r in result.rows) else 1
 
 

@@ -95,6 +95,7 @@ class DemoRow:
     kl: float
     kl_stderr: float
     top1: float
+    top1_stderr: float
     nll_delta: float
     nll_delta_stderr: float
     verified: bool
@@ -242,7 +243,7 @@ def _row(size: float, method: str, plan: Plan, manifest, c: Comparison, verified
     one = manifest.fit["topologies"]["1"]
     weights = next(iter(one.values()))["weights_gib"][0]
     return DemoRow(size, method, plan.loader, plan.achieved_bpw, sum(s.bytes for s in manifest.shards), c.pack.ppl, c.kl,
-                   c.kl_stderr, c.top1, c.nll_delta, c.nll_delta_stderr, verified,
+                   c.kl_stderr, c.top1, c.top1_stderr, c.nll_delta, c.nll_delta_stderr, verified,
                    all(v["fits"] for v in one.values()), weights)
 
 

@@ -17,6 +17,7 @@ from quantizer.plan.cli import add_model_arguments, add_plan_arguments, load_mod
 from quantizer.plan.plan import Plan, check_plan
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.uniform import uniform_plan
+from quantizer.plots import plot_path, save_figure
 from quantizer.report import table
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
@@ -53,10 +54,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", help="a hardware profile JSON (default: the shipped GB10 profile)")
     p.add_argument("--explain", action="store_true", help="show every term with its source")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", help="also draw the memory per rank as stacked bars to FILE.png (the plots extra)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    plot = plot_path(args.plot) if args.plot else None
     hw = load_hardware(args.hardware)
     stored_at_bpw = None
     if args.src and not (args.recipe or args.bpw is not None or args.plan):
@@ -82,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         stored_at_bpw=stored_at_bpw, bpw=args.bpw,
     )
     print(report.to_json() if args.json else render(report, args.explain))
+    if plot:
+        from quantizer.plots.fit import fit_figure
+
+        save_figure(fit_figure([[report]]), plot)
     return 0 if report.fits else 1
 
 

@@ -24,12 +24,13 @@ from quantizer.model.config import ModelConfig
 from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings, FitTarget, largest_fitting_plan
 from quantizer.plan.exl3_baseline import HQ
 from quantizer.plan.methods import EXL3, METHODS, OURS, UNIFORM, planner
-from quantizer.plan.plan import TOTAL, TOTAL_RESIDENT, Plan
+from quantizer.plan.plan import TOTAL, TOTAL_RESIDENT, Plan, check_plan
 from quantizer.plan.profiles import EXLLAMAV3, LOADERS, load_profile
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plan.sizes import CODEBOOKS, rate_grid
 from quantizer.plan.targets import GROUPS, ROUTED, targets
+from quantizer.plots import plot_path, save_figure
 from quantizer.report import gib, table
 from quantizer.shipped import model_config_path
 
@@ -69,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_plan_arguments(p)
     p.add_argument("--out", type=Path, help="write the plan as JSON")
     p.add_argument("--recipe-out", type=Path, help="write the plan as an exllamav3 recipe.yaml")
+    p.add_argument("--plot", help="also draw K per layer and projection as a heatmap to FILE.png (the plots extra)")
+    p.add_argument("--plot-against", metavar="PLAN.json", action="append", default=[],
+                   help="a plan of the same model drawn under this one, on one colour scale (repeatable)")
     p.set_defaults(func=run)
 
 
@@ -114,7 +118,13 @@ def load_model_config(src: str | None, model_config: str | None) -> ModelConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot_against and not args.plot:
+        raise UserError("--plot-against draws into --plot FILE.png: give --plot too")
+    plot = plot_path(args.plot) if args.plot else None
     cfg = load_model_config(args.src, args.model_config)
+    against = [Plan.load(p) for p in args.plot_against]
+    for other in against:
+        check_plan(cfg, other)
     method = args.method or (OURS if args.calibration or args.synthetic else UNIFORM)
     if args.bpw is None and args.sparks is None:
         raise UserError("give --bpw B, or --sparks N to plan the most that fits N Sparks")
@@ -140,6 +150,11 @@ def run(args: argparse.Namespace) -> int:
     if args.recipe_out:
         write_recipe(cfg, plan, args.recipe_out, recipe_header(args, plan, method, target))
         print(f"wrote {args.recipe_out}")
+    if plot:
+        from quantizer.plots.plan import k_figure
+
+        save_figure(k_figure(cfg, [plan] + against), plot)
+        print(f"wrote {plot}")
     return 1 if report and not report.fits else 0
 
 

@@ -24,6 +24,7 @@ class Comparison:
     kl: float  # mean KL(source || pack) per predicted token, nats
     kl_stderr: float
     top1: float  # fraction of tokens where both models' most likely next token agree
+    top1_stderr: float
     nll_delta: float  # mean NLL(pack) - NLL(source), nats
     nll_delta_stderr: float
     tokens: int
@@ -31,6 +32,7 @@ class Comparison:
     def as_dict(self) -> dict:
         return {"ppl": self.pack.ppl, "ppl_source": self.source.ppl, "nll": self.pack.nll,
                 "nll_source": self.source.nll, "kl": self.kl, "kl_stderr": self.kl_stderr, "top1": self.top1,
+                "top1_stderr": self.top1_stderr,
                 "nll_delta": self.nll_delta, "nll_delta_stderr": self.nll_delta_stderr, "tokens": self.tokens,
                 "source": asdict(self.source), "pack": asdict(self.pack)}
 
@@ -51,6 +53,7 @@ def compare(source: Iterable[RowPredictions], pack: Iterable[RowPredictions]) ->
         agree.append((ref.log_probs.argmax(-1) == p.argmax(-1)).cpu())
     nll_s, nll_p, kl, agree = torch.cat(nll_s), torch.cat(nll_p), torch.cat(kl), torch.cat(agree)
     kl_mean, kl_err = _mean_stderr(kl)
+    top1, top1_err = _mean_stderr(agree.double())
     delta, delta_err = _mean_stderr(nll_p - nll_s)
-    return Comparison(summarize(nll_s), summarize(nll_p), kl_mean, kl_err, float(agree.double().mean()),
+    return Comparison(summarize(nll_s), summarize(nll_p), kl_mean, kl_err, top1, top1_err,
                       delta, delta_err, nll_s.numel())
