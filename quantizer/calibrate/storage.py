@@ -152,9 +152,8 @@ class HessianStore:
         target = self._target_of(key)
         if target is None:
             raise KeyError(f"{key!r} is not an EXL3 target of this model")
-        if SLICE in key:
-            return key
-        return group_key(target)
+        group = group_key(target)  # None: not calibrated (the drafter), slices included
+        return key if group is not None and SLICE in key else group
 
     def _header(self, path: Path) -> tuple[SafetensorsHeader, dict]:
         if path.name not in self._headers:
