@@ -10,6 +10,7 @@ Every stage resumes from its own directory, so a rerun continues where the last 
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +33,7 @@ from quantizer.plan.plan import Plan
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plan.sizes import rate_grid
+from quantizer.quantize.rates import plan_estimate
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import QuantizeResult, quantize
 from quantizer.verify.verify import VerifyReport, verify_pack
@@ -91,6 +93,7 @@ def build(req: BuildRequest) -> BuildResult:
         store = HessianStore(req.work_dir, ck)
     plan, report = (req.plan, None) if req.plan else choose_plan(ck.config, req, summary)
     save_plan(ck.config, plan, req.work_dir)
+    print(plan_estimate(ck.config, plan).line(), file=sys.stderr)
     settings = replace(req.quantize, calibration=store.record if store else None)
     quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None)
     manifest = write_pack(ck, plan, req.work_dir / QUANTIZE_DIR, req.out,

@@ -31,6 +31,7 @@ from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plan.sizes import CODEBOOKS, rate_grid
 from quantizer.plan.targets import GROUPS, ROUTED, targets
 from quantizer.plots import plot_path, save_figure
+from quantizer.quantize.rates import plan_estimate
 from quantizer.report import gib, table
 from quantizer.shipped import model_config_path
 
@@ -140,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         plan, report = largest_fitting_plan(cfg, plan_at, lo, rate_grid(args.codebook)[-1], target)
     print(render(cfg, plan))
+    print(plan_estimate(cfg, plan).line())
     if report:
         from quantizer.fit.cli import render as render_fit
 

@@ -6,8 +6,9 @@ g*o_lora_rank .. (g+1)*o_lora_rank of the fused weight, qmap `<attn>.o.<g>`), so
 is stored as those slices; every other target is stored under its own key. K 16 keeps a linear as an
 unquantized fp16 `<key>.weight` (fused, as exllamav3 reads `wo_a.weight` and slices it itself).
 
-On CPU each stored linear is its own unit; on CUDA the same-shape routed (or drafter) experts of one
-layer and projection are batched per K, in chunks that bound the fp32 weights held on the GPU.
+On CPU each stored linear is its own unit; on CUDA same-shape linears go through exllamav3's batch
+encoder together: the routed (or drafter) experts of one layer and projection per K, and the wo_a
+slices of one layer, in chunks that bound the fp32 weights held on the GPU.
 """
 
 from __future__ import annotations
@@ -86,8 +87,13 @@ def work_units(linears: list[StoredLinear], device: str) -> list[Unit]:
 
 
 def _batch_slot(s: StoredLinear) -> tuple:
-    """Same-shape experts of one layer and projection at one K share a slot; K 16 is only cast."""
+    """Same-shape experts of one layer and projection at one K share a slot, and so do the wo_a slices
+    of one layer (each with its own Hessian); K 16 is only cast."""
     t = s.target
-    if t.group in (ROUTED, DRAFT) and t.expert is not None and s.K != UNQUANTIZED:
+    if s.K == UNQUANTIZED:
+        return ("one", s.key)
+    if t.group in (ROUTED, DRAFT) and t.expert is not None:
         return ("batch", t.key.rsplit(".", 2)[0], t.proj, s.K)
+    if s.rows is not None:  # a wo_a slice
+        return ("batch", t.key.rsplit(".", 1)[0], t.proj, s.K)
     return ("one", s.key)

@@ -1,7 +1,9 @@
 """The quantize stage: every EXL3 linear of a plan encoded into the work directory, resumably.
 
-Reads the checkpoint layer by layer (one unit's dequantized weights in memory at a time), encodes on
-the CPU with our codec or on CUDA with exllamav3, and saves each unit atomically in WORK/quantized/.
+Reads the checkpoint layer by layer, encodes on the CPU with our codec or on CUDA with exllamav3, and
+saves each unit atomically in WORK/quantized/. The three steps overlap (pipeline.py): the next unit's
+weights are dequantized and its Hessians loaded while this one encodes, and the last one is written
+behind it, so in memory are at most the unit encoding, one prepared unit and one being written.
 Kill it at any moment and rerun: finished units are kept, the rest are encoded with the same
 per-linear seeds, so the results (and the pack) are byte-identical to an uninterrupted run.
 """
@@ -23,10 +25,12 @@ from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.plan.plan import Plan
 from quantizer.plan.sizes import exl3_bytes
-from quantizer.quantize.encode import encode_unit
+from quantizer.quantize.encode import EncodedUnit, encode_unit
 from quantizer.quantize.job import JobSpec, open_job
 from quantizer.quantize.linears import StoredLinear, stored_linears, work_units
-from quantizer.quantize.results import ResultStore
+from quantizer.quantize.pipeline import PREFETCH_UNITS, run_pipeline
+from quantizer.quantize.rates import RateTable, estimate
+from quantizer.quantize.results import ResultStore, Unit
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.report import GIB, gib
 from quantizer.workdir import job_lock, require_free_space
@@ -55,7 +59,10 @@ def quantize(
     work: str | Path,
     settings: QuantizeSettings,
     hessian: HessianProvider | None = None,
+    depth: int = PREFETCH_UNITS,
 ) -> QuantizeResult:
+    """Encode every linear of `plan` not yet finished in `work`. `depth` units are read, dequantized and
+    given their Hessians ahead of the encoder (0: one step after another; the results are the same)."""
     work = Path(work)
     if settings.device == "cuda":
         _check_cuda()
@@ -67,28 +74,31 @@ def quantize(
     )
     with job_lock(work):
         open_job(work, spec)
-        return _run(ck, plan, work, settings, hessian)
+        return _run(ck, plan, work, settings, hessian, depth)
 
 
-def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hessian) -> QuantizeResult:
+def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hessian, depth: int) -> QuantizeResult:
     linears = stored_linears(ck.config, plan)
     by_key = {s.key: s for s in linears}
     units = work_units(linears, settings.device)
     store = ResultStore(work)
     todo = [u for u in units if not store.done(u)]
-    ram, disk = _needs(todo, by_key, plan.codebook)
+    ram, disk = _needs(todo, by_key, plan.codebook, depth)
     print(_needs_line(work, linears, units, todo, settings, ram, disk), file=sys.stderr)
     require_free_space(work, disk, "the quantized results")
     start = time.monotonic()
-    reader = WeightReader(ck, settings.device)
+    prepare = UnitInputs(ck, by_key, hessian, settings.device)
+
+    def encode(unit: Unit, inputs: PreparedUnit) -> EncodedUnit:
+        inputs.ready()
+        return encode_unit(unit.name, inputs.members, inputs.weights, inputs.hessians, plan.codebook, settings)
+
+    def save(unit: Unit, encoded: EncodedUnit) -> None:
+        store.save(unit, encoded.tensors, encoded.proxy_err)
+
     with tqdm(total=sum(u.weights for u in todo), unit="w", unit_scale=True, desc="quantize") as bar:
-        for unit in todo:
+        for unit in run_pipeline(todo, prepare, encode, save, depth):
             bar.set_postfix_str(unit.name, refresh=False)
-            members = [by_key[k] for k in unit.keys]
-            weights = [reader.weight(s) for s in members]
-            hessians = [hessian(s.key) if hessian else None for s in members]
-            encoded = encode_unit(unit.name, members, weights, hessians, plan.codebook, settings)
-            store.save(unit, encoded.tensors, encoded.proxy_err)
             bar.update(unit.weights)
     seconds = time.monotonic() - start
     return QuantizeResult(work, len(units), len(units) - len(todo), seconds, store.proxy_errors())
@@ -119,11 +129,53 @@ class WeightReader:
         return w[s.rows[0] : s.rows[1]] if s.rows else w
 
 
-def _needs(todo, by_key, codebook) -> tuple[int, int]:
-    """RAM: the process plus the largest unit (its fp32 weights and Hessians, times the encoder's working
-    copies); disk: the results still to write."""
+@dataclass
+class PreparedUnit:
+    """A unit's inputs on the encoding device; on CUDA they were made on the preparing thread's own stream."""
+
+    members: list[StoredLinear]
+    weights: list[torch.Tensor]
+    hessians: list
+    made: "torch.cuda.Event | None" = None
+
+    def ready(self) -> None:
+        """Make the encoding stream wait for the copies and dequantization that made these inputs."""
+        if self.made is None:
+            return
+        stream = torch.cuda.current_stream()
+        stream.wait_event(self.made)
+        for w in self.weights:
+            w.record_stream(stream)  # its memory is not reused by the preparing stream while the encoder reads it
+
+
+class UnitInputs:
+    """Prepares one unit for the encoder: its dequantized weights and its Hessians (called from the
+    pipeline's preparing thread, which alone uses the reader and the Hessian provider)."""
+
+    def __init__(self, ck: Checkpoint, by_key: dict[str, StoredLinear], hessian, device: str):
+        self.by_key = by_key
+        self.hessian = hessian
+        self.reader = WeightReader(ck, device)
+        self.stream = torch.cuda.Stream() if device == "cuda" else None
+
+    def __call__(self, unit: Unit) -> PreparedUnit:
+        members = [self.by_key[k] for k in unit.keys]
+        hessians = [self.hessian(s.key) if self.hessian else None for s in members]
+        if self.stream is None:
+            return PreparedUnit(members, [self.reader.weight(s) for s in members], hessians)
+        with torch.cuda.stream(self.stream):
+            weights = [self.reader.weight(s) for s in members]
+            made = torch.cuda.Event()
+            made.record(self.stream)
+        return PreparedUnit(members, weights, hessians, made)
+
+
+def _needs(todo, by_key, codebook, depth: int) -> tuple[int, int]:
+    """RAM: the process plus the largest unit (its fp32 weights and Hessians) times the encoder's working
+    copies and the units prepared ahead; disk: the results still to write."""
     members = [[by_key[k] for k in u.keys] for u in todo]
-    ram = BASE_RAM + max((WORKING_COPIES * 4 * sum(s.numel + s.in_features**2 for s in m) for m in members), default=0)
+    largest = max((4 * sum(s.numel + s.in_features**2 for s in m) for m in members), default=0)
+    ram = BASE_RAM + (WORKING_COPIES + depth) * largest
     disk = sum(exl3_bytes(s.in_features, s.out_features, s.K, codebook) for m in members for s in m)
     return ram, disk
 
@@ -131,6 +183,10 @@ def _needs(todo, by_key, codebook) -> tuple[int, int]:
 def _needs_line(work, linears, units, todo, settings, ram: int, disk: int) -> str:
     weights = sum(u.weights for u in todo)
     how = "exllamav3 on cuda" if settings.device == "cuda" else f"our codec on cpu ({settings.encoder} encoder)"
+    if settings.device == "cuda":
+        by_key = {s.key: s for s in linears}
+        hours = estimate((by_key[k] for u in todo for k in u.keys), RateTable.load()).gpu_hours
+        how += f" (~{hours:,.2f} GPU-hours at measured rates)"
     return (
         f"quantize: {len(linears):,} linears in {len(units):,} units, {len(units) - len(todo):,} already done; "
         f"{weights:,} weights to encode with {how}; needs ~{_size(ram)} RAM and "

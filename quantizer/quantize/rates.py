@@ -1,0 +1,98 @@
+"""How many GPU-hours a plan's quantize stage takes, from encode rates measured per K.
+
+exllamav3's encoder speed depends on K (a half-integer rate costs about a third more time per weight
+than its integer neighbours) and a little on the tensor's shape. `configs/encode_rates/<device>.json`
+holds rates measured by bench/quantize_gpu.py, with where they came from. A K the table lacks is
+priced at the nearest measured K of the same kind (integer or half-integer), a shape at the nearest
+measured input width, and the statement names the K so priced.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from quantizer.errors import UserError
+from quantizer.model.config import ModelConfig
+from quantizer.plan.plan import Plan
+from quantizer.plan.sizes import UNQUANTIZED
+from quantizer.quantize.linears import StoredLinear, stored_linears
+from quantizer.shipped import shipped
+
+RATES_FORMAT = "quantizer-encode-rates"
+DEFAULT_DEVICE = "h200"
+
+
+@dataclass(frozen=True)
+class EncodeRate:
+    K: float
+    in_features: int
+    out_features: int
+    weights_per_s: float
+
+
+@dataclass(frozen=True)
+class RateTable:
+    device: str  # "NVIDIA H200"
+    rates: tuple[EncodeRate, ...]
+
+    @classmethod
+    def load(cls, name: str = DEFAULT_DEVICE) -> "RateTable":
+        path = shipped("configs", "encode_rates", f"{name}.json")
+        try:
+            data = json.loads(path.read_text())
+            rates = tuple(EncodeRate(float(r["K"]), int(r["in_features"]), int(r["out_features"]),
+                                     float(r["weights_per_s"])) for r in data["rates"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{path}: not a readable encode-rate table ({e})") from None
+        if data.get("format") != RATES_FORMAT or not rates or min(r.weights_per_s for r in rates) <= 0:
+            raise UserError(f"{path}: not a {RATES_FORMAT} table with positive rates")
+        return cls(str(data["device"]), rates)
+
+    def rate(self, K: float, in_features: int) -> tuple[float, bool]:
+        """(weights/s for a linear of this K and input width, whether this K was measured)."""
+        half = not float(K).is_integer()
+        same_kind = [r for r in self.rates if (not r.K.is_integer()) == half] or list(self.rates)
+        nearest_k = min(same_kind, key=lambda r: abs(r.K - K)).K
+        at_k = [r for r in same_kind if r.K == nearest_k]
+        best = min(at_k, key=lambda r: abs(math.log(r.in_features / in_features)))
+        return best.weights_per_s, nearest_k == K
+
+
+@dataclass(frozen=True)
+class QuantizeEstimate:
+    weights: int  # weights encoded as EXL3 (fp16 linears are only cast)
+    seconds: float  # on one GPU
+    device: str
+    unmeasured: tuple[float, ...]  # K values priced at a neighbouring K's rate
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.seconds / 3600
+
+    def line(self) -> str:
+        text = (f"quantize: {self.weights / 1e9:,.1f} G weights, ~{self.gpu_hours:,.1f} GPU-hours on "
+                f"{self.device.removeprefix('NVIDIA ')} at measured rates")
+        if self.unmeasured:
+            text += f" (K {', '.join(f'{k:g}' for k in self.unmeasured)} at the nearest measured K's rate)"
+        return text
+
+
+def estimate(linears: Iterable[StoredLinear], table: RateTable) -> QuantizeEstimate:
+    weights, seconds, unmeasured = 0, 0.0, set()
+    for s in linears:
+        if s.K == UNQUANTIZED:
+            continue
+        rate, measured = table.rate(s.K, s.in_features)
+        weights += s.numel
+        seconds += s.numel / rate
+        if not measured:
+            unmeasured.add(s.K)
+    return QuantizeEstimate(weights, seconds, table.device, tuple(sorted(unmeasured)))
+
+
+def plan_estimate(cfg: ModelConfig, plan: Plan, table: RateTable | None = None) -> QuantizeEstimate:
+    """The GPU time of quantizing every linear `plan` stores as EXL3."""
+    return estimate(stored_linears(cfg, plan), table or RateTable.load())

@@ -1,0 +1,134 @@
+"""The quantize stage's pipeline (prepare the next unit while this one encodes, save behind it) gives the
+same bytes as one step after another, keeps its memory bound, and loses no finished work on an error;
+the GPU batches cover the wo_a slices; plan and build state the GPU-hours a plan implies."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+import threading
+
+import pytest
+import torch
+
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.cli import main
+from quantizer.model.config import ModelConfig
+from quantizer.plan.plan import MIXEDK, make_plan
+from quantizer.plan.targets import ROUTED, targets
+from quantizer.plan.uniform import uniform_plan
+from quantizer.quantize import QuantizeSettings, quantize
+from quantizer.quantize.linears import stored_linears, work_units
+from quantizer.quantize.pipeline import run_pipeline
+from quantizer.quantize.rates import EncodeRate, RateTable, estimate, plan_estimate
+from quantizer.quantize.results import RESULTS_DIR
+from quantizer.shipped import model_config_path
+
+# Small linears (the CPU codec is the slow part): two encoded, one only cast to fp16.
+KEYS = {"layers.3.ffn.experts.1.w2": 2.5, "layers.3.ffn.experts.2.w2": 2.0, "layers.3.ffn.shared_experts.w1": 16.0}
+
+
+def _hessians(ck):
+    """A different SPD Hessian per stored key, made on demand as the calibration store does."""
+    def hessian(key):
+        n = next(s for s in stored_linears(ck.config, _plan(ck)) if s.key == key).in_features
+        gen = torch.Generator().manual_seed(sum(map(ord, key)))
+        x = torch.randn(64, n, generator=gen)
+        return x.T @ x, 64
+    return hessian
+
+
+def _plan(ck):
+    return make_plan(ck.config, {t.key: KEYS.get(t.key) for t in targets(ck.config)}, mode=MIXEDK)
+
+
+def test_the_pipelined_stage_writes_the_same_bytes_as_the_sequential_one(tiny_v41, tmp_path):
+    depth = 2
+    ck = Checkpoint.open(tiny_v41)
+    runs = {}
+    for d in (0, depth):
+        work = tmp_path / f"depth{d}"
+        quantize(ck, _plan(ck), work, QuantizeSettings(), _hessians(ck), depth=d)
+        runs[d] = {p.name: p.read_bytes() for p in sorted((work / RESULTS_DIR).iterdir())}
+    assert len(runs[0]) == 3
+    assert runs[0] == runs[depth]
+
+
+def test_units_come_out_in_order_with_at_most_depth_prepared_ahead():
+    outstanding, peak, lock = [0], [0], threading.Lock()
+
+    def prepare(u):
+        with lock:
+            outstanding[0] += 1
+            peak[0] = max(peak[0], outstanding[0])
+        return u * 10
+
+    def encode(u, p):
+        with lock:
+            outstanding[0] -= 1
+        return p + 1
+
+    saved = []
+    done = list(run_pipeline(range(20), prepare, encode, lambda u, e: saved.append((u, e)), depth=2))
+    assert done == list(range(20))
+    assert saved == [(u, u * 10 + 1) for u in range(20)]
+    assert peak[0] <= 3  # the one being prepared and two waiting
+
+
+def test_a_failing_read_stops_the_pipeline_after_saving_what_was_encoded():
+    def prepare(u):
+        if u == 3:
+            raise OSError("disk gone")
+        return u
+
+    saved = []
+    with pytest.raises(OSError, match="disk gone"):
+        list(run_pipeline(range(10), prepare, lambda u, p: p, lambda u, e: saved.append(u)))
+    assert saved == [0, 1, 2]
+
+
+def test_a_failing_save_is_raised_and_nothing_more_is_encoded():
+    encoded = []
+
+    def save(u, e):
+        if u == 1:
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        list(run_pipeline(range(50), lambda u: u, lambda u, p: encoded.append(u), save))
+    assert len(encoded) < 50
+
+
+def test_gpu_units_batch_the_wo_a_slices_of_a_layer(tiny_v41):
+    cfg = Checkpoint.open(tiny_v41).config
+    cuda = work_units(stored_linears(cfg, uniform_plan(cfg, 2.5)), "cuda")
+    wo_a = [u for u in cuda if u.name.startswith("layers.2.attn.wo_a.")]
+    assert [u.keys for u in wo_a] == [tuple(f"layers.2.attn.wo_a.slice.{g}" for g in range(cfg.o_groups))]
+
+
+def _real():
+    return ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
+
+
+def test_gpu_hours_follow_the_measured_rate_of_each_k():
+    cfg = _real()
+    table = RateTable("test GPU", (EncodeRate(2.0, 5120, 2304, 20e6), EncodeRate(2.5, 5120, 2304, 10e6)))
+    linears = [s for s in stored_linears(cfg, uniform_plan(cfg, 2.5)) if s.target.group == ROUTED]
+    at = {k: estimate([s for s in linears if s.K == k], table) for k in {s.K for s in linears}}
+    for k, e in at.items():
+        assert e.seconds == pytest.approx(e.weights / (20e6 if k == 2 else 10e6))
+    three = estimate([replace(s, K=3.0) for s in linears[:10]], table)
+    assert three.unmeasured == (3.0,) and "K 3 at the nearest measured K's rate" in three.line()
+
+
+def test_the_shipped_table_prices_the_real_model_in_gpu_hours():
+    e = plan_estimate(_real(), uniform_plan(_real(), 2.9))
+    assert e.weights > 543e9 and 5 < e.gpu_hours < 30
+    assert e.line().startswith(f"quantize: {e.weights / 1e9:,.1f} G weights, ~")
+    assert "GPU-hours on H200 at measured rates" in e.line()
+
+
+def test_plan_states_the_gpu_hours_of_its_plan(capsys):
+    assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.9"]) == 0
+    assert re.search(r"^quantize: 55\d\.\d G weights, ~\d+\.\d GPU-hours on H200 at measured rates",
+                     capsys.readouterr().out, re.M)
