@@ -1,22 +1,28 @@
-"""Our quantize stage against exllamav3's `quantize_exl3_batch` called directly, on one GPU.
+"""Encode rates per K on one GPU, and our quantize stage against exllamav3's `quantize_exl3_batch`.
 
-Sixteen real-shape V4.1 routed-expert w1 tensors (in 5120, out 2304) are generated on the GPU, stored
-as a native MXFP4 checkpoint (what the real model ships), and quantized at K = 2, 3, 4 with one shared
-random SPD Hessian, twice per K:
+Sixteen real-shape V4.1 routed experts are generated on the GPU: their w1 (in 5120, out 2304, one
+shared random SPD Hessian, as the gate/up projections share the MoE input) stored as a native MXFP4
+checkpoint (what the real model ships), and their w2 (in 2304, out 5120, a Hessian each).
 
-- direct: `quantize_exl3_batch` on the dequantized fp32 weights already on the GPU (the reference);
-- ours:   `quantizer.quantize.quantize` on that checkpoint with a plan naming the 16 tensors: job
-          file, source fingerprint, reading and dequantizing the FP4 bytes, the exllamav3 adapter,
-          and saving the results in the work directory (everything a build does per layer).
+- rates: `quantize_exl3_batch` on the dequantized fp32 weights already on the GPU, for every K of the
+  mul1 grid (half-integer rates included) and both shapes; written as the encode-rate table the
+  GPU-hours statements of `plan` and `build` read (configs/encode_rates/h200.json has this format);
+- ours / direct at --compare-ks: `quantizer.quantize.quantize` on the checkpoint with a plan naming
+  the 16 w1 tensors (job file, source fingerprint, reading and dequantizing the FP4 bytes, the
+  exllamav3 adapter, saving the results: everything a build does per unit) against the direct call
+  on the same tensors (the stage should add no real overhead: >= 0.9).
 
-Prints weights/s of each and ours/direct (the stage should add no real overhead: >= 0.9), and writes
-$OUT/quantize_gpu.json when OUT is set. On the GPU machine:
+On the GPU machine (about 6 minutes; --ks splits the grid over several calls):
 
     source .device-cache/setup.sh && python bench/quantize_gpu.py
+
+writes $OUT/quantize_gpu.json (every measurement) and $OUT/encode_rates.json (the table).
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import math
 import os
@@ -34,7 +40,9 @@ from quantizer.checkpoint.safetensors_file import planned, write_safetensors
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.plan.plan import make_plan
 from quantizer.plan.profiles import MIXEDK
+from quantizer.plan.sizes import rate_grid
 from quantizer.plan.targets import targets
+from quantizer.quantize.rates import RATES_FORMAT
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import quantize
 from quantizer.report import table
@@ -42,7 +50,7 @@ from quantizer.shipped import model_config_path
 
 IN, OUT, EXPERTS = 5120, 2304, 16
 HESSIAN_ROWS = 8192
-KS = (2, 3, 4)
+COMPARE_KS = (2.0, 2.5, 3.0, 4.0)
 KEYS = [f"layers.0.ffn.experts.{e}.w1" for e in range(EXPERTS)]
 
 
@@ -62,37 +70,44 @@ def write_source(root: Path, device: torch.device) -> list[torch.Tensor]:
     return weights
 
 
-def shared_hessian(device: torch.device) -> tuple[torch.Tensor, int]:
+def spd_hessian(n: int, device: torch.device, seed: int = 1) -> tuple[torch.Tensor, int]:
     """X^T X of correlated random activations: symmetric positive definite, summed over HESSIAN_ROWS rows."""
-    gen = torch.Generator(device=device).manual_seed(1)
-    mix = torch.randn(IN, IN, device=device, generator=gen) / math.sqrt(IN) + torch.eye(IN, device=device)
-    x = torch.randn(HESSIAN_ROWS, IN, device=device, generator=gen) @ mix
+    gen = torch.Generator(device=device).manual_seed(seed)
+    mix = torch.randn(n, n, device=device, generator=gen) / math.sqrt(n) + torch.eye(n, device=device)
+    x = torch.randn(HESSIAN_ROWS, n, device=device, generator=gen) @ mix
     return x.T @ x, HESSIAN_ROWS
 
 
 def h_data(h: torch.Tensor, count: int, device: torch.device) -> dict:
     """The dict exllamav3's Linear.capture_H builds (dense, not yet finalized)."""
-    return {"H": h.clone(), "packed": False, "n": IN, "first_key": "bench", "count": count, "finalized": False,
-            "num_total": 0, "inf_nan": torch.zeros(2, dtype=torch.long, device=device), "device": device}
+    return {"H": h.clone(), "packed": False, "n": h.shape[0], "first_key": "bench", "count": count,
+            "finalized": False, "num_total": 0, "inf_nan": torch.zeros(2, dtype=torch.long, device=device),
+            "device": device}
 
 
-def direct(weights, hessian, K: int, device: torch.device) -> float:
+def direct(weights, hessians, K: float, device: torch.device) -> float:
+    """Seconds of one `quantize_exl3_batch` call on [out, in] weights; `hessians` is one shared (H, count)
+    or a list of them, one per weight."""
     from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3_batch
 
-    shared = h_data(*hessian, device)
-    args = [{"K": K, "devices": [device.index or 0], "seed": i, "mul1": True, "mcg": False, "apply_out_scales": None}
+    if isinstance(hessians, tuple):
+        h_datas = [h_data(*hessians, device)] * len(weights)
+    else:
+        h_datas = [h_data(h, c, device) for h, c in hessians]
+    k = int(K) if float(K).is_integer() else float(K)
+    args = [{"K": k, "devices": [device.index or 0], "seed": i, "mul1": True, "mcg": False, "apply_out_scales": None}
             for i in range(len(weights))]
     ws = [w.T.contiguous() for w in weights]  # exllamav3 works on (in, out)
     torch.cuda.synchronize(device)
     start = time.perf_counter()
-    quantize_exl3_batch(ws, [shared] * len(ws), args)
+    quantize_exl3_batch(ws, h_datas, args)
     torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
-def ours(src: Path, work: Path, hessian, K: int, device: torch.device) -> float:
+def ours(src: Path, work: Path, hessian, K: float, device: torch.device) -> float:
     ck = Checkpoint.open(src)
-    plan = make_plan(ck.config, {t.key: (float(K) if t.key in KEYS else None) for t in targets(ck.config)}, loader=MIXEDK)
+    plan = make_plan(ck.config, {t.key: (K if t.key in KEYS else None) for t in targets(ck.config)}, loader=MIXEDK)
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     quantize(ck, plan, work, QuantizeSettings(device="cuda"), hessian=lambda key: hessian)
@@ -100,28 +115,64 @@ def ours(src: Path, work: Path, hessian, K: int, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def rate_table(rates: list[dict], device: torch.device) -> dict:
+    """The measured rates in the format of configs/encode_rates/*.json."""
+    from importlib.metadata import version
+
+    return {
+        "format": RATES_FORMAT, "version": 1, "device": torch.cuda.get_device_name(device),
+        "encoder": f"exllamav3 {version('exllamav3')} quantize_exl3_batch (LDLQ, trellis search, packing), mul1",
+        "measured_by": "bench/quantize_gpu.py (direct quantize_exl3_batch on the dequantized weights already on the GPU)",
+        "source": f"{datetime.date.today().isoformat()}: {EXPERTS} random routed experts of DeepSeek-V4.1-Flash's "
+                  "shapes; w1 (in 5120) sharing one SPD Hessian, w2 (in 2304) with one each",
+        "rates": [{k: r[k] for k in ("K", "in_features", "out_features", "batch", "weights_per_s")} for r in rates],
+    }
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ks", type=float, nargs="+", default=list(rate_grid("mul1")), help="K values to measure")
+    ap.add_argument("--compare-ks", type=float, nargs="*", default=list(COMPARE_KS),
+                    help="K values at which the stage is compared with the direct call")
+    args = ap.parse_args()
     device = torch.device("cuda", 0)
     n_weights = EXPERTS * IN * OUT
-    rows, results = [], []
+    rates, compared = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        weights = write_source(tmp / "src", device)
-        hessian = shared_hessian(device)
-        direct(weights[:2], hessian, 2, device)  # warm-up: kernels, streams, pinned buffers
-        for K in KS:
-            t_direct = direct(weights, hessian, K, device)
-            t_ours = ours(tmp / "src", tmp / f"work-K{K}", hessian, K, device)
-            rate_direct, rate_ours = n_weights / t_direct, n_weights / t_ours
-            ratio = rate_ours / rate_direct
-            results.append({"K": K, "weights": n_weights, "direct_s": t_direct, "ours_s": t_ours,
-                            "direct_weights_per_s": rate_direct, "ours_weights_per_s": rate_ours, "ratio": ratio})
-            rows.append([K, f"{rate_direct / 1e6:.2f}", f"{rate_ours / 1e6:.2f}", f"{ratio:.3f}",
-                         "ok" if ratio >= 0.9 else "BELOW 0.9"])
-    print(f"{EXPERTS} experts x ({IN} in, {OUT} out), shared SPD Hessian, mul1, {torch.cuda.get_device_name(device)}")
-    print(table(["K", "direct Mw/s", "ours Mw/s", "ours/direct", ""], rows))
+        w1 = write_source(tmp / "src", device)
+        gen = torch.Generator(device=device).manual_seed(2)
+        w2 = [torch.randn(IN, OUT, device=device, generator=gen) / math.sqrt(OUT) for _ in range(EXPERTS)]
+        h1 = spd_hessian(IN, device)
+        h2 = [spd_hessian(OUT, device, seed=10 + e) for e in range(EXPERTS)]
+        direct(w1[:2], h1, 2, device)  # warm-up: kernels, streams, pinned buffers
+        for K in args.ks:
+            for ws, hs, (i, o) in ((w1, h1, (IN, OUT)), (w2, h2, (OUT, IN))):
+                seconds = direct(ws, hs, K, device)
+                rates.append({"K": K, "in_features": i, "out_features": o, "batch": EXPERTS,
+                              "seconds": seconds, "weights_per_s": n_weights / seconds})
+                print(f"K {K:g}  in {i}  {n_weights / seconds / 1e6:.2f} M weights/s", flush=True)
+        for K in args.compare_ks:
+            t_direct = direct(w1, h1, K, device)
+            t_ours = ours(tmp / "src", tmp / f"work-K{K:g}", h1, K, device)
+            compared.append({"K": K, "weights": n_weights, "direct_s": t_direct, "ours_s": t_ours,
+                             "direct_weights_per_s": n_weights / t_direct, "ours_weights_per_s": n_weights / t_ours,
+                             "ratio": t_direct / t_ours})
+    print(f"{EXPERTS} experts, mul1, {torch.cuda.get_device_name(device)}: quantize_exl3_batch, M weights/s")
+    by_k = {}
+    for r in rates:
+        by_k.setdefault(r["K"], {})[r["in_features"]] = r["weights_per_s"] / 1e6
+    print(table(["K", f"w1 (in {IN})", f"w2 (in {OUT})"],
+                [[f"{k:g}", f"{v.get(IN, 0):.2f}", f"{v.get(OUT, 0):.2f}"] for k, v in by_k.items()]))
+    if compared:
+        print("\nour quantize stage against the direct call on the same w1 tensors")
+        print(table(["K", "direct Mw/s", "ours Mw/s", "ours/direct", ""],
+                    [[f"{c['K']:g}", f"{c['direct_weights_per_s'] / 1e6:.2f}", f"{c['ours_weights_per_s'] / 1e6:.2f}",
+                      f"{c['ratio']:.3f}", "ok" if c["ratio"] >= 0.9 else "BELOW 0.9"] for c in compared]))
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "quantize_gpu.json").write_text(json.dumps(results, indent=1) + "\n")
+        out = Path(os.environ["OUT"])
+        (out / "quantize_gpu.json").write_text(json.dumps({"rates": rates, "compared": compared}, indent=1) + "\n")
+        (out / "encode_rates.json").write_text(json.dumps(rate_table(rates, device), indent=1) + "\n")
 
 
 if __name__ == "__main__":

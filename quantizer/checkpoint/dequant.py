@@ -103,11 +103,11 @@ FP4_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 def quantize_fp8_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [out, in] to (float8_e4m3fn, E8M0 grid) with one power-of-two scale per block."""
+    """float [out, in] to (float8_e4m3fn, E8M0 grid) with one power-of-two scale per block, on x's device."""
     out, inp = x.shape
     bo, bi = block
     go, gi = -(-out // bo), -(-inp // bi)
-    pad = torch.zeros(go * bo, gi * bi, dtype=torch.float32)
+    pad = torch.zeros(go * bo, gi * bi, dtype=torch.float32, device=x.device)
     pad[:out, :inp] = x.float()
     amax = pad.abs().reshape(go, bo, gi, bi).amax(dim=(1, 3))
     exps = float_to_e8m0(amax / 448.0)
@@ -116,11 +116,11 @@ def quantize_fp8_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [out, in] to (packed int8 [out, in/2], E8M0 [out, in/32]): MXFP4, round to nearest."""
+    """float [out, in] to (packed int8 [out, in/2], E8M0 [out, in/32]): MXFP4, round to nearest, on x's device."""
     out, inp = x.shape
     groups = x.float().reshape(out, inp // 32, 32)
     exps = float_to_e8m0(groups.abs().amax(dim=-1) / 6.0)
     scaled = groups / e8m0_to_float(exps).unsqueeze(-1)
-    mags = (scaled.abs().unsqueeze(-1) - FP4_GRID).abs().argmin(dim=-1)
+    mags = (scaled.abs().unsqueeze(-1) - FP4_GRID.to(x.device)).abs().argmin(dim=-1)
     codes = mags + 8 * (scaled < 0).to(torch.int64) * (mags > 0).to(torch.int64)
     return pack_fp4(codes.reshape(out, inp)), exps

@@ -90,12 +90,16 @@ def assign_shards(specs: list[TensorSpec], backbone_shards: int) -> list[list[Te
 
 def stored_tensors(spec: TensorSpec, values: ValueFn | None, cfg: ModelConfig) -> list[PlannedTensor]:
     """The stored tensor(s) for one spec. A quantized weight is stored together with its scale grid,
-    so `.scale` specs produce nothing themselves; values=None leaves every tensor as a hole."""
+    so `.scale` specs produce nothing themselves; values=None leaves every tensor as a hole. Values may
+    come on any device (the rehearsal makes them on a GPU); the stored bytes are on the CPU."""
     if values is None:
         return [PlannedTensor(spec.name, spec.dtype, spec.shape, None)]
     if spec.name.endswith(".scale"):
         return []
-    x = values(spec)
+    return [planned(t.name, t.data.cpu(), t.dtype) for t in _encoded(spec, values(spec), cfg)]
+
+
+def _encoded(spec: TensorSpec, x: torch.Tensor, cfg: ModelConfig) -> list[PlannedTensor]:
     scale_name = spec.name[: -len(".weight")] + ".scale"
     if spec.dtype == "I8":
         w, s = quantize_mxfp4(x)

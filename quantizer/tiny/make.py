@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from quantizer.checkpoint.native_writer import write_native_checkpoint
+from quantizer.checkpoint.native_writer import ValueFn, write_native_checkpoint
 from quantizer.errors import UserError
 from quantizer.model.config import V4, ModelConfig
 from quantizer.model.layout import TensorSpec
@@ -37,7 +37,15 @@ def make_tiny(out: str | Path, arch: str, seed: int = 0, full_size: bool = False
         raise UserError("--full-size writes hundreds of GB; add --sparse to write headers and holes only")
     raw = json.loads(model_config_path((FULL_CONFIGS if full_size else TINY_CONFIGS)[arch]).read_text())
     cfg = ModelConfig.from_dict(raw)
-    gen = torch.Generator().manual_seed(seed)
+    shards = FULL_BACKBONE_SHARDS if full_size else 2
+    values = random_values(cfg, torch.Generator().manual_seed(seed))
+    extra = {"tokenizer.json": shipped_tokenizer_path()} if cfg.arch == V4 and not full_size else None
+    return write_native_checkpoint(out, raw, None if sparse else values, shards, extra_files=extra)
+
+
+def random_values(cfg: ModelConfig, gen: torch.Generator) -> ValueFn:
+    """Random real values for every tensor of `cfg`, made on the generator's device (a CUDA generator
+    makes a full-width checkpoint in seconds)."""
 
     def values(spec: TensorSpec) -> torch.Tensor:
         if spec.dtype == "I64":
@@ -45,14 +53,12 @@ def make_tiny(out: str | Path, arch: str, seed: int = 0, full_size: bool = False
         shape = (spec.shape[0], spec.shape[1] * 2) if spec.dtype == "I8" else spec.shape
         return _values(spec.name, shape, gen)
 
-    shards = FULL_BACKBONE_SHARDS if full_size else 2
-    extra = {"tokenizer.json": shipped_tokenizer_path()} if cfg.arch == V4 and not full_size else None
-    return write_native_checkpoint(out, raw, None if sparse else values, shards, extra_files=extra)
+    return values
 
 
 def _values(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     """Random values of a plausible scale for each kind of tensor, so forwards stay finite."""
-    x = torch.randn(shape, generator=gen)
+    x = torch.randn(shape, generator=gen, device=gen.device)
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * x
@@ -75,4 +81,4 @@ def _values(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
 def _expert_table(shape: tuple[int, ...], cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor:
     """Hash-routing table: k distinct experts per token id."""
     rows, k = shape
-    return torch.rand(rows, cfg.n_routed_experts, generator=gen).argsort(dim=1)[:, :k].contiguous()
+    return torch.rand(rows, cfg.n_routed_experts, generator=gen, device=gen.device).argsort(dim=1)[:, :k].contiguous()

@@ -1,0 +1,318 @@
+"""A full-width DeepSeek-V4.1-Flash slice built end to end on one GPU, and what the real model would take.
+
+Writes a native checkpoint with the real shapes (hidden 5120, expert width 2304, attention, Engram,
+one drafter block, vision) but --layers trunk layers of --experts routed experts, random weights
+made on the GPU in the native formats (FP8 + E8M0, MXFP4 experts, BF16). The Engram table keeps its
+256-wide rows with far fewer of them (a small hash vocabulary). Then runs `quantizer.build.build`,
+the call `quantizer build` makes (calibrate -> plan -> quantize -> pack -> verify), and prints per
+stage: time, weights/s, peak GPU memory, peak host RAM and disk.
+
+The quantize stage's rate is compared with exllamav3's `quantize_exl3_batch` on the same tensors in
+the same run: every kind of unit the stage encoded (a layer's routed w1 / w2 / w3 batch at its K,
+each attention linear, the head) is encoded again by a direct call on its first unit (batches cut to
+--sample experts, the head to its first rows), with the weights already dequantized on the GPU and
+the calibrated Hessians; the stage's units priced at those rates give the direct time (goal:
+stage rate >= 0.9 of it). The direct rates also price the real model's plan: the projection on 1, 2,
+4 and 8 GPUs (calibration data-parallel, quantize units spread over ranks, pack and verify on one),
+and the disk its Hessians, work directory and pack need.
+
+On the GPU machine (one H200; 64 experts x 2 layers: 5.7 G weights to encode, about 8-9 minutes):
+
+    source .device-cache/setup.sh && python bench/rehearsal.py --layers 2 --experts 64 --bpw 2.9 \\
+        --out-json $OUT/rehearsal.json
+
+Everything is written under --tmp (default: the system temporary directory) and deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import quantizer.build.build as build_module  # noqa: E402
+from quantize_gpu import direct  # noqa: E402
+from quantizer.build.build import BuildRequest, build  # noqa: E402
+from quantizer.calibrate.needs import calibration_needs  # noqa: E402
+from quantizer.calibrate.settings import CalibrationSettings  # noqa: E402
+from quantizer.calibrate.storage import HessianStore  # noqa: E402
+from quantizer.checkpoint.native_writer import write_native_checkpoint  # noqa: E402
+from quantizer.checkpoint.source import Checkpoint  # noqa: E402
+from quantizer.model.config import ModelConfig  # noqa: E402
+from quantizer.model.engram import engram_primes  # noqa: E402
+from quantizer.model.layout import native_layout  # noqa: E402
+from quantizer.plan.plan import TOTAL, expected_bytes  # noqa: E402
+from quantizer.plan.sizes import exl3_bytes  # noqa: E402
+from quantizer.plan.uniform import uniform_plan  # noqa: E402
+from quantizer.quantize.linears import stored_linears, work_units  # noqa: E402
+from quantizer.quantize.rates import EncodeRate, RateTable, estimate  # noqa: E402
+from quantizer.quantize.settings import QuantizeSettings  # noqa: E402
+from quantizer.quantize.stage import WeightReader  # noqa: E402
+from quantizer.report import GIB, table  # noqa: E402
+from quantizer.shipped import model_config_path  # noqa: E402
+from quantizer.tiny.make import random_values  # noqa: E402
+
+REAL = "deepseek-v4.1-flash.json"
+REAL_ROWS, REAL_COLS = 250, 2048  # the calibration a real build runs by default
+ENGRAM_HASH_VOCAB = 40_000  # about a million 256-wide table rows instead of 384 million
+SHARD_BYTES = 2 << 30  # source shards of about this size
+HEAD_SAMPLE_WEIGHTS = 64 << 20
+GPU_COUNTS = (1, 2, 4, 8)
+STAGES = ("calibrate", "plan", "quantize", "pack", "verify")
+
+
+def slice_config(layers: int, experts: int) -> dict:
+    """The real config.json with `layers` trunk layers of `experts` experts, one drafter block and one
+    Engram layer (layer 1), compressed layers alternating ratio 2 and 1 from layer 0."""
+    raw = json.loads(model_config_path(REAL).read_text())
+    text = raw["text_config"]
+    ratios = [2 if i % 2 == 0 else 1 for i in range(layers)]
+    sources = list(range(min(2, layers)))
+    text.update({
+        "num_hidden_layers": layers, "n_routed_experts": experts, "compress_ratios": ratios + [0],
+        "num_nextn_predict_layers": 1, "kv_source_layer_ids": sources, "index_source_layer_ids": sources,
+        "candidate_source_layer_id": 1 if layers > 1 else None,
+        "dspark_target_layer_ids": [layers - 1], "dspark_n_routed_experts": min(experts, text["dspark_n_routed_experts"]),
+        "engram_layer_ids": [min(1, layers - 1)], "engram_vocab_size": ENGRAM_HASH_VOCAB,
+        "engram_num_embeddings": [0], "engram_compressed_vocab_size": text["vocab_size"],
+    })
+    rows = sum(engram_primes(ModelConfig.from_dict(raw))[0])
+    text["engram_num_embeddings"] = [rows]
+    return raw
+
+
+@dataclass
+class StageRecord:
+    seconds: float = 0.0
+    gpu_peak: int = 0
+    ram_peak: int = 0
+    disk: int = 0  # work directory + pack after the stage
+    weights: int | None = None
+
+
+@dataclass
+class Meter:
+    """Wraps the stage functions `build` calls, to time each and record its peaks and the disk after it."""
+
+    dirs: list[Path]
+    stages: dict[str, StageRecord] = field(default_factory=dict)
+
+    @contextmanager
+    def stage(self, name: str):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        _reset_ram_peak()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize()
+            self.stages[name] = StageRecord(time.perf_counter() - start, torch.cuda.max_memory_allocated(),
+                                            _ram_peak(), sum(_du(d) for d in self.dirs))
+
+    def wrap(self, name: str, fn):
+        def metered(*args, **kwargs):
+            with self.stage(name):
+                return fn(*args, **kwargs)
+        return metered
+
+
+def _reset_ram_peak() -> None:
+    """Reset the kernel's resident-set high-water mark of this process (Linux: clear_refs 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _ram_peak() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _du(path: Path) -> int:
+    if not path.exists():
+        return 0
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+
+
+def write_slice(root: Path, raw: dict, seed: int) -> float:
+    cfg = ModelConfig.from_dict(raw)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    backbone = sum(s.nbytes for s in native_layout(cfg))
+    start = time.perf_counter()
+    write_native_checkpoint(root, raw, random_values(cfg, gen), max(2, math.ceil(backbone / SHARD_BYTES)))
+    return time.perf_counter() - start
+
+
+def _kind(unit) -> str:
+    """What decides a unit's encode rate: its linear or batch (layer index dropped) and K."""
+    parts = unit.name.split(".")
+    if parts[0] in ("layers", "mtp"):
+        parts[1] = "L"
+    return ".".join(p for p in parts if not p.startswith(("batch", "K"))) + f"@K{unit.K:g}"
+
+
+def direct_rates(ck: Checkpoint, plan, work: Path, sample: int) -> tuple[dict[str, float], list[EncodeRate]]:
+    """weights/s of quantize_exl3_batch on the first unit of every unit kind (see the module docstring)."""
+    linears = {s.key: s for s in stored_linears(ck.config, plan)}
+    store = HessianStore(work, ck)
+    reader = WeightReader(ck, "cuda")
+    rates, table_rows = {}, []
+    for unit in work_units(list(linears.values()), "cuda"):
+        kind = _kind(unit)
+        if kind in rates or unit.K == 16:
+            continue
+        members = [linears[k] for k in unit.keys[:sample]]
+        weights = [reader.weight(s) for s in members]
+        if len(weights) == 1 and weights[0].numel() > HEAD_SAMPLE_WEIGHTS:
+            weights = [weights[0][: max(256, HEAD_SAMPLE_WEIGHTS // weights[0].shape[1] // 256 * 256)]]
+        hs = [store.hessian(s.key) for s in members]
+        if any(h is None for h in hs):
+            sys.exit(f"{unit.name}: no Hessian; the rehearsal compares calibrated units only (keep the drafter native)")
+        shared = all(h is hs[0] for h in hs)
+        hs = [(h.cuda(), c) for h, c in hs] if not shared else [(hs[0][0].cuda(), hs[0][1])]
+        seconds = direct(weights, hs[0] if shared else hs, unit.K, torch.device("cuda", torch.cuda.current_device()))
+        n = sum(w.numel() for w in weights)
+        rates[kind] = n / seconds
+        table_rows.append(EncodeRate(float(unit.K), weights[0].shape[1], weights[0].shape[0], n / seconds))
+        del weights
+    return rates, table_rows
+
+
+def real_needs(bpw: float, run_table: RateTable, stage_over_direct: float, run: dict) -> dict:
+    """The real model at --bpw (uniform plan: the K mix an allocator starts from): GPU time at this run's
+    direct rates over the stage ratio, calibration and pack scaled from this run, and the disk."""
+    cfg = ModelConfig.from_file(model_config_path(REAL))
+    plan = uniform_plan(cfg, bpw)
+    quantize_s = estimate(stored_linears(cfg, plan), run_table).seconds / stage_over_direct
+    scale = (cfg.num_layers / run["layers"]) * (REAL_ROWS * REAL_COLS) / run["tokens"] * (
+        cfg.n_routed_experts / run["experts"])  # the all-expert pass over every token dominates calibration
+    calibrate_s = run["stages"]["calibrate"]["seconds"] * scale
+    pack_bytes = expected_bytes(cfg, plan)[TOTAL]
+    tail_s = (run["stages"]["pack"]["seconds"] + run["stages"]["verify"]["seconds"]) * pack_bytes / run["pack_bytes"]
+    needs = calibration_needs(cfg, REAL_ROWS, REAL_COLS, CalibrationSettings(device="cuda"))
+    results = sum(exl3_bytes(s.in_features, s.out_features, s.K, plan.codebook) for s in stored_linears(cfg, plan)
+                  if s.K != 16)
+    hours = {g: (calibrate_s / g + quantize_s / g + tail_s) / 3600 for g in GPU_COUNTS}
+    return {
+        "plan": plan.made_by, "calibrate_h_1gpu": calibrate_s / 3600, "quantize_h_1gpu": quantize_s / 3600,
+        "pack_verify_h": tail_s / 3600, "hours_by_gpus": hours,
+        "disk": {"hessians": needs.layer_files, "calibration_peak": needs.disk, "quantized_results": results,
+                 "pack": pack_bytes},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--bpw", type=float, default=2.9)
+    ap.add_argument("--rows", type=int, default=16, help="calibration rows (random token ids)")
+    ap.add_argument("--cols", type=int, default=2048, help="tokens per calibration row")
+    ap.add_argument("--sample", type=int, default=16, help="experts per direct-call sample")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
+    ap.add_argument("--out-json", type=Path)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("rehearsal.py needs a CUDA GPU (and exllamav3)")
+    root = Path(tempfile.mkdtemp(prefix="rehearsal-", dir=args.tmp))
+    try:
+        report = rehearse(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print_report(report)
+    if args.out_json:
+        args.out_json.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def rehearse(args, root: Path) -> dict:
+    src, out = root / "src", root / "pack"
+    raw = slice_config(args.layers, args.experts)
+    meter = Meter([root / "pack.work", out])
+    with meter.stage("write source"):
+        write_slice(src, raw, args.seed)
+    meter.stages["write source"].disk = _du(src)
+    ck = Checkpoint.open(src)
+    tokens = torch.randint(0, ck.config.vocab_size, (args.rows, args.cols),
+                           generator=torch.Generator().manual_seed(args.seed))
+    originals = {}
+    for fn, name in (("calibrate", "calibrate"), ("choose_plan", "plan"), ("quantize", "quantize"),
+                     ("write_pack", "pack"), ("verify_pack", "verify")):
+        originals[fn] = getattr(build_module, fn)
+        setattr(build_module, fn, meter.wrap(name, originals[fn]))
+    try:
+        result = build(BuildRequest(str(src), out, bpw=args.bpw, calibration_rows=tokens, work=root / "pack.work",
+                                    calibration=CalibrationSettings(device="cuda", measure_kl=False),
+                                    quantize=QuantizeSettings(device="cuda")))
+    finally:
+        for fn, original in originals.items():
+            setattr(build_module, fn, original)
+    linears = stored_linears(ck.config, result.plan)
+    encoded = [s for s in linears if s.K != 16]
+    stages = meter.stages
+    stages["quantize"].weights = sum(s.numel for s in encoded)
+    stages["calibrate"].weights = args.rows * args.cols  # tokens
+    pack_bytes = sum(r.bytes for r in result.manifest.shards)
+    stages["pack"].weights = stages["verify"].weights = None
+
+    rates, rows = direct_rates(ck, result.plan, root / "pack.work", args.sample)
+    units = work_units(linears, "cuda")
+    direct_s = sum(u.weights / rates[_kind(u)] for u in units if u.K != 16)
+    stage_s = stages["quantize"].seconds
+    ratio = direct_s / stage_s
+    run = {"layers": args.layers, "experts": args.experts, "tokens": args.rows * args.cols, "pack_bytes": pack_bytes,
+           "stages": {k: vars(v) for k, v in stages.items()}}
+    run_table = RateTable(torch.cuda.get_device_name(), tuple(rows))
+    return {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "device": torch.cuda.get_device_name(), "source_bytes": _du(src), **run,
+        "plan": result.plan.made_by, "achieved_bpw": result.plan.achieved_bpw,
+        "quantize": {"weights": stages["quantize"].weights, "stage_s": stage_s, "direct_s": direct_s,
+                     "stage_weights_per_s": stages["quantize"].weights / stage_s,
+                     "direct_weights_per_s": stages["quantize"].weights / direct_s, "ratio": ratio,
+                     "direct_rates": {k: v for k, v in sorted(rates.items())}},
+        "verify": "ok" if not result.verify.faults else f"{len(result.verify.faults)} faults",
+        "real_model": real_needs(args.bpw, run_table, ratio, run),
+    }
+
+
+def print_report(r: dict) -> None:
+    print(f"\n{r['device']}: V4.1-Flash slice, {r['layers']} layers x {r['experts']} experts, "
+          f"{r['source_bytes'] / GIB:,.2f} GiB native; {r['plan']} (achieved {r['achieved_bpw']:.3f}); verify {r['verify']}")
+    rows = []
+    for name in ("write source", *STAGES):
+        s = r["stages"][name]
+        rate = "" if not s["weights"] else f"{s['weights'] / s['seconds'] / 1e6:,.2f} M{'tok' if name == 'calibrate' else 'w'}/s"
+        rows.append([name, f"{s['seconds']:,.1f}", rate, f"{s['gpu_peak'] / GIB:,.2f}", f"{s['ram_peak'] / GIB:,.2f}",
+                     f"{s['disk'] / GIB:,.2f}"])
+    print(table(["stage", "seconds", "rate", "GPU peak GiB", "RAM peak GiB", "disk GiB"], rows))
+    q = r["quantize"]
+    print(f"\nquantize stage {q['stage_weights_per_s'] / 1e6:,.2f} M weights/s; quantize_exl3_batch on the same "
+          f"tensors {q['direct_weights_per_s'] / 1e6:,.2f}: ratio {q['ratio']:.3f} "
+          f"({'ok' if q['ratio'] >= 0.9 else 'BELOW 0.9'})")
+    m = r["real_model"]
+    print(f"\nreal V4.1-Flash at {r['args']['bpw']:g} bpw ({m['plan']}), projected: calibration "
+          f"{m['calibrate_h_1gpu']:,.2f} h, quantize {m['quantize_h_1gpu']:,.2f} h on one GPU, pack + verify "
+          f"{m['pack_verify_h']:,.2f} h")
+    print(table(["GPUs", *map(str, GPU_COUNTS)], [["hours", *(f"{m['hours_by_gpus'][g]:,.2f}" for g in GPU_COUNTS)]]))
+    d = m["disk"]
+    print(f"disk: Hessians {d['hessians'] / GIB:,.1f} GiB (calibration peak {d['calibration_peak'] / GIB:,.1f} GiB "
+          f"with its resume point), quantized results {d['quantized_results'] / GIB:,.1f} GiB, pack "
+          f"{d['pack'] / GIB:,.1f} GiB")
+
+
+if __name__ == "__main__":
+    main()
