@@ -9,6 +9,7 @@ dropped silently (a missing quantized result stops the stage with the key to red
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from collections import Counter, defaultdict
@@ -29,7 +30,7 @@ from quantizer.model.layout import TensorSpec
 from quantizer.model.tensor_classes import classify
 from quantizer.pack.exl3_config import EXLLAMAV3_TARGET, pack_config, quantization_config, tensor_storage
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, ShardRecord, TensorRecord, sha256_file
-from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, write_shards
+from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, reusable_sources, write_shards
 from quantizer.plan.plan import Plan, achieved_bpw, expert_of
 from quantizer.plan.profiles import load_profile
 from quantizer.plan.sizes import UNQUANTIZED, exl3_leaves
@@ -60,11 +61,17 @@ def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, se
 
     linears = stored_linears(ck.config, plan)
     tensors, sources = _pack_tensors(ck, plan, linears, ResultStore(work))
-    shards = assign_shards(tensors, settings.shard_size)
+    shards = assign_shards(tensors, settings.shard_size, reusable_sources(tensors))
     size = sum(s.nbytes for s in shards)
-    print(f"pack: {len(tensors):,} tensors in {len(shards)} shards, {size / GIB:,.2f} GiB to write in {partial}", file=sys.stderr)
-    require_free_space(partial, size, "the pack")
-    write_shards(partial, shards)
+    linkable = sum(s.nbytes for s in shards if s.reuse and os.stat(s.reuse).st_dev == os.stat(partial).st_dev)
+    print(f"pack: {len(tensors):,} tensors in {len(shards)} shards, {size / GIB:,.2f} GiB in {partial}; "
+          f"{(size - linkable) / GIB:,.2f} GiB to write, {linkable / GIB:,.2f} GiB of Engram shards linked from the "
+          "source (copied where the filesystem refuses links)", file=sys.stderr)
+    require_free_space(partial, size - linkable, "the pack")
+    made = write_shards(partial, shards)
+    reused = [how for s, how in zip(shards, made) if s.reuse]
+    if reused:
+        print(f"pack: {len(reused)} Engram source shard(s) reused: {', '.join(sorted(set(reused)))}", file=sys.stderr)
     records = _shard_records(partial, shards)
     _write_index(partial, shards)
     qcfg = _write_configs(ck, plan, tensors, partial, _calibration(settings))

@@ -155,15 +155,17 @@ class UnitInputs:
     def __init__(self, ck: Checkpoint, by_key: dict[str, StoredLinear], hessian, device: str):
         self.by_key = by_key
         self.hessian = hessian
-        self.reader = WeightReader(ck, device)
-        self.stream = torch.cuda.Stream() if device == "cuda" else None
+        # The caller's CUDA device by index: a new thread starts on device 0 whatever the caller set.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None
+        self.reader = WeightReader(ck, str(self.device) if self.device else device)
+        self.stream = torch.cuda.Stream(self.device) if self.device else None
 
     def __call__(self, unit: Unit) -> PreparedUnit:
         members = [self.by_key[k] for k in unit.keys]
         hessians = [self.hessian(s.key) if self.hessian else None for s in members]
         if self.stream is None:
             return PreparedUnit(members, [self.reader.weight(s) for s in members], hessians)
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             weights = [self.reader.weight(s) for s in members]
             made = torch.cuda.Event()
             made.record(self.stream)
