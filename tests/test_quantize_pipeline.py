@@ -132,3 +132,15 @@ def test_plan_states_the_gpu_hours_of_its_plan(capsys):
     assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.9"]) == 0
     assert re.search(r"^quantize: 55\d\.\d G weights, ~\d+\.\d GPU-hours on H200 at measured rates",
                      capsys.readouterr().out, re.M)
+
+
+def test_build_states_the_gpu_hours_of_its_plan_before_quantizing(tiny_v41, tmp_path, capsys):
+    ck = Checkpoint.open(tiny_v41)
+    plan = make_plan(ck.config, {t.key: (16.0 if t.key == "layers.0.attn.wq_a" else None) for t in targets(ck.config)})
+    plan.save(tmp_path / "plan.json")
+    args = ["build", str(tiny_v41), "--plan", str(tmp_path / "plan.json"), "--out", str(tmp_path / "pack"),
+            "--no-calibrate"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    line = plan_estimate(ck.config, plan).line()
+    assert line in err and err.index(line) < err.index("quantize: 1 linears")
