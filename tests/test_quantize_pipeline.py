@@ -14,7 +14,8 @@ import torch
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.model.config import ModelConfig
-from quantizer.plan.plan import MIXEDK, make_plan
+from quantizer.plan.plan import make_plan
+from quantizer.plan.profiles import MIXEDK
 from quantizer.plan.targets import ROUTED, targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.quantize import QuantizeSettings, quantize
@@ -39,7 +40,7 @@ def _hessians(ck):
 
 
 def _plan(ck):
-    return make_plan(ck.config, {t.key: KEYS.get(t.key) for t in targets(ck.config)}, mode=MIXEDK)
+    return make_plan(ck.config, {t.key: KEYS.get(t.key) for t in targets(ck.config)}, loader=MIXEDK)
 
 
 def test_the_pipelined_stage_writes_the_same_bytes_as_the_sequential_one(tiny_v41, tmp_path):
