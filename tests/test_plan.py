@@ -40,16 +40,20 @@ def test_v41_targets_by_group(v41):
     for t in targets(v41):
         groups.setdefault(t.group, []).append(t)
     counts = {g: len(ts) for g, ts in groups.items()}
-    assert counts == {"routed": 46_080, "shared": 120, "attention": 200, "indexer": 8, "engram": 2,
+    # attention: 40 layers x 5 projections + the compressors' wkv/wgate (4 KV-source layers, 3 of them gated);
+    # indexer: 8 queries (wq_b) + 4 key projections (wk), as exllamav3 budgets its V4 attention block
+    assert counts == {"routed": 46_080, "shared": 120, "attention": 207, "indexer": 12, "engram": 2,
                       "head": 1, "drafter": 1_177}
     numel = {g: sum(t.numel for t in ts) for g, ts in groups.items()}
     # architecture ref section 3: routed params 543,581,798,400; attention class 5,064,696,320
     # minus its norms and sinks (40 x (1280 + 512 + 64) = 74,240)
     assert numel["routed"] == 543_581_798_400
-    assert numel["attention"] == 5_064_696_320 - 74_240
+    compressors = 7 * 5120 * 512  # the compressor class: wkv/wgate [512, 5120]
+    assert numel["attention"] == 5_064_696_320 - 74_240 + compressors
     assert numel["shared"] == 1_415_577_600
     budgeted = sum(t.numel for t in targets(v41) if t.budgeted)
-    assert budgeted == 543_581_798_400 + 1_415_577_600 + 5_064_622_080 + 41_943_040 + 314_572_800
+    assert budgeted == (543_581_798_400 + 1_415_577_600 + 5_064_622_080 + compressors
+                        + 41_943_040 + 4 * 512 * 128 + 314_572_800)
     assert {t.group for t in targets(v41) if t.budgeted} == {"routed", "shared", "attention", "indexer", "engram"}
 
 
