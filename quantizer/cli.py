@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from quantizer import __version__
+from quantizer.distributed import join_from_env, leave
 from quantizer.errors import UserError
 
 # Each module defines register(subparsers), which adds its sub-command with func=run.
@@ -38,14 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    ranks = join_from_env()  # under torchrun: this process's rank of the job
+    who = f" (rank {ranks.rank} of {ranks.world})" if ranks.joined else ""
     try:
         return args.func(args)
     except UserError as e:
-        print(f"quantizer {args.command}: error: {e}", file=sys.stderr)
+        print(f"quantizer {args.command}{who}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"quantizer {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
+        print(f"quantizer {args.command}{who}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    finally:
+        leave()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from quantizer.calibrate import CalibrationSettings, HessianStore, calibrate, calibration_needs
-from quantizer.calibrate.storage import CALIBRATION_DIR, STREAMS_FILE, SUMMARY_FILE, layer_file
+from quantizer.calibrate.storage import CALIBRATION_DIR, STREAMS_PREFIX, SUMMARY_FILE, layer_file
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.errors import UserError
@@ -66,14 +66,14 @@ def test_a_killed_calibration_resumes_to_identical_files(tiny_v41, tokens, finis
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert not (work / CALIBRATION_DIR / SUMMARY_FILE).exists()
-    assert (work / CALIBRATION_DIR / STREAMS_FILE).exists()
+    assert list((work / CALIBRATION_DIR).glob(STREAMS_PREFIX + "*"))
     with pytest.raises(UserError, match="calibration is not complete"):
         HessianStore(work, Checkpoint.open(tiny_v41))
 
     assert main(args + ["--resume-every", "3"]) == 0  # how often it saves changes no result
     resumed = _files(work)
     assert resumed == _files(finished)
-    assert STREAMS_FILE not in resumed  # the resume point goes once the summary is written
+    assert not any(name.startswith(STREAMS_PREFIX) for name in resumed)  # the resume point goes with the summary
 
 
 def test_a_changed_source_tokens_or_setting_is_refused_naming_the_difference(tiny_v41, tiny_v4, tokens, finished,

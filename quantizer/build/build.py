@@ -6,22 +6,26 @@ Sparks) -> quantize (WORK/quantize, with the Hessians) -> pack -> verify (header
 The plan is kept in WORK as plan.json and recipe.yaml (exllamav3's recipe syntax).
 Without calibration rows the linears are quantized without Hessians (uniform, exl3 or a saved plan).
 Every stage resumes from its own directory, so a rerun continues where the last one stopped.
+Under torchrun every rank runs build(): calibration splits the rows and quantization the units over
+the ranks (quantizer/distributed.py); rank 0 plans, packs and verifies, the others wait for it.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from quantizer.calibrate.settings import CalibrationSettings
-from quantizer.calibrate.stage import calibrate
+from quantizer.calibrate.stage import calibrate, tokens_digest
 from quantizer.calibrate.storage import HessianStore
 from quantizer.calibrate.summary import CalibrationSummary
+from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.distributed import code_fingerprint, current
 from quantizer.errors import UserError
 from quantizer.fit.memory import FitReport
 from quantizer.model.config import ModelConfig
@@ -87,19 +91,44 @@ def build(req: BuildRequest) -> BuildResult:
     check_new_pack_dir(req.out)  # before hours of work, not after
     ck = Checkpoint.open(req.src, req.revision)
     check_plannable(ck.config, req)
+    ranks = current()
+    ranks.check_shared(req.work_dir)
+    ranks.agree(request_record(ck, req))
     store, summary = None, None
     if req.calibration_rows is not None:
         summary = calibrate(ck, req.calibration_rows, req.work_dir, req.calibration).summary
         store = HessianStore(req.work_dir, ck)
-    plan, report = (req.plan, None) if req.plan else choose_plan(ck.config, req, summary)
-    save_plan(ck.config, plan, req.work_dir)
-    print(plan_estimate(ck.config, plan).line(), file=sys.stderr)
+    plan, report = ranks.on_main(lambda: plan_and_save(ck.config, req, summary))
     settings = replace(req.quantize, calibration=store.record if store else None)
     quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None)
-    manifest = write_pack(ck, plan, req.work_dir / QUANTIZE_DIR, req.out,
-                          PackSettings(req.shard_size, req.revision, settings.record()))
-    verified = verify_pack(req.out)
+    pack = PackSettings(req.shard_size, req.revision, settings.record())
+    manifest, verified = ranks.on_main(lambda: (write_pack(ck, plan, req.work_dir / QUANTIZE_DIR, req.out, pack),
+                                                verify_pack(req.out)))
     return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, manifest, verified, time.monotonic() - start)
+
+
+def request_record(ck: Checkpoint, req: BuildRequest) -> dict:
+    """What every rank of one build must agree on: inputs, settings and code (paths may differ
+    between hosts; check_shared proves the work directory is the same one)."""
+    rows = req.calibration_rows
+    return {
+        "source": source_fingerprint(ck), "code": code_fingerprint(), "torch": torch.__version__,
+        "tokens": None if rows is None else tokens_digest(rows),
+        "bpw": req.bpw, "plan": None if req.plan is None else req.plan.content_hash(),
+        "target": None if req.target is None else asdict(req.target), "method": req.method,
+        "allocation": asdict(req.allocation), "calibration": req.calibration.record(),
+        "quantize": req.quantize.record(), "shard_size": req.shard_size, "revision": req.revision,
+    }
+
+
+def plan_and_save(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None
+                  ) -> tuple[Plan, FitReport | None]:
+    """The plan (req.plan, or chosen by req.method) and its fit report, saved in the work directory; the
+    GPU time it implies stated."""
+    plan, report = (req.plan, None) if req.plan else choose_plan(cfg, req, summary)
+    save_plan(cfg, plan, req.work_dir)
+    print(plan_estimate(cfg, plan).line(), file=sys.stderr)
+    return plan, report
 
 
 def save_plan(cfg: ModelConfig, plan: Plan, work: Path) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from quantizer.build.build import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.fit.cli import render as render_fit
 from quantizer.fit.cli import tokens
@@ -56,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calib-rows", type=int, help=f"calibration rows (default: up to {CALIB_ROWS}, as many as the text holds)")
     p.add_argument("--calib-cols", type=int,
                    help=f"tokens per calibration row (default: a 2-D token file's width, else {CALIB_COLS})")
+    p.add_argument("--row-chunk", type=int,
+                   help="calibration rows pushed through a block together (default: 16384 tokens' worth); "
+                        "under torchrun the chunks are what the ranks share")
     p.add_argument("--out", type=Path, required=True, help="pack directory to write (must not exist)")
     p.add_argument("--work", type=Path, help="work directory (default: <out>.work); rerun to resume")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu: our codec; cuda: exllamav3")
@@ -89,11 +93,12 @@ def run(args: argparse.Namespace) -> int:
         src=args.src, out=args.out, bpw=args.bpw, plan=plan, target=target, method=args.method,
         allocation=AllocationSettings(loader=args.loader, codebook=args.codebook or "mul1"),
         calibration_rows=None if args.no_calibrate else _calibration_rows(args, ck),
-        calibration=CalibrationSettings(device=args.device), work=args.work, revision=args.revision,
+        calibration=CalibrationSettings(device=args.device, row_chunk=args.row_chunk), work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
     )
     result = build(req)
-    print(summary(result))
+    if current().main:
+        print(summary(result))
     return 1 if result.verify.faults or (result.fit and not result.fit.fits) else 0
 
 

@@ -1,6 +1,10 @@
 """One block's calibration statistics over every row chunk: the forward hooks and what they fill.
 
-Per Hessian group (groups.py) a float32 sum of x x^T and a row count, on the compute device. The
+Per Hessian group (groups.py) a sum of x x^T and a row count, on the compute device: each report's
+product in float32, added to a float64 sum, so the sum is the exact sum of those float32 products
+(short of a 2^-29 cancellation) whatever their order: the same when the row chunks are split over
+ranks (quantizer/distributed.py) and the ranks' partial sums reduced. That costs twice the float32
+bytes of the layer's Hessians in device memory. The
 forward reports each linear's input (ForwardHooks.linear_input); a group is filled from exactly one
 report: the router's input for the shared MoE input, wq_a's for the attention input, wq_b's for the
 q latent, wo_a's group g for its slice g, the linear's own for the rest.
@@ -21,6 +25,10 @@ gain = sum_t ||post_t (x) y_t||^2 / sum_t ||streams_t||^2 = sum_t ||post_t||^2 |
 relative error e in y becomes a relative error ~ e * gain in the streams (squared norms). The
 site's streams and mixes are recomputed from the block's input and its sublayer outputs, which
 forward hooks on the block's engram/attn/ffn modules capture.
+
+Several ranks: each runs a contiguous share of the row chunks (chunk 0 on rank 0, whose first
+routing sets the layer's w2 for all), keeps its samples by the chunks' global indices, and `reduce`
+brings sums, counts and samples to rank 0, which finishes the layer.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from quantizer.calibrate.groups import HGroup, group_key, layer_groups, wo_a_sli
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.storage import STORAGE_DTYPES, pack_hessian
 from quantizer.calibrate.summary import LayerStats, TensorStats
+from quantizer.distributed import Ranks
 from quantizer.model.block import Block
 from quantizer.model.config import ModelConfig
 from quantizer.model.hooks import ForwardHooks, RoutingEvent
@@ -43,9 +52,15 @@ from quantizer.plan.targets import ROUTED, targets
 
 
 def accumulate(total: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None = None) -> None:
-    """total += rows^T diag(weights) rows, in float32."""
+    """total (float64) += rows^T diag(weights) rows, the product computed in float32."""
     x = rows.float()
-    total.addmm_((x if weights is None else x * weights.unsqueeze(1)).T, x)
+    total.add_(torch.mm((x if weights is None else x * weights.unsqueeze(1)).T, x))
+
+
+def quota(total: int, chunks: int, chunk: int) -> int:
+    """Chunk `chunk`'s share of `total` samples: ceil(total / chunks) each until the total is reached."""
+    each = math.ceil(total / chunks)
+    return max(0, min(each, total - chunk * each))
 
 
 @dataclass
@@ -62,15 +77,17 @@ class LayerResult:
 
 class LayerCollector:
     def __init__(self, cfg: ModelConfig, layer: int, settings: CalibrationSettings, total_tokens: int,
-                 chunks: int, device: torch.device):
+                 chunks: int, device: torch.device, ranks: Ranks = Ranks(), first_chunk: int = 0):
+        """chunks: all row chunks of the calibration; this rank runs those from first_chunk on."""
         self.cfg, self.layer, self.settings = cfg, layer, settings
         self.total_tokens, self.chunks, self.device = total_tokens, chunks, device
+        self.ranks, self.chunk = ranks, first_chunk  # the global index of the chunk being run
         self.groups = layer_groups(cfg, layer)
         self.by_reporter: dict[str, list[HGroup]] = {}
         for g in self.groups:
             self.by_reporter.setdefault(g.reporter, []).append(g)
         self.router = f"layers.{layer}.ffn.gate.weight"
-        self.sums = {g.key: torch.zeros(g.size, g.size, dtype=torch.float32, device=device) for g in self.groups}
+        self.sums = {g.key: torch.zeros(g.size, g.size, dtype=torch.float64, device=device) for g in self.groups}
         self.rows = {g.key: 0 for g in self.groups}
         self.experts = cfg.experts_in("layers")
         self.expert_tokens = torch.zeros(self.experts, dtype=torch.float64, device=device)
@@ -104,9 +121,34 @@ class LayerCollector:
                 outputs.clear()
                 parts[i] = (out, state)
                 self._moe_input = self._routing = None
+                self.chunk += 1
         finally:
             for handle in handles:
                 handle.remove()
+        if self.mean_w2 is None:  # a rank without chunks still takes part in sharing it
+            self._share_mean_w2(None)
+
+    def _share_mean_w2(self, w2: torch.Tensor | None) -> None:
+        """The layer's mean squared routing weight from chunk 0 (on rank 0), on every rank."""
+        value = torch.tensor([float(w2.mean()) if w2 is not None else 0.0], dtype=torch.float64, device=self.device)
+        self.ranks.from_main(value)
+        self.mean_w2 = float(value)
+
+    def reduce(self) -> None:
+        """Sums, counts, energies and samples of every rank summed (or gathered in chunk order) on
+        rank 0; the other ranks keep partials and finish nothing."""
+        if not self.ranks.joined:
+            return
+        rows = torch.tensor([self.rows[g.key] for g in self.groups], dtype=torch.float64, device=self.device)
+        for t in [*self.sums.values(), self.expert_tokens, self.expert_weight, *self.site_energy.values(), rows]:
+            self.ranks.sum_to_main(t)
+        self.rows = {g.key: int(n) for g, n in zip(self.groups, rows.tolist())}
+        width = self.cfg.hidden_size
+        empty = torch.empty(0, width, dtype=self.settings.dtype, device=self.device)
+        mine = [torch.cat(s) if s else empty for s in self.samples + [self.sample_all]]
+        every = self.ranks.gather_parts(mine)
+        self.samples = [[r[e] for r in every] for e in range(self.experts)]
+        self.sample_all = [r[-1] for r in every]
 
     def _linear_input(self, name: str, x: torch.Tensor) -> None:
         groups = self.by_reporter.get(name)
@@ -123,7 +165,7 @@ class LayerCollector:
     def _routed(self, event: RoutingEvent) -> None:
         ids, w2 = event.expert_ids, event.weights.float().square()
         if self.mean_w2 is None:
-            self.mean_w2 = float(w2.mean())
+            self._share_mean_w2(w2)
         flat = ids.reshape(-1)
         self.expert_tokens += torch.bincount(flat, minlength=self.experts).double()
         self.expert_weight.index_add_(0, flat, w2.reshape(-1).double())
@@ -143,22 +185,20 @@ class LayerCollector:
 
     def _keep_samples(self, ids: torch.Tensor) -> None:
         """Up to alias_tokens routed MoE inputs per expert and sample_tokens of all of them, spread
-        evenly over each chunk's rows (a share of each total per chunk)."""
+        evenly over each chunk's rows (each chunk's quota of each total, whatever the others kept)."""
         x, (N, k) = self._moe_input, ids.shape
-        per_chunk = math.ceil(self.settings.alias_tokens / self.chunks)
+        per_chunk = quota(self.settings.alias_tokens, self.chunks, self.chunk)
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.experts).tolist()
         start = 0
         for e, count in enumerate(counts):
-            have = sum(len(t) for t in self.samples[e])
-            take = min(per_chunk, count, self.settings.alias_tokens - have)
+            take = min(per_chunk, count)
             if take > 0:
                 picks = order[start + torch.arange(take, device=order.device) * count // take] // k
                 self.samples[e].append(x[picks].clone())
             start += count
-        have = sum(len(t) for t in self.sample_all)
-        take = min(math.ceil(self.settings.sample_tokens / self.chunks), N, self.settings.sample_tokens - have)
+        take = min(quota(self.settings.sample_tokens, self.chunks, self.chunk), N)
         if take > 0:
             self.sample_all.append(x[torch.arange(take, device=x.device) * N // take].clone())
 
@@ -215,6 +255,7 @@ class LayerCollector:
                 counts[g.key] = float(self.expert_tokens[g.expert]) + self.settings.prior_tokens
             else:
                 weight = counts[g.key] = float(self.rows[g.key])
+            total = total.float()
             means[g.key] = total.div_(weight) if weight > 0 else total
         return means, counts
 

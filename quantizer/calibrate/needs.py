@@ -2,12 +2,12 @@
 
 device = streamed forward (estimate_stream_memory: largest block's weights + streams and state of all
          rows + one row chunk's activations)
-       + the largest layer's float32 Hessian sums (sum over groups of in^2 * 4)
+       + the largest layer's float64 Hessian sums (sum over groups of in^2 * 8; collect.py says why)
        + all-experts extra for one expert on one chunk (its w1/w3/hidden activations in the model dtype
          and a float32 copy of the hidden for the product), when all_experts is on
        + the site-gain recomputation (two chunk-sized stream copies)
        + kept MoE inputs (experts * alias_tokens + sample_tokens rows of hidden_size)
-       + a Cholesky workspace for the largest group (3 * in^2 * 4)
+       + a Cholesky workspace and one float32 product for the largest group (4 * in^2 * 4)
 ram    = what the host stages for writes and reads: one layer file's packed Hessians, one chunk's
          streams (twice: tensor and bytes) and the largest native tensor read; plus device on the CPU.
 disk   = every layer file + the head file + the resume file twice (old and new while it is replaced);
@@ -34,7 +34,7 @@ from quantizer.report import GIB, gib
 @dataclass(frozen=True)
 class CalibrationNeeds:
     stream: MemoryEstimate
-    hessians: int  # the largest layer's float32 sums
+    hessians: int  # the largest layer's float64 sums
     extras: int  # all-experts activations, site gains, kept inputs, Cholesky workspace
     ram_staging: int  # host memory for writes and reads on CUDA
     layer_files: int  # all layer files and the head file
@@ -77,14 +77,14 @@ def calibration_needs(cfg: ModelConfig, rows: int, cols: int, settings: Calibrat
     chunk_tokens = chunk * cols
     layers = [layer_groups(cfg, layer) for layer in range(cfg.num_layers)]
     head = head_group(cfg)
-    sums = max((sum(4 * g.size ** 2 for g in groups) for groups in layers), default=0)
+    sums = max((sum(8 * g.size ** 2 for g in groups) for groups in layers), default=0)
     if head is not None:
-        sums = max(sums, 4 * head.size ** 2)
+        sums = max(sums, 8 * head.size ** 2)
     largest = max([g.size for groups in layers for g in groups] + [head.size if head else 0])
     all_experts = chunk_tokens * cfg.moe_intermediate_size * (3 * item + 4) if settings.all_experts else 0
     site = 2 * chunk_tokens * cfg.hc_mult * cfg.hidden_size * 4
     kept = (cfg.experts_in("layers") * settings.alias_tokens + settings.sample_tokens) * cfg.hidden_size * item
-    extras = all_experts + site + kept + 3 * 4 * largest ** 2
+    extras = all_experts + site + kept + 4 * 4 * largest ** 2
     expert_dtype = STORAGE_DTYPES[settings.expert_hessian_dtype]
     files = [sum(stored_bytes(g.size, expert_dtype if g.routed else torch.float32) for g in groups)
              for groups in layers]

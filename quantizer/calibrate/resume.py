@@ -1,6 +1,8 @@
 """The resume point of a calibration: every row chunk's hc streams and forward state after a layer.
 
-Saved atomically after each layer's statistics, so a killed run continues from the next layer with
+One file per row chunk (each rank saves the chunks it runs), written atomically after the layer's
+statistics; a layer is a resume point once all its chunks are saved, and the older point is deleted
+only then. So a killed run, with any number of ranks, continues from the next layer with
 bit-identical inputs. The forward state is saved field by field (tensors, dicts of tensors, dicts of
 small dataclasses of tensors); a state field of any other kind is refused loudly rather than dropped.
 """
@@ -13,12 +15,14 @@ from pathlib import Path
 
 import torch
 
+from quantizer.calibrate.storage import STREAMS_PREFIX
 from quantizer.checkpoint.safetensors_file import planned, read_header, read_tensor, write_safetensors
 from quantizer.errors import UserError
 from quantizer.model import state as state_module
 from quantizer.model.state import ForwardState
 
 RESUME_KEY = "resume"
+STREAMS_KEY = "resume.streams"  # no state field starts with "resume"
 # Rebuilt from the token rows by ForwardState.start, so not saved.
 STATIC_FIELDS = {"cfg", "tokens", "compute_dtype", "rope", "attn_chunk_elements"}
 
@@ -57,39 +61,45 @@ def _unflatten(prefix: str, structure, tensors: dict, device):
     return {int(k): _unflatten(f"{prefix}.{k}", v, tensors, device) for k, v in structure.items()}
 
 
-def save_streams(path: Path, parts: list[Part], next_layer: int) -> None:
-    tensors: dict[str, torch.Tensor] = {}
-    structures = []
-    for i, (streams, state) in enumerate(parts):
-        tensors[f"chunk.{i}.streams"] = streams
-        structures.append({f.name: _flatten(f"chunk.{i}.{f.name}", getattr(state, f.name), tensors)
-                           for f in dataclasses.fields(state) if f.name not in STATIC_FIELDS})
-    meta = {"next_layer": next_layer, "chunks": structures}
-    write_safetensors(path, [planned(k, t) for k, t in tensors.items()], metadata={RESUME_KEY: json.dumps(meta)})
+def chunk_file(next_layer: int, chunk: int) -> str:
+    return f"{STREAMS_PREFIX}{next_layer:03d}_{chunk:04d}.safetensors"
 
 
-def _resume_meta(path: Path) -> tuple[dict, object]:
+def save_chunk(directory: Path, next_layer: int, chunk: int, part: Part) -> None:
+    """One row chunk's streams and state before layer `next_layer`, atomically."""
+    streams, state = part
+    tensors: dict[str, torch.Tensor] = {STREAMS_KEY: streams}
+    structure = {f.name: _flatten(f.name, getattr(state, f.name), tensors)
+                 for f in dataclasses.fields(state) if f.name not in STATIC_FIELDS}
+    meta = {"next_layer": next_layer, "chunk": chunk, "state": structure}
+    write_safetensors(directory / chunk_file(next_layer, chunk), [planned(k, t) for k, t in tensors.items()],
+                      metadata={RESUME_KEY: json.dumps(meta)})
+
+
+def resume_point(directory: Path, chunks: int) -> int:
+    """The first layer not run yet: the latest layer whose every row chunk is saved (0: none)."""
+    saved: dict[int, set[int]] = {}
+    for path in directory.glob(STREAMS_PREFIX + "*.safetensors"):
+        layer, chunk = (int(x) for x in path.stem[len(STREAMS_PREFIX):].split("_"))
+        saved.setdefault(layer, set()).add(chunk)
+    return max((layer for layer, have in saved.items() if have >= set(range(chunks))), default=0)
+
+
+def drop_resume_points(directory: Path, keep: int | None = None) -> None:
+    """Delete every saved chunk but those before layer `keep`."""
+    for path in directory.glob(STREAMS_PREFIX + "*"):
+        if keep is None or not path.name.startswith(STREAMS_PREFIX + f"{keep:03d}_"):
+            path.unlink(missing_ok=True)
+
+
+def load_chunk(directory: Path, next_layer: int, chunk: int, start: ForwardState, device) -> Part:
+    """(streams, state) of a saved row chunk; `start` is a fresh state of the same rows."""
+    path = directory / chunk_file(next_layer, chunk)
     header = read_header(path)
     try:
-        return json.loads(header.metadata[RESUME_KEY]), header
+        meta = json.loads(header.metadata[RESUME_KEY])
     except (KeyError, json.JSONDecodeError):
         raise UserError(f"{path}: not a calibration resume file; delete it to restart calibration") from None
-
-
-def resume_layer(path: Path) -> int:
-    """The first layer a resume file has not run yet."""
-    return _resume_meta(path)[0]["next_layer"]
-
-
-def load_streams(path: Path, starts: list[ForwardState], device) -> tuple[int, list[Part]]:
-    """(next layer, parts) from a resume file; `starts` are fresh states of the same row chunks."""
-    meta, header = _resume_meta(path)
-    if len(meta["chunks"]) != len(starts):
-        raise UserError(f"{path}: holds {len(meta['chunks'])} row chunks, this run has {len(starts)}; "
-                        "delete it to restart")
-    parts = []
-    for i, (structure, state) in enumerate(zip(meta["chunks"], starts)):
-        for name, spec in structure.items():
-            setattr(state, name, _unflatten(f"chunk.{i}.{name}", spec, header.tensors, device))
-        parts.append((read_tensor(header.tensors[f"chunk.{i}.streams"]).to(device), state))
-    return meta["next_layer"], parts
+    for name, spec in meta["state"].items():
+        setattr(start, name, _unflatten(name, spec, header.tensors, device))
+    return read_tensor(header.tensors[STREAMS_KEY]).to(device), start

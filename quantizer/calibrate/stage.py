@@ -10,6 +10,9 @@ completed by the next run.
 Kill it at any moment and rerun the same command: it continues from the next layer and produces the
 same files as an uninterrupted run. A rerun with another source, other tokens or other settings is
 refused with the difference named.
+Under torchrun the row chunks are split over the ranks (data-parallel; collect.py reduces each layer
+to rank 0, which writes the layer's file); the files are the same for any number of ranks, and a run
+killed with one number of ranks resumes with another. Rank 0 alone measures the unit KL.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ from quantizer.calibrate.analysis import ldlq_factor, out_energy
 from quantizer.calibrate.collect import LayerCollector, accumulate
 from quantizer.calibrate.groups import HEAD_KEY, head_group
 from quantizer.calibrate.needs import calibration_needs
-from quantizer.calibrate.resume import load_streams, resume_layer, save_streams
+from quantizer.calibrate.resume import drop_resume_points, load_chunk, resume_point, save_chunk
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.storage import (
-    CALIBRATION_DIR, HEAD_FILE, JOB_FILE, STREAMS_FILE, SUMMARY_FILE, HessianStore, layer_file, pack_hessian,
+    CALIBRATION_DIR, HEAD_FILE, JOB_FILE, SUMMARY_FILE, HessianStore, layer_file, pack_hessian,
     read_meta, write_stats_file,
 )
 from quantizer.calibrate.summary import MEASURED_KL, CalibrationSummary, LayerStats, TensorStats
@@ -42,12 +45,13 @@ from quantizer.calibrate.unit_kl import (
 )
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.distributed import Ranks, current
 from quantizer.errors import UserError
 from quantizer.model.state import DEFAULT_ATTN_CHUNK_ELEMENTS, ForwardState
 from quantizer.model.streaming import CheckpointSource, load_block
 from quantizer.model.transformer import DeepseekModel
 from quantizer.report import gib
-from quantizer.workdir import job_lock, write_json_atomic
+from quantizer.workdir import write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -59,13 +63,17 @@ class CalibrationResult:
     seconds: float
 
 
+def tokens_digest(rows: torch.Tensor) -> str:
+    return hashlib.sha256(rows.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+
+
 def job_record(ck: Checkpoint, rows: torch.Tensor, settings: CalibrationSettings) -> dict:
     """What job.json pins; `fingerprint` hashes all of it but the source path (a moved checkpoint is
     the same checkpoint)."""
     record = {
         "source": {"path": str(ck.root), "fingerprint": source_fingerprint(ck)},
         "tokens": {"rows": int(rows.shape[0]), "cols": int(rows.shape[1]),
-                   "sha256": hashlib.sha256(rows.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()},
+                   "sha256": tokens_digest(rows)},
         "settings": {**settings.record(), "quantizer_version": __version__},
     }
     pinned = {"source": record["source"]["fingerprint"], "tokens": record["tokens"], "settings": record["settings"]}
@@ -122,21 +130,25 @@ def calibrate(ck: Checkpoint, rows: torch.Tensor, work: str | Path,
         raise UserError(f"--resume-every {resume_every}: must be at least 1")
     directory = Path(work) / CALIBRATION_DIR
     record = job_record(ck, rows, settings)
-    with job_lock(directory):
-        open_job(directory, record)
+    ranks = current()
+    with ranks.lock(directory):
+        ranks.on_main(lambda: open_job(directory, record))
         needs = calibration_needs(ck.config, rows.shape[0], rows.shape[1], settings)
-        print(needs.describe(settings.device), file=sys.stderr)
+        if ranks.main:
+            print(needs.describe(settings.device), file=sys.stderr)
         free = shutil.disk_usage(directory).free
-        if free < needs.disk:
+        if free < needs.disk and ranks.main:
             print(f"calibrate: warning: {directory} has {gib(free)} GiB free, less than the ~{gib(needs.disk)} GiB "
                   "this run may need; free some or choose another --work", file=sys.stderr)
         start = time.monotonic()
-        resumed = _finished_layers(directory, ck.config.num_layers)
-        if not (directory / SUMMARY_FILE).exists():
-            _run(ck, rows, directory, settings, record, progress, resume_every)
+        chunks = _chunks(rows, settings)
+        resumed = ranks.on_main(lambda: _finished_layers(directory, ck.config.num_layers, len(chunks)))
+        if resumed < ck.config.num_layers:
+            _run(ck, chunks, directory, settings, record, progress, resume_every, resumed, ranks)
+            ranks.barrier()  # rank 0 has written the summary
         summary = CalibrationSummary.load(directory / SUMMARY_FILE)
         if summary.gains != MEASURED_KL and settings.measure_kl is not False:
-            summary = _unit_kl(ck, rows, work, settings, summary, progress)
+            summary = ranks.on_main(lambda: _unit_kl(ck, rows, work, settings, summary, progress))
         return CalibrationResult(directory, summary, record["fingerprint"], resumed, time.monotonic() - start)
 
 
@@ -172,49 +184,59 @@ def _unit_kl(ck: Checkpoint, rows: torch.Tensor, work: Path, settings: Calibrati
     return summary
 
 
-def _finished_layers(directory: Path, layers: int) -> int:
-    if (directory / SUMMARY_FILE).exists():
-        return layers
-    path = directory / STREAMS_FILE
-    return resume_layer(path) if path.exists() else 0
+def _chunks(rows: torch.Tensor, settings: CalibrationSettings) -> list[torch.Tensor]:
+    """The row chunks pushed through a block together, the same for any number of ranks."""
+    step = settings.chunk_rows(rows.shape[0], rows.shape[1])
+    return [rows[i:i + step] for i in range(0, rows.shape[0], step)]
+
+
+def _finished_layers(directory: Path, layers: int, chunks: int) -> int:
+    return layers if (directory / SUMMARY_FILE).exists() else resume_point(directory, chunks)
 
 
 @torch.no_grad()
-def _run(ck: Checkpoint, rows: torch.Tensor, directory: Path, settings: CalibrationSettings, record: dict,
-         progress: bool, resume_every: int) -> None:
+def _run(ck: Checkpoint, chunks: list[torch.Tensor], directory: Path, settings: CalibrationSettings, record: dict,
+         progress: bool, resume_every: int, first: int, ranks: Ranks) -> None:
+    """Layers `first`.. over this rank's row chunks (all of them with one rank)."""
     cfg, device, dtype = ck.config, torch.device(settings.device), settings.dtype
     source = CheckpointSource(ck)
     with torch.device("meta"):
         root = DeepseekModel(cfg, dtype, source.engram_token_map(), with_layers=False)
-    step = settings.chunk_rows(rows.shape[0], rows.shape[1])
-    chunks = [rows[i:i + step].to(device) for i in range(0, rows.shape[0], step)]
-    resume = directory / STREAMS_FILE
-    if resume.exists():
-        fresh = [ForwardState.start(cfg, c, dtype, DEFAULT_ATTN_CHUNK_ELEMENTS) for c in chunks]
-        first, parts = load_streams(resume, fresh, device)
+    mine = ranks.contiguous(len(chunks))
+    if first:
+        parts = [load_chunk(directory, first, c, ForwardState.start(cfg, chunks[c].to(device), dtype,
+                                                                    DEFAULT_ATTN_CHUNK_ELEMENTS), device)
+                 for c in mine]
     else:
         _load_root(root, source, ["embed.weight"], device)
-        parts = [root.start(c, DEFAULT_ATTN_CHUNK_ELEMENTS) for c in chunks]
+        parts = [root.start(chunks[c].to(device), DEFAULT_ATTN_CHUNK_ELEMENTS) for c in mine]
         root.embed.to("meta")
-        first = 0
-    tokens = rows.numel()
+    tokens = sum(c.numel() for c in chunks)
     bar = tqdm(range(first, cfg.num_layers), initial=first, total=cfg.num_layers, desc="calibrate",
-               unit="layer", disable=not progress)
+               unit="layer", disable=not progress or not ranks.main)
     for layer in bar:
         block = load_block(source, layer, dtype, device)
-        collector = LayerCollector(cfg, layer, settings, tokens, len(chunks), device)
+        collector = LayerCollector(cfg, layer, settings, tokens, len(chunks), device, ranks, mine.start)
         collector.run(block, parts, root.hasher)
-        result = collector.finish(block)
+        collector.reduce()
+        if ranks.main:
+            result = collector.finish(block)
+            write_stats_file(directory / layer_file(layer), result.hessians, result.meta())
         del block, collector
-        write_stats_file(directory / layer_file(layer), result.hessians, result.meta())
         if (layer + 1) % resume_every == 0 and layer + 1 < cfg.num_layers:  # the head follows the last at once
-            save_streams(resume, parts, layer + 1)
+            for c, part in zip(mine, parts):
+                save_chunk(directory, layer + 1, c, part)
+            ranks.barrier()  # every chunk is saved: the older resume point can go
+            if ranks.main:
+                drop_resume_points(directory, keep=layer + 1)
     bar.close()
     if head_group(cfg) is not None:
         _load_root(root, source, [k for k in root.state_dict() if k != "embed.weight"], device)
-        _head(root, source, parts, directory, tokens, device)
-    summarize(directory, cfg.num_layers, record, rows.shape).save(directory / SUMMARY_FILE)
-    resume.unlink(missing_ok=True)
+        _head(root, source, parts, directory, tokens, device, ranks)
+    if ranks.main:
+        shape = (sum(len(c) for c in chunks), chunks[0].shape[1])
+        summarize(directory, cfg.num_layers, record, shape).save(directory / SUMMARY_FILE)
+        drop_resume_points(directory)
 
 
 def _load_root(root: DeepseekModel, source: CheckpointSource, names, device) -> None:
@@ -222,13 +244,17 @@ def _load_root(root: DeepseekModel, source: CheckpointSource, names, device) -> 
     root.load_state_dict({k: source.weight(k, types[k].dtype, device) for k in names}, assign=True, strict=False)
 
 
-def _head(root: DeepseekModel, source: CheckpointSource, parts, directory: Path, tokens: int, device) -> None:
-    """The head's H from the final hidden (as the head reads it) and its statistics."""
+def _head(root: DeepseekModel, source: CheckpointSource, parts, directory: Path, tokens: int, device,
+          ranks: Ranks) -> None:
+    """The head's H from the final hidden (as the head reads it) and its statistics, on rank 0."""
     cfg = root.cfg
-    total = torch.zeros(cfg.hidden_size, cfg.hidden_size, dtype=torch.float32, device=device)
+    total = torch.zeros(cfg.hidden_size, cfg.hidden_size, dtype=torch.float64, device=device)
     for streams, state in parts:
         accumulate(total, root.final_hidden(streams, state).to(root.dtype).reshape(-1, cfg.hidden_size))
-    mean = total.div_(tokens)
+    ranks.sum_to_main(total)
+    if not ranks.main:
+        return
+    mean = total.float().div_(tokens)
     weight = source.weight("head.weight", root.dtype, device)
     stats = TensorStats(float(tokens), out_energy(weight, mean), ldlq_factor(mean))
     meta = {"counts": {HEAD_KEY: float(tokens)}, "tensors": {HEAD_KEY: asdict(stats)}}

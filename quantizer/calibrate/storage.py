@@ -4,8 +4,8 @@ WORK/calibration/
   job.json              source fingerprint, token rows hash, settings, calibration fingerprint
   layer_NNN.safetensors one trunk layer's Hessians; its statistics as JSON in the metadata
   head.safetensors      the head's Hessian (final hidden)
-  streams.safetensors   hc streams + forward state after the last finished layer (resume point;
-                        deleted once the summary is written)
+  streams_LLL_CCCC.safetensors  row chunk CCCC's hc streams + forward state before layer LLL (the
+                        resume point; deleted once the summary is written)
   summary.json          the CalibrationSummary for the allocator; its presence means "complete"
 
 A Hessian is stored as its mean H = E[x x^T] in two tensors: `<group>.diag` (F32, the diagonal d) and
@@ -36,7 +36,7 @@ from quantizer.plan.targets import target_map
 CALIBRATION_DIR = "calibration"
 JOB_FILE = "job.json"
 SUMMARY_FILE = "summary.json"
-STREAMS_FILE = "streams.safetensors"
+STREAMS_PREFIX = "streams_"
 HEAD_FILE = "head.safetensors"
 META_KEY = "calibration"
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16}

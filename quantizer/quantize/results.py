@@ -35,8 +35,11 @@ class ResultStore:
     def __init__(self, work: Path):
         self.dir = Path(work) / RESULTS_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
+
+    def drop_unfinished(self) -> None:
+        """Delete the writes a kill interrupted (their units are not done); only while nobody writes."""
         for stale in self.dir.glob("*.tmp"):
-            stale.unlink()  # a write that a kill interrupted; its unit is not done
+            stale.unlink()
 
     def path(self, unit: Unit) -> Path:
         return self.dir / (unit.name + SUFFIX)

@@ -6,6 +6,9 @@ weights are dequantized and its Hessians loaded while this one encodes, and the 
 behind it, so in memory are at most the unit encoding, one prepared unit and one being written.
 Kill it at any moment and rerun: finished units are kept, the rest are encoded with the same
 per-linear seeds, so the results (and the pack) are byte-identical to an uninterrupted run.
+Under torchrun the units still to do are spread over the ranks (largest first onto the least loaded
+rank); each rank writes its own units into the shared directory, so a rerun with any number of ranks
+continues from whatever any of them finished.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from tqdm import tqdm
 
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.plan.plan import Plan
 from quantizer.plan.sizes import exl3_bytes
@@ -33,7 +37,7 @@ from quantizer.quantize.rates import RateTable, estimate
 from quantizer.quantize.results import ResultStore, Unit
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.report import GIB, gib
-from quantizer.workdir import job_lock, require_free_space
+from quantizer.workdir import require_free_space
 
 # hessian(stored key) -> (H [in, in] float32 summed over `count` rows, count), or None (uncalibrated)
 HessianProvider = Callable[[str], "tuple[torch.Tensor, int] | None"]
@@ -72,8 +76,9 @@ def quantize(
               "aliases": plan.aliases},
         settings=settings.record(),
     )
-    with job_lock(work):
-        open_job(work, spec)
+    ranks = current()
+    with ranks.lock(work):
+        ranks.on_main(lambda: open_job(work, spec))
         return _run(ck, plan, work, settings, hessian, depth)
 
 
@@ -82,10 +87,13 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
     by_key = {s.key: s for s in linears}
     units = work_units(linears, settings.device)
     store = ResultStore(work)
-    todo = [u for u in units if not store.done(u)]
+    ranks = current()
+    todo = ranks.on_main(lambda: _todo(store, units))
     ram, disk = _needs(todo, by_key, plan.codebook, depth)
-    print(_needs_line(work, linears, units, todo, settings, ram, disk), file=sys.stderr)
-    require_free_space(work, disk, "the quantized results")
+    if ranks.main:
+        print(_needs_line(work, linears, units, todo, settings, ram, disk), file=sys.stderr)
+    ranks.on_main(lambda: require_free_space(work, disk, "the quantized results"))
+    mine = [todo[i] for i in ranks.spread([u.weights for u in todo])]
     start = time.monotonic()
     prepare = UnitInputs(ck, by_key, hessian, settings.device)
 
@@ -96,12 +104,20 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
     def save(unit: Unit, encoded: EncodedUnit) -> None:
         store.save(unit, encoded.tensors, encoded.proxy_err)
 
-    with tqdm(total=sum(u.weights for u in todo), unit="w", unit_scale=True, desc="quantize") as bar:
-        for unit in run_pipeline(todo, prepare, encode, save, depth):
+    desc = f"quantize rank {ranks.rank}" if ranks.joined else "quantize"
+    with tqdm(total=sum(u.weights for u in mine), unit="w", unit_scale=True, desc=desc) as bar:
+        for unit in run_pipeline(mine, prepare, encode, save, depth):
             bar.set_postfix_str(unit.name, refresh=False)
             bar.update(unit.weights)
+    ranks.barrier()  # every rank's units are in before the results are read
     seconds = time.monotonic() - start
     return QuantizeResult(work, len(units), len(units) - len(todo), seconds, store.proxy_errors())
+
+
+def _todo(store: ResultStore, units: list[Unit]) -> list[Unit]:
+    """The units without a finished result (interrupted writes dropped first)."""
+    store.drop_unfinished()
+    return [u for u in units if not store.done(u)]
 
 
 def _check_cuda() -> None:
