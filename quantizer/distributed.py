@@ -77,7 +77,8 @@ class Ranks:
         every = [torch.empty_like(lengths) for _ in range(self.world)]
         dist.all_gather(every, lengths, group=self.control)
         like = parts[0]
-        flat = torch.cat([p.flatten(1).cpu() for p in parts])
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[like.element_size()]  # raw bits: gloo need not know bf16
+        flat = torch.cat([p.flatten(1).cpu().view(bits) for p in parts])
         longest = max(int(n.sum()) for n in every)
         padded = torch.zeros(longest, *flat.shape[1:], dtype=flat.dtype)
         padded[:len(flat)] = flat
@@ -86,7 +87,7 @@ class Ranks:
         out = []
         for n, data in zip(every, received):
             pieces = data[:int(n.sum())].split(n.tolist())
-            out.append([p.reshape(len(p), *like.shape[1:]).to(like.device) for p in pieces])
+            out.append([p.view(like.dtype).reshape(len(p), *like.shape[1:]).to(like.device) for p in pieces])
         return out
 
     # --- objects -------------------------------------------------------------------------------
@@ -135,8 +136,8 @@ class Ranks:
     # --- work ----------------------------------------------------------------------------------
 
     def contiguous(self, n: int) -> range:
-        """This rank's contiguous share of n ordered items (rank 0 first)."""
-        return range(self.rank * n // self.world, (self.rank + 1) * n // self.world)
+        """This rank's contiguous share of n ordered items; rank 0 has the first whenever there is one."""
+        return range(-(-self.rank * n // self.world), -(-(self.rank + 1) * n // self.world))
 
     def spread(self, weights: list[int]) -> list[int]:
         """Indices of the items this rank does: largest first, each onto the least loaded rank (ties to
