@@ -27,6 +27,7 @@ Everything is written under --tmp (default: the system temporary directory) and 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import shutil
@@ -42,7 +43,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import quantizer.build.build as build_module  # noqa: E402
 from quantize_gpu import direct  # noqa: E402
 from quantizer.build.build import BuildRequest, build  # noqa: E402
 from quantizer.calibrate.needs import calibration_needs  # noqa: E402
@@ -248,6 +248,7 @@ def rehearse(args, root: Path) -> dict:
     ck = Checkpoint.open(src)
     tokens = torch.randint(0, ck.config.vocab_size, (args.rows, args.cols),
                            generator=torch.Generator().manual_seed(args.seed))
+    build_module = importlib.import_module("quantizer.build.build")  # the module: the package exports build()
     originals = {}
     for fn, name in (("calibrate", "calibrate"), ("choose_plan", "plan"), ("quantize", "quantize"),
                      ("write_pack", "pack"), ("verify_pack", "verify")):

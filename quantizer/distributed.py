@@ -77,8 +77,8 @@ class Ranks:
         every = [torch.empty_like(lengths) for _ in range(self.world)]
         dist.all_gather(every, lengths, group=self.control)
         like = parts[0]
-        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[like.element_size()]  # raw bits: gloo need not know bf16
-        flat = torch.cat([p.flatten(1).cpu().view(bits) for p in parts])
+        # raw bytes: gloo knows neither bf16 nor int16
+        flat = torch.cat([p.flatten(1).cpu().contiguous().view(torch.uint8) for p in parts])
         longest = max(int(n.sum()) for n in every)
         padded = torch.zeros(longest, *flat.shape[1:], dtype=flat.dtype)
         padded[:len(flat)] = flat
