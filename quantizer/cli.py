@@ -1,18 +1,29 @@
 """The `quantizer` command: one sub-command per pipeline stage.
 
-User errors (bad input, impossible targets) print one line and exit 2; a stage that finds faults
+User errors (bad input, impossible targets) print one line and exit 2, and so do the file-system
+errors a user fixes (a full disk, a read-only or forbidden location); a stage that finds faults
 (verify, inspect) exits 1; nothing prints a traceback for something the user can fix.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
 from quantizer import __version__
 from quantizer.distributed import join_from_env, leave
 from quantizer.errors import UserError
+
+# What the user does about each file-system error that is theirs to fix, not a bug of ours.
+OS_ERRORS = {
+    errno.ENOSPC: "no space left on the device; free some space and rerun the same command (finished work is kept)",
+    errno.EDQUOT: "disk quota exceeded; free some space and rerun the same command (finished work is kept)",
+    errno.EROFS: "the file system is read-only; choose a writable location",
+    errno.EACCES: "permission denied; choose a location you can write to",
+    errno.EPERM: "operation not permitted; choose a location you can write to",
+}
 
 # Each module defines register(subparsers), which adds its sub-command with func=run.
 COMMANDS = (
@@ -45,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UserError as e:
         print(f"quantizer {args.command}{who}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.errno not in OS_ERRORS:
+            raise
+        print(f"quantizer {args.command}: error: {e.filename or 'writing'}: {OS_ERRORS[e.errno]}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"quantizer {args.command}{who}: interrupted; rerun the same command to resume", file=sys.stderr)

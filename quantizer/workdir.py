@@ -1,6 +1,20 @@
-"""Work-directory guards every stage uses: one job per directory at a time (a lock the kernel
-releases however its holder dies), free disk checked before hours of work, JSON written atomically
-and read back with one clear line for a missing or broken file."""
+"""Work-directory guards every resumable stage uses, one set of rules:
+
+- a work directory is one the pipeline made: `--work` must be absent, empty, or hold `work.json`
+  (written when the directory is claimed), so a directory of the user's is never written into;
+- one job per directory at a time: an exclusive lock the kernel releases however its holder dies,
+  held from the first write to the last rename;
+- a stage's `job.json` pins what it was started with; a rerun continues only the same job and is
+  refused otherwise, with every difference named;
+- free disk is checked before hours of work, and refused (not warned about) when short;
+- JSON is written atomically and read back with one clear line for a missing or broken file.
+
+The claimed directory's job id names the job's temporary files outside it (`<out>.partial-<id>`),
+so two jobs never share, or delete, one another's temporary files. A distributed job is meant to
+share one work directory this way: rank 0 claims it and holds the lock for the whole job; the
+other ranks take the job id from `work.json` and write only into the stage directories, never
+taking the lock themselves.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +22,32 @@ import fcntl
 import json
 import os
 import shutil
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 from quantizer.errors import UserError
-from quantizer.report import GIB
+from quantizer.report import size_text
 
 LOCK_NAME = ".lock"
+JOB_NAME = "job.json"
+WORK_MARKER = "work.json"
+FINGERPRINT_CACHE = "source.json"  # quantizer/checkpoint/fingerprint.py keeps its shard hashes here
+TMP_SUFFIX = ".tmp"
 
 
 def write_json_atomic(path: Path, data) -> None:
     """JSON to a temporary name, fsynced, then renamed: a reader sees the old file or the new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(data, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -35,25 +59,96 @@ def read_json(path: str | os.PathLike, missing: str, hint: str = ""):
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"{path}: {missing}")
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})" + (f"; {hint}" if hint else ""))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" ({e.msg} at line {e.lineno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise UserError(f"{path}: not valid JSON{where}" + (f"; {hint}" if hint else ""))
+
+
+def existing_parent(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists (where a directory still to be made will live)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(existing_parent(path)).free
 
 
 def require_free_space(path: Path, need: int, what: str) -> None:
     """Refuse up front rather than fail hours later on a full disk."""
-    free = shutil.disk_usage(path).free
+    free = free_bytes(path)
     if need > free:
-        raise UserError(f"{path}: {what} needs {need / GIB:,.2f} GiB but only {free / GIB:,.2f} GiB are free; "
+        raise UserError(f"{path}: {what} needs {size_text(need)} but only {size_text(free)} are free; "
                         "free some space or choose another location")
 
 
+def claim_work_dir(work: Path) -> str:
+    """Make `work` a work directory (or check that it is one) and return its job id."""
+    work = Path(work)
+    marker = work / WORK_MARKER
+    if work.exists() and not work.is_dir():
+        raise UserError(f"{work}: exists and is not a directory; choose another --work")
+    if work.is_dir() and not marker.exists() and any(work.iterdir()):
+        raise UserError(f"{work}: an existing directory that is not a quantizer work directory (no {WORK_MARKER}); "
+                        "nothing was written to it: choose a new or empty --work directory")
+    if not marker.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(marker, {"job": uuid.uuid4().hex[:12]})
+    record = read_json(marker, "missing", f"delete {work} to start over")
+    if not isinstance(record, dict) or not isinstance(record.get("job"), str):
+        raise UserError(f"{marker}: not a work directory record; delete {work} to start over")
+    return record["job"]
+
+
 @contextmanager
-def job_lock(work: Path):
-    """One process per work directory; the kernel drops the lock when its holder dies, even by SIGKILL."""
+def job_lock(work: Path) -> Iterator[None]:
+    """One process per work directory; the kernel drops the lock when its holder dies, even by SIGKILL.
+    The lock file is opened without truncating it, so a refused process never touches the holder's."""
     work.mkdir(parents=True, exist_ok=True)
-    with open(work / LOCK_NAME, "w") as f:
+    fd = os.open(work / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise UserError(f"{work}: another quantizer job is running in this work directory; wait for it or stop it")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for a person looking
         yield
+    finally:
+        os.close(fd)
+
+
+def open_job(directory: Path, record: dict, differences: Callable[[dict, dict], list[str]], what: str) -> bool:
+    """Start the job `record` in `directory`, or check that it continues the recorded one (`differences`
+    names what changed); True when resuming. Call it holding the directory's lock."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / JOB_NAME
+    if not path.exists():
+        if any(p.name not in (LOCK_NAME, FINGERPRINT_CACHE) and not p.name.endswith(TMP_SUFFIX)
+               for p in directory.iterdir()):
+            raise UserError(f"{directory}: not empty but has no {JOB_NAME}, so its contents cannot be trusted; "
+                            "delete it or choose another --work directory")
+        write_json_atomic(path, record)
+        return False
+    old = read_json(path, "missing", f"delete {directory} to start over")
+    try:
+        found = differences(old, record)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{path}: unreadable {what} job ({type(e).__name__}: {e}); delete {directory} to start over")
+    if found:
+        raise UserError(f"{directory}: cannot resume a different {what}: " + "; ".join(found)
+                        + ". Rerun with the original inputs and settings, or use a new --work directory")
+    return True
+
+
+def settings_differences(old: dict, new: dict) -> list[str]:
+    """`<field> differs: a -> b` for every setting that changed."""
+    return [f"{k} differs: {old.get(k)} -> {new.get(k)}" for k in sorted(old.keys() | new.keys())
+            if old.get(k) != new.get(k)]
+
+
+def source_difference(old: dict, new: dict) -> list[str]:
+    a, b = old.get("fingerprint"), new.get("fingerprint")
+    return [] if a == b else [f"source fingerprint differs: {a} vs {b}"]

@@ -13,7 +13,7 @@ from quantizer.pack.writer import PackSettings, write_pack
 from quantizer.plan.plan import make_plan
 from quantizer.plan.targets import targets
 from quantizer.quantize import QuantizeSettings, quantize
-from quantizer.quantize.job import JOB_NAME
+from quantizer.workdir import JOB_NAME
 
 KEY = "layers.2.attn.wq_a"
 CALIBRATION = {"fingerprint": "sha256:test", "rows": 4, "cols": 64}

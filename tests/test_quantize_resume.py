@@ -16,7 +16,7 @@ from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.plan.plan import make_plan
 from quantizer.plan.targets import targets
-from quantizer.quantize.job import JOB_NAME
+from quantizer.workdir import JOB_NAME
 from quantizer.build.build import QUANTIZE_DIR
 from quantizer.quantize.results import RESULTS_DIR
 from quantizer.tiny.make import make_tiny

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import asdict
 
 import pytest
 
@@ -12,13 +13,18 @@ from quantizer.errors import UserError
 from quantizer.plan.plan import make_plan
 from quantizer.plan.targets import targets
 from quantizer.plan.uniform import uniform_plan
-from quantizer.quantize.job import JobSpec, open_job
+from quantizer.quantize.job import JobSpec, job_differences
 from quantizer.quantize.linears import GPU_BATCH_BYTES, stored_linears, tensor_seed, work_units
 from quantizer.tiny.make import make_tiny
+from quantizer.workdir import open_job
 
 
-def _spec(plan, fingerprint="sha256:a", seed=0) -> JobSpec:
-    return JobSpec({"fingerprint": fingerprint}, {"hash": plan.content_hash(), "K": plan.k}, {"seed": seed})
+def _spec(plan, fingerprint="sha256:a", seed=0) -> dict:
+    return asdict(JobSpec({"fingerprint": fingerprint}, {"hash": plan.content_hash(), "K": plan.k}, {"seed": seed}))
+
+
+def _open(work, spec) -> bool:
+    return open_job(work, spec, job_differences, "quantize job")
 
 
 def test_wo_a_is_stored_as_exllamav3_slices_and_fp16_keeps_it_fused(tiny_v41):
@@ -54,12 +60,12 @@ def test_seeds_depend_on_the_job_seed_and_the_key_only():
 def test_resume_is_refused_naming_what_changed(tmp_path, tiny_v41):
     cfg = Checkpoint.open(tiny_v41).config
     a, b = uniform_plan(cfg, 2.5), uniform_plan(cfg, 3.0)
-    assert open_job(tmp_path, _spec(a)) is False
-    assert open_job(tmp_path, _spec(a)) is True
+    assert _open(tmp_path, _spec(a)) is False
+    assert _open(tmp_path, _spec(a)) is True
     with pytest.raises(UserError, match=r"plan differs: layers\.0\.attn\.wkv K 4 -> 5; .*more tensors change K"):
-        open_job(tmp_path, _spec(b))
+        _open(tmp_path, _spec(b))
     with pytest.raises(UserError, match="source fingerprint differs: sha256:a vs sha256:b; seed differs: 0 -> 1"):
-        open_job(tmp_path, _spec(a, "sha256:b", seed=1))
+        _open(tmp_path, _spec(a, "sha256:b", seed=1))
 
 
 def test_fingerprint_tells_checkpoints_apart_by_config_and_weights(tmp_path, tiny_v41):

@@ -3,7 +3,9 @@
 calibrate (WORK/calibration: Hessians, routing, the allocator's summary) -> plan (ours: the
 allocator on that summary; uniform or exl3; or a saved plan; at a bpw or the most that fits N
 Sparks) -> quantize (WORK/quantize, with the Hessians) -> pack -> verify (header level).
-The plan is kept in WORK as plan.json and recipe.yaml (exllamav3's recipe syntax).
+The plan is kept in WORK as plan.json and recipe.yaml (exllamav3's recipe syntax), written once the
+quantize stage has accepted the job. Before any stage runs, everything that can be checked is
+(preflight.py): the request, the checkpoint against its config, places and disk.
 Without calibration rows the linears are quantized without Hessians (uniform, exl3 or a saved plan).
 Every stage resumes from its own directory, so a rerun continues where the last one stopped.
 Under torchrun every rank runs build(): calibration splits the rows and quantization the units over
@@ -12,22 +14,27 @@ the ranks (quantizer/distributed.py); rank 0 plans, packs and verifies, the othe
 
 from __future__ import annotations
 
+import math
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from quantizer.build.preflight import check_places, check_space, claim, disk_needs
+from quantizer.calibrate.needs import calibration_needs
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.stage import calibrate, tokens_digest
 from quantizer.calibrate.storage import HessianStore
 from quantizer.calibrate.summary import CalibrationSummary
-from quantizer.checkpoint.fingerprint import source_fingerprint
+from quantizer.checkpoint.fingerprint import layout_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import code_fingerprint, current
 from quantizer.errors import UserError
 from quantizer.fit.memory import FitReport
+from quantizer.inventory.inventory import require_consistent
 from quantizer.model.config import ModelConfig
 from quantizer.pack.manifest import Manifest
 from quantizer.pack.writer import PackSettings, check_new_pack_dir, write_pack
@@ -81,30 +88,58 @@ class BuildResult:
 
 
 def build(req: BuildRequest) -> BuildResult:
+    """Every check that needs no stage first (request, places, the checkpoint against its config, that a
+    plan can be made, disk), then the stages inside the work directory's lock (see preflight.py)."""
     start = time.monotonic()
+    check_request(req)
+    check_places(req.out, req.work_dir)
+    check_new_pack_dir(req.out)  # before hours of work, not after
+    ck = Checkpoint.open(req.src, req.revision)
+    require_consistent(ck)
+    estimate = req.plan or check_plannable(ck.config, req)
+    calibration_disk = 0 if req.calibration_rows is None else calibration_needs(
+        ck.config, *req.calibration_rows.shape, req.calibration).disk
+    check_space(req.out, req.work_dir, disk_needs(ck, estimate, calibration_disk, req.work_dir))
+    ranks = current()
+    ranks.check_shared(req.work_dir)
+    ranks.agree(request_record(ck, req))
+    with ExitStack() as held:  # rank 0 holds the work directory and this job's partial pack directory
+        partial = ranks.on_main(lambda: held.enter_context(claim(req.out, req.work_dir)))
+        store, summary = None, None
+        if req.calibration_rows is not None:
+            summary = calibrate(ck, req.calibration_rows, req.work_dir, req.calibration).summary
+            store = HessianStore(req.work_dir, ck)
+        plan, report = ranks.on_main(lambda: plan_and_state(ck.config, req, summary))
+        settings = replace(req.quantize, calibration=store.record if store else None)
+        quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None,
+                             on_start=lambda: save_plan(ck.config, plan, req.work_dir))
+        pack = PackSettings(req.shard_size, req.revision, settings.record())
+        manifest, verified = ranks.on_main(lambda: (
+            write_pack(ck, plan, req.work_dir / QUANTIZE_DIR, req.out, pack, partial), verify_pack(req.out)))
+        ranks.barrier()
+    return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, manifest, verified, time.monotonic() - start)
+
+
+def plan_and_state(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None
+                   ) -> tuple[Plan, FitReport | None]:
+    """The plan (req.plan, or chosen by req.method) and its fit report; the GPU time it implies stated."""
+    plan, report = (req.plan, None) if req.plan else choose_plan(cfg, req, summary)
+    print(plan_estimate(cfg, plan).line(), file=sys.stderr)
+    return plan, report
+
+
+def check_request(req: BuildRequest) -> None:
+    """UserError for a request no checkpoint could satisfy."""
     if sum(x is not None for x in (req.bpw, req.plan, req.target)) != 1:
         raise UserError("give one of --bpw B, --plan PLAN.json or --sparks N")
     if req.method not in METHODS:
         raise UserError(f"--method {req.method!r}; choose from {', '.join(METHODS)}")
     if req.plan is None and req.method == OURS and req.calibration_rows is None:
         raise UserError("--method ours allocates from a calibration; drop --no-calibrate, or use --method uniform")
-    check_new_pack_dir(req.out)  # before hours of work, not after
-    ck = Checkpoint.open(req.src, req.revision)
-    check_plannable(ck.config, req)
-    ranks = current()
-    ranks.check_shared(req.work_dir)
-    ranks.agree(request_record(ck, req))
-    store, summary = None, None
-    if req.calibration_rows is not None:
-        summary = calibrate(ck, req.calibration_rows, req.work_dir, req.calibration).summary
-        store = HessianStore(req.work_dir, ck)
-    plan, report = ranks.on_main(lambda: plan_and_save(ck.config, req, summary))
-    settings = replace(req.quantize, calibration=store.record if store else None)
-    quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None)
-    pack = PackSettings(req.shard_size, req.revision, settings.record())
-    manifest, verified = ranks.on_main(lambda: (write_pack(ck, plan, req.work_dir / QUANTIZE_DIR, req.out, pack),
-                                                verify_pack(req.out)))
-    return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, manifest, verified, time.monotonic() - start)
+    highest = rate_grid(req.allocation.codebook)[-1]
+    if req.bpw is not None and not (math.isfinite(req.bpw) and 0 < req.bpw <= highest):
+        raise UserError(f"--bpw {req.bpw:g}: must be a number above 0 and at most {highest:g} "
+                        "(the highest EXL3 rate)")
 
 
 def request_record(ck: Checkpoint, req: BuildRequest) -> dict:
@@ -112,23 +147,13 @@ def request_record(ck: Checkpoint, req: BuildRequest) -> dict:
     between hosts; check_shared proves the work directory is the same one)."""
     rows = req.calibration_rows
     return {
-        "source": source_fingerprint(ck), "code": code_fingerprint(), "torch": torch.__version__,
+        "source": layout_fingerprint(ck), "code": code_fingerprint(), "torch": torch.__version__,
         "tokens": None if rows is None else tokens_digest(rows),
         "bpw": req.bpw, "plan": None if req.plan is None else req.plan.content_hash(),
         "target": None if req.target is None else asdict(req.target), "method": req.method,
         "allocation": asdict(req.allocation), "calibration": req.calibration.record(),
         "quantize": req.quantize.record(), "shard_size": req.shard_size, "revision": req.revision,
     }
-
-
-def plan_and_save(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None
-                  ) -> tuple[Plan, FitReport | None]:
-    """The plan (req.plan, or chosen by req.method) and its fit report, saved in the work directory; the
-    GPU time it implies stated."""
-    plan, report = (req.plan, None) if req.plan else choose_plan(cfg, req, summary)
-    save_plan(cfg, plan, req.work_dir)
-    print(plan_estimate(cfg, plan).line(), file=sys.stderr)
-    return plan, report
 
 
 def save_plan(cfg: ModelConfig, plan: Plan, work: Path) -> None:
@@ -139,16 +164,16 @@ def save_plan(cfg: ModelConfig, plan: Plan, work: Path) -> None:
                  f"tensors): {plan.achieved_bpw:.4f}; loader {plan.loader}")
 
 
-def check_plannable(cfg: ModelConfig, req: BuildRequest) -> None:
+def check_plannable(cfg: ModelConfig, req: BuildRequest) -> Plan:
     """UserError, before hours of calibration, when no plan can come of the request: a --bpw below the
     method's floors (tried on a synthetic summary: the floors do not depend on calibration), or a
-    --sparks target not even the lowest uniform plan fits (a plan's bytes follow from its budget)."""
+    --sparks target not even the lowest uniform plan fits (a plan's bytes follow from its budget).
+    Returns the plan tried, whose bytes are what the calibrated plan will spend (the disk estimate)."""
     if req.bpw is not None:
         summary = synthetic_summary(cfg) if req.method == OURS else None
-        planner(cfg, req.method, req.allocation, summary)[0](req.bpw)
-    elif req.target is not None:
-        plan_at, lowest = planner(cfg, UNIFORM, replace(req.allocation, alias=None))
-        largest_fitting_plan(cfg, plan_at, lowest, rate_grid(req.allocation.codebook)[-1], req.target)
+        return planner(cfg, req.method, req.allocation, summary)[0](req.bpw)
+    plan_at, lowest = planner(cfg, UNIFORM, replace(req.allocation, alias=None))
+    return largest_fitting_plan(cfg, plan_at, lowest, rate_grid(req.allocation.codebook)[-1], req.target)[0]
 
 
 def choose_plan(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None

@@ -19,6 +19,7 @@ from quantizer.calibrate.settings import DEVICES, EXPERT_HESSIAN_DTYPES, Calibra
 from quantizer.calibrate.stage import CalibrationResult, calibrate
 from quantizer.calibrate.summary import KL_UNITS, MEASURED_KL
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.inventory.inventory import require_consistent
 from quantizer.report import table
 from quantizer.textdata import model_rows, shipped_text_path
 
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
                                    cold_share=args.cold_share, measure_kl=args.measure_kl, kl_rows=args.kl_rows,
                                    kl_cols=args.kl_cols)
     ck = Checkpoint.open(args.src, revision=args.revision)
+    require_consistent(ck)  # inspect's checks, before hours of streaming
     rows = calibration_rows(args, ck)
     work = args.work or Path(f"{Path(args.src.rstrip('/')).name}.work")
     result = calibrate(ck, rows, work, settings, resume_every=args.resume_every)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -36,7 +35,7 @@ from quantizer.calibrate.needs import calibration_needs
 from quantizer.calibrate.resume import drop_resume_points, load_chunk, resume_point, save_chunk
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.storage import (
-    CALIBRATION_DIR, HEAD_FILE, JOB_FILE, SUMMARY_FILE, HessianStore, layer_file, pack_hessian,
+    CALIBRATION_DIR, HEAD_FILE, SUMMARY_FILE, HessianStore, layer_file, pack_hessian,
     read_meta, write_stats_file,
 )
 from quantizer.calibrate.summary import MEASURED_KL, CalibrationSummary, LayerStats, TensorStats
@@ -51,7 +50,9 @@ from quantizer.model.state import DEFAULT_ATTN_CHUNK_ELEMENTS, ForwardState
 from quantizer.model.streaming import CheckpointSource, load_block
 from quantizer.model.transformer import DeepseekModel
 from quantizer.report import gib
-from quantizer.workdir import write_json_atomic
+from quantizer.workdir import (
+    FINGERPRINT_CACHE, claim_work_dir, open_job, require_free_space, settings_differences, source_difference,
+)
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,11 @@ def tokens_digest(rows: torch.Tensor) -> str:
     return hashlib.sha256(rows.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
 
 
-def job_record(ck: Checkpoint, rows: torch.Tensor, settings: CalibrationSettings) -> dict:
+def job_record(ck: Checkpoint, rows: torch.Tensor, settings: CalibrationSettings, directory: Path) -> dict:
     """What job.json pins; `fingerprint` hashes all of it but the source path (a moved checkpoint is
-    the same checkpoint)."""
+    the same checkpoint). The source's shard hashes are kept in `directory`."""
     record = {
-        "source": {"path": str(ck.root), "fingerprint": source_fingerprint(ck)},
+        "source": {"path": str(ck.root), "fingerprint": source_fingerprint(ck, directory / FINGERPRINT_CACHE)},
         "tokens": {"rows": int(rows.shape[0]), "cols": int(rows.shape[1]),
                    "sha256": tokens_digest(rows)},
         "settings": {**settings.record(), "quantizer_version": __version__},
@@ -82,38 +83,13 @@ def job_record(ck: Checkpoint, rows: torch.Tensor, settings: CalibrationSettings
 
 
 def record_differences(old: dict, new: dict) -> list[str]:
-    out = []
-    if old["source"]["fingerprint"] != new["source"]["fingerprint"]:
-        out.append(f"source fingerprint differs: {old['source']['fingerprint']} vs {new['source']['fingerprint']}")
+    out = source_difference(old["source"], new["source"])
     for field in ("rows", "cols"):
         if old["tokens"][field] != new["tokens"][field]:
             out.append(f"{field} differ: {old['tokens'][field]} -> {new['tokens'][field]}")
     if not out and old["tokens"]["sha256"] != new["tokens"]["sha256"]:
         out.append("calibration tokens differ (another text or token file)")
-    for field in sorted(old["settings"].keys() | new["settings"].keys()):
-        a, b = old["settings"].get(field), new["settings"].get(field)
-        if a != b:
-            out.append(f"{field} differs: {a} -> {b}")
-    return out
-
-
-def open_job(directory: Path, record: dict) -> None:
-    """Start a calibration in `directory`, or check that it continues the recorded one."""
-    path = directory / JOB_FILE
-    if not path.exists():
-        if any(not p.name.startswith(".") and not p.name.endswith(".tmp") for p in directory.iterdir()):
-            raise UserError(f"{directory}: not empty but has no {JOB_FILE}, so its contents cannot be trusted; "
-                            "delete it or choose another --work directory")
-        write_json_atomic(path, record)
-        return
-    try:
-        old = json.loads(path.read_text())
-        differences = record_differences(old, record)
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise UserError(f"{path}: unreadable calibration job ({e}); delete {directory} to start over") from None
-    if differences:
-        raise UserError(f"{directory}: cannot resume a different calibration: " + "; ".join(differences)
-                        + ". Rerun with the original inputs and settings, or use a new --work directory")
+    return out + settings_differences(old["settings"], new["settings"])
 
 
 def calibrate(ck: Checkpoint, rows: torch.Tensor, work: str | Path,
@@ -128,18 +104,18 @@ def calibrate(ck: Checkpoint, rows: torch.Tensor, work: str | Path,
         raise UserError("--device cuda: no CUDA device is visible to torch; use --device cpu")
     if resume_every < 1:
         raise UserError(f"--resume-every {resume_every}: must be at least 1")
+    current().on_main(lambda: claim_work_dir(Path(work)))
     directory = Path(work) / CALIBRATION_DIR
-    record = job_record(ck, rows, settings)
     ranks = current()
     with ranks.lock(directory):
-        ranks.on_main(lambda: open_job(directory, record))
+        # rank 0 hashes the source (its shard hashes kept in `directory`) and checks the job
+        record = ranks.on_main(lambda: job_record(ck, rows, settings, directory))
+        ranks.on_main(lambda: open_job(directory, record, record_differences, "calibration"))
         needs = calibration_needs(ck.config, rows.shape[0], rows.shape[1], settings)
         if ranks.main:
             print(needs.describe(settings.device), file=sys.stderr)
-        free = shutil.disk_usage(directory).free
-        if free < needs.disk and ranks.main:
-            print(f"calibrate: warning: {directory} has {gib(free)} GiB free, less than the ~{gib(needs.disk)} GiB "
-                  "this run may need; free some or choose another --work", file=sys.stderr)
+        written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+        ranks.on_main(lambda: require_free_space(directory, needs.disk - written, "the calibration"))
         start = time.monotonic()
         chunks = _chunks(rows, settings)
         resumed = ranks.on_main(lambda: _finished_layers(directory, ck.config.num_layers, len(chunks)))

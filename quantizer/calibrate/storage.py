@@ -2,6 +2,7 @@
 
 WORK/calibration/
   job.json              source fingerprint, token rows hash, settings, calibration fingerprint
+  source.json           the source shards' content hashes (checkpoint/fingerprint.py), kept for reruns
   layer_NNN.safetensors one trunk layer's Hessians; its statistics as JSON in the metadata
   head.safetensors      the head's Hessian (final hidden)
   streams_LLL_CCCC.safetensors  row chunk CCCC's hc streams + forward state before layer LLL (the
@@ -32,9 +33,10 @@ from quantizer.checkpoint.safetensors_file import (
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.plan.targets import target_map
+from quantizer.workdir import FINGERPRINT_CACHE, JOB_NAME
 
 CALIBRATION_DIR = "calibration"
-JOB_FILE = "job.json"
+JOB_FILE = JOB_NAME
 SUMMARY_FILE = "summary.json"
 STREAMS_PREFIX = "streams_"
 HEAD_FILE = "head.safetensors"
@@ -101,7 +103,7 @@ class HessianStore:
                             "rerun `quantizer calibrate` with the same arguments to finish it")
         self.cfg = ck.config
         self.job = json.loads((self.dir / JOB_FILE).read_text())
-        if self.job["source"]["fingerprint"] != source_fingerprint(ck):
+        if self.job["source"]["fingerprint"] != source_fingerprint(ck, self.dir / FINGERPRINT_CACHE):
             raise UserError(f"{self.dir}: calibrated from {self.job['source']['path']}, another checkpoint than "
                             f"{ck.root} (fingerprints differ); calibrate this one in another work directory")
         self._headers: dict[str, tuple[SafetensorsHeader, dict]] = {}

@@ -101,29 +101,46 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
         raise UserError(f"{path}: header is not a JSON object; the shard is corrupt")
     data_start = 8 + n
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise UserError(f"{path}: __metadata__ is not an object; the shard is corrupt")
     tensors: dict[str, TensorEntry] = {}
     for name, spec in header.items():
         tensors[name] = _entry(path, name, spec, data_start, size)
+    _check_disjoint(path, tensors)
     return SafetensorsHeader(path, size, data_start, tensors, metadata)
+
+
+def _check_disjoint(path: Path, tensors: dict[str, TensorEntry]) -> None:
+    """Two tensors sharing bytes (overlapping or aliased offsets) would read each other's data."""
+    spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in tensors.values() if e.nbytes)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise UserError(f"{path}: tensors {first} and {second} share bytes (overlapping data_offsets); "
+                            "the header is corrupt, re-download this shard")
 
 
 def _entry(path: Path, name: str, spec, data_start: int, file_size: int) -> TensorEntry:
     if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= spec.keys():
         raise UserError(f"{path}: tensor {name} has a malformed header entry")
     dtype = spec["dtype"]
-    if dtype not in ELEMENT_BYTES:
+    if not isinstance(dtype, str) or dtype not in ELEMENT_BYTES:
         raise UserError(
             f"{path}: tensor {name} has dtype {dtype!r}, which safetensors does not define "
             f"(allowed: {', '.join(sorted(ELEMENT_BYTES))})"
         )
     shape = spec["shape"]
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise UserError(f"{path}: tensor {name} has an invalid shape {shape!r}")
-    begin, end = spec["data_offsets"]
+    offsets = spec["data_offsets"]
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise UserError(f"{path}: tensor {name} has data_offsets {offsets!r}, not [begin, end] byte offsets; "
+                        "the header is corrupt")
+    begin, end = offsets
     numel = 1
     for d in shape:
         numel *= d
-    if end - begin != numel * ELEMENT_BYTES[dtype] or begin < 0:
+    if end - begin != numel * ELEMENT_BYTES[dtype]:
         raise UserError(
             f"{path}: tensor {name} spans bytes [{begin}, {end}) but {dtype}{shape} needs "
             f"{numel * ELEMENT_BYTES[dtype]}; the header is corrupt"
@@ -224,19 +241,23 @@ def write_safetensors(
     path = Path(path)
     head, placed, data_len = layout(tensors, align, metadata, tag=f"{path.stem}.")
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(head)
-        for at, t in placed:
-            if t.data is None:
-                continue
-            data = t.data.detach().contiguous().cpu()
-            raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
-            if len(raw) != t.nbytes:
-                raise ValueError(f"{t.name}: {len(raw)} bytes for {t.dtype}{list(t.shape)}")
-            f.seek(len(head) + at)
-            f.write(raw)
-        f.truncate(len(head) + data_len)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(head)
+            for at, t in placed:
+                if t.data is None:
+                    continue
+                data = t.data.detach().contiguous().cpu()
+                raw = data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
+                if len(raw) != t.nbytes:
+                    raise ValueError(f"{t.name}: {len(raw)} bytes for {t.dtype}{list(t.shape)}")
+                f.seek(len(head) + at)
+                f.write(raw)
+            f.truncate(len(head) + data_len)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk or Ctrl-C leaves no half file behind
+        raise
     os.replace(tmp, path)
     return len(head) + data_len

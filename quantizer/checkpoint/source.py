@@ -115,9 +115,38 @@ def _resolve(src: str | Path, revision: str | None, include_engram: bool) -> Pat
         if revision:
             raise UserError(f"{path}: --revision applies to Hugging Face repo ids, not local directories")
         return path
-    if not REPO_ID.match(str(src)):
-        raise UserError(f"{src}: no such directory, and not a Hugging Face repo id (owner/name)")
+    why = _not_a_repo_id(str(src))
+    if why:
+        raise UserError(f"{src}: no such directory, and not a Hugging Face repo id ({why})")
     return _from_hub(str(src), revision, include_engram)
+
+
+def _not_a_repo_id(src: str) -> str | None:
+    """Why `src`, which names nothing on disk, is a mistyped path rather than a repo id (None: it may be one)."""
+    if not REPO_ID.match(src):
+        return "those are owner/name"
+    owner, name = src.split("/")
+    if Path(owner).exists():
+        return f"{owner}/ is a directory here, so this is a path"
+    if any(part in src for part in ("--", "..")) or any(p[0] in ".-" or p[-1] in ".-" for p in (owner, name)):
+        return "a repo id has no '--' or '..' and no part starting or ending in '.' or '-'"
+    return None
+
+
+def _hub_reachable() -> bool:
+    """Whether the hub's host resolves: offline, that fails at once, where a download would retry for 30 s."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
+        return True
+    except (OSError, UnicodeError):
+        return False
 
 
 def _from_hub(repo_id: str, revision: str | None, include_engram: bool) -> Path:
@@ -127,6 +156,12 @@ def _from_hub(repo_id: str, revision: str | None, include_engram: bool) -> Path:
 
     def fetch(filename: str) -> Path:
         try:
+            return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=True))
+        except LocalEntryNotFoundError:
+            pass
+        try:
+            if not _hub_reachable():
+                raise LocalEntryNotFoundError("offline")
             return Path(hf_hub_download(repo_id, filename, revision=revision))
         except LocalEntryNotFoundError:
             raise UserError(
@@ -157,6 +192,9 @@ def _read_index(path: Path) -> dict[str, str]:
         raise UserError(f"{path}: not a valid safetensors index (needs a weight_map object)")
     if not isinstance(weight_map, dict):
         raise UserError(f"{path}: weight_map is not an object")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file or Path(file).name != file:
+            raise UserError(f"{path}: weight_map puts {name} in {file!r}, not a shard file name in this directory")
     return weight_map
 
 

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from quantizer.checkpoint.source import ENGRAM_TABLE as ENGRAM_TABLE_NAME
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.errors import UserError
 from quantizer.model.layout import TensorSpec, native_layout
 from quantizer.model.tensor_classes import CLASSES, ROUTED_EXPERT, VISION, classify
 
@@ -63,6 +64,16 @@ def take_inventory(ck: Checkpoint) -> Inventory:
         routed_experts_per_layer=max((len(v) for v in experts.values()), default=0),
         problems=check_against_config(ck),
     )
+
+
+def require_consistent(ck: Checkpoint) -> None:
+    """UserError naming the first difference `inspect` would report: what a build checks before it
+    spends hours on a checkpoint whose config does not describe its tensors."""
+    problems = check_against_config(ck)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise UserError(f"{ck.root}: does not match its config.json: {problems[0]}{more}; "
+                        f"`quantizer inspect {ck.root}` lists every problem")
 
 
 def check_against_config(ck: Checkpoint) -> list[str]:

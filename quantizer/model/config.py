@@ -6,6 +6,7 @@ architectures differ in exactly one place.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,6 +132,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise UserError(f"{source}: not a JSON object")
         arch = _architecture(data, source)
         text = data.get("text_config") if arch == V41 else data
         if not isinstance(text, dict):
@@ -139,81 +142,86 @@ class ModelConfig:
         # under original_quantization_config; quantization_config then describes EXL3.
         quant = (data.get("original_quantization_config") or data.get("quantization_config")
                  or text.get("quantization_config") or {})
-        get = _getter(text, source)
+        if not isinstance(quant, dict):
+            raise UserError(f"{source}: quantization_config is not an object")
+        get = _Values(text, source)
+        top = _Values(data, source)
 
-        layers = get("num_hidden_layers")
-        ratios = list(get("compress_ratios"))
+        layers = get.int("num_hidden_layers")
+        ratios = list(get.ints("compress_ratios"))
         if len(ratios) < layers:
             raise UserError(f"{source}: compress_ratios has {len(ratios)} entries for {layers} layers")
         allowed = {0, 4, 128} if arch == V4 else {0, 1, 2}
         bad = sorted(set(ratios) - allowed)
         if bad:
             raise UserError(f"{source}: compress_ratios holds {bad}; {arch} allows only {sorted(allowed)}")
-        mtp_blocks = len(ratios) - layers or int(text.get("num_nextn_predict_layers", 0))
-        block = quant.get("weight_block_size", [128, 128])
+        mtp_blocks = len(ratios) - layers or get.int("num_nextn_predict_layers", 0)
+        block = _Values(quant, source).ints("weight_block_size", (128, 128))
+        if len(block) != 2:
+            raise UserError(f"{source}: weight_block_size {list(block)} is not [rows, cols]")
         expert_dtype = quant.get("expert_dtype", text.get("expert_dtype", data.get("expert_dtype", "fp4")))
-        rope_scaling = dict(text.get("rope_scaling") or {})
+        rope_scaling = dict(get.object("rope_scaling"))
         if "type" in rope_scaling and "rope_type" not in rope_scaling:
             rope_scaling["rope_type"] = rope_scaling.pop("type")
 
         cfg = cls(
             arch=arch,
-            vocab_size=get("vocab_size"),
-            hidden_size=get("hidden_size"),
-            moe_intermediate_size=get("moe_intermediate_size"),
+            vocab_size=get.int("vocab_size"),
+            hidden_size=get.int("hidden_size"),
+            moe_intermediate_size=get.int("moe_intermediate_size"),
             num_layers=layers,
-            num_heads=get("num_attention_heads"),
-            head_dim=get("head_dim"),
-            rope_dim=get("qk_rope_head_dim"),
-            q_lora_rank=get("q_lora_rank"),
-            o_lora_rank=get("o_lora_rank"),
-            o_groups=get("o_groups"),
-            swiglu_limit=float(text.get("swiglu_limit", 10.0)),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(text.get("rope_theta", 10000)),
-            compress_rope_theta=float(text.get("compress_rope_theta", 160000)),
+            num_heads=get.int("num_attention_heads"),
+            head_dim=get.int("head_dim"),
+            rope_dim=get.int("qk_rope_head_dim"),
+            q_lora_rank=get.int("q_lora_rank"),
+            o_lora_rank=get.int("o_lora_rank"),
+            o_groups=get.int("o_groups"),
+            swiglu_limit=get.float("swiglu_limit", 10.0),
+            rms_norm_eps=get.float("rms_norm_eps", 1e-6),
+            rope_theta=get.float("rope_theta", 10000),
+            compress_rope_theta=get.float("compress_rope_theta", 160000),
             rope_scaling=rope_scaling,
-            max_position_embeddings=int(text.get("max_position_embeddings", 1048576)),
-            n_routed_experts=get("n_routed_experts"),
-            n_shared_experts=int(text.get("n_shared_experts", 1)),
-            experts_per_token=get("num_experts_per_tok"),
-            routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
-            sliding_window=get("sliding_window"),
+            max_position_embeddings=get.int("max_position_embeddings", 1048576),
+            n_routed_experts=get.int("n_routed_experts"),
+            n_shared_experts=get.int("n_shared_experts", 1),
+            experts_per_token=get.int("num_experts_per_tok"),
+            routed_scaling_factor=get.float("routed_scaling_factor", 1.0),
+            norm_topk_prob=get.bool("norm_topk_prob", True),
+            sliding_window=get.int("sliding_window"),
             compress_ratios=tuple(ratios[:layers]),
             num_mtp_blocks=mtp_blocks,
-            index_n_heads=get("index_n_heads"),
-            index_head_dim=get("index_head_dim"),
-            index_topk=get("index_topk"),
-            hc_mult=int(text.get("hc_mult", 4)),
-            hc_sinkhorn_iters=int(text.get("hc_sinkhorn_iters", 20)),
-            hc_eps=float(text.get("hc_eps", 1e-6)),
-            num_hash_layers=int(text.get("num_hash_layers", 0)) if arch == V4 else 0,
-            kv_source_layer_ids=tuple(text.get("kv_source_layer_ids", ())),
-            index_source_layer_ids=tuple(text.get("index_source_layer_ids", ())),
-            candidate_source_layer_id=text.get("candidate_source_layer_id"),
-            candidate_topk_blocks=int(text.get("candidate_topk_blocks", 0)),
-            candidate_block_size=int(text.get("candidate_block_size", 0)),
-            engram_layer_ids=tuple(text.get("engram_layer_ids", ())),
-            engram_num_embeddings=tuple(text.get("engram_num_embeddings", ())),
-            engram_max_ngram_size=int(text.get("engram_max_ngram_size", 0)),
-            engram_vocab_size=int(text.get("engram_vocab_size", 0)),
-            engram_n_heads=int(text.get("engram_n_heads", 0)),
-            engram_head_dim=int(text.get("engram_head_dim", 0)),
-            engram_pad_token_id=int(text.get("engram_pad_token_id", 0)),
-            engram_compressed_vocab_size=int(text.get("engram_compressed_vocab_size", 0)),
-            dspark_block_size=int(text.get("dspark_block_size", 0)),
-            dspark_noise_token_id=int(text.get("dspark_noise_token_id", 0)),
-            dspark_target_layer_ids=tuple(text.get("dspark_target_layer_ids", ())),
-            dspark_markov_rank=int(text.get("dspark_markov_rank", 0)),
-            dspark_n_routed_experts=int(text.get("dspark_n_routed_experts", 0)),
-            dspark_experts_per_token=int(text.get("dspark_num_experts_per_tok", 0)),
+            index_n_heads=get.int("index_n_heads"),
+            index_head_dim=get.int("index_head_dim"),
+            index_topk=get.int("index_topk"),
+            hc_mult=get.int("hc_mult", 4),
+            hc_sinkhorn_iters=get.int("hc_sinkhorn_iters", 20),
+            hc_eps=get.float("hc_eps", 1e-6),
+            num_hash_layers=get.int("num_hash_layers", 0) if arch == V4 else 0,
+            kv_source_layer_ids=get.ints("kv_source_layer_ids"),
+            index_source_layer_ids=get.ints("index_source_layer_ids"),
+            candidate_source_layer_id=get.int("candidate_source_layer_id", None),
+            candidate_topk_blocks=get.int("candidate_topk_blocks", 0),
+            candidate_block_size=get.int("candidate_block_size", 0),
+            engram_layer_ids=get.ints("engram_layer_ids"),
+            engram_num_embeddings=get.ints("engram_num_embeddings"),
+            engram_max_ngram_size=get.int("engram_max_ngram_size", 0),
+            engram_vocab_size=get.int("engram_vocab_size", 0),
+            engram_n_heads=get.int("engram_n_heads", 0),
+            engram_head_dim=get.int("engram_head_dim", 0),
+            engram_pad_token_id=get.int("engram_pad_token_id", 0),
+            engram_compressed_vocab_size=get.int("engram_compressed_vocab_size", 0),
+            dspark_block_size=get.int("dspark_block_size", 0),
+            dspark_noise_token_id=get.int("dspark_noise_token_id", 0),
+            dspark_target_layer_ids=get.ints("dspark_target_layer_ids"),
+            dspark_markov_rank=get.int("dspark_markov_rank", 0),
+            dspark_n_routed_experts=get.int("dspark_n_routed_experts", 0),
+            dspark_experts_per_token=get.int("dspark_num_experts_per_tok", 0),
             fp8_block=(int(block[0]), int(block[1])),
             expert_dtype=str(expert_dtype),
-            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-            bos_token_id=int(data.get("bos_token_id", text.get("bos_token_id", 0))),
-            eos_token_id=int(data.get("eos_token_id", text.get("eos_token_id", 1))),
-            vision=data.get("vision_config") if arch == V41 else None,
+            tie_word_embeddings=get.bool("tie_word_embeddings", False),
+            bos_token_id=top.int("bos_token_id", get.int("bos_token_id", 0)),
+            eos_token_id=top.int("eos_token_id", get.int("eos_token_id", 1)),
+            vision=(top.object("vision_config") or None) if arch == V41 else None,
             raw=data,
         )
         cfg._check(source)
@@ -252,13 +260,40 @@ def _architecture(data: dict, source: str) -> str:
     )
 
 
-def _getter(text: dict, source: str):
-    def get(key: str):
-        if key not in text:
-            raise UserError(f"{source}: missing required key {key!r}")
-        return text[key]
+class _Values:
+    """Typed reads of one config object: a value of the wrong type (a string where a number belongs,
+    say) is a UserError naming the key, not a traceback later."""
 
-    return get
+    REQUIRED = object()
+
+    def __init__(self, values: dict, source: str):
+        self.values, self.source = values, source
+
+    def _get(self, key: str, default, ok, kind: str):
+        if key not in self.values:
+            if default is self.REQUIRED:
+                raise UserError(f"{self.source}: missing required key {key!r}")
+            return default
+        value = self.values[key]
+        if not ok(value):
+            raise UserError(f"{self.source}: {key} is {value!r}; it must be {kind}")
+        return value
+
+    def int(self, key: str, default=REQUIRED) -> int:
+        return self._get(key, default, lambda v: type(v) is int and v >= 0, "a whole number, 0 or more")
+
+    def float(self, key: str, default=REQUIRED) -> float:
+        return float(self._get(key, default, lambda v: type(v) in (int, float) and math.isfinite(v), "a number"))
+
+    def bool(self, key: str, default: bool) -> bool:
+        return self._get(key, default, lambda v: type(v) is bool, "true or false")
+
+    def ints(self, key: str, default=()) -> tuple[int, ...]:
+        ok = lambda v: isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)  # noqa: E731
+        return tuple(self._get(key, default, ok, "a list of whole numbers"))
+
+    def object(self, key: str) -> dict:
+        return self._get(key, None, lambda v: v is None or isinstance(v, dict), "an object") or {}
 
 
 def _nearest_source(sources, layer: int, ratios: tuple[int, ...]) -> int | None:

@@ -22,17 +22,16 @@ Schema (manifest_version 2):
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from quantizer.checkpoint.fingerprint import sha256_file  # noqa: F401 (the pack's shard hashes)
 from quantizer.errors import UserError
 from quantizer.workdir import read_json
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 2  # 2: plan.loader (a profile name) replaces plan.loader_mode
 NATIVE = "native"
-HASH_CHUNK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -93,13 +92,3 @@ class Manifest:
         """EXL3 linear key -> K, from the `.trellis` tensors the manifest lists."""
         return {n[: -len(".trellis")]: t.K for n, t in self.tensors.items() if n.endswith(".trellis")}
 
-
-def sha256_file(path: Path, progress=None) -> str:
-    """Hex sha256 of a file, read in chunks; `progress(n)` is called with each chunk's size."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-            if progress:
-                progress(len(chunk))
-    return h.hexdigest()

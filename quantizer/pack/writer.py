@@ -1,17 +1,20 @@
 """The pack stage: quantized results + native pass-through tensors -> a loadable, verifiable pack.
 
-Everything is written into `<out>.partial/` and renamed to `<out>` last, so a half-written pack never
-looks complete. Every source tensor is accounted for: it is passed through byte-identical, replaced
+Everything is written into a partial directory beside `<out>` (the build job's own
+`<out>.partial-<job id>`, or a fresh one) and renamed to `<out>` last, so a half-written pack never
+looks complete and a pack another build published meanwhile is never replaced. Every source tensor is accounted for: it is passed through byte-identical, replaced
 by the EXL3 (or fp16) linear(s) the plan gave it, or served by the expert it is aliased to; nothing is
 dropped silently (a missing quantized result stops the stage with the key to redo).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import sys
+import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from importlib import metadata
@@ -37,7 +40,7 @@ from quantizer.plan.sizes import UNQUANTIZED, exl3_leaves
 from quantizer.plan.targets import targets
 from quantizer.quantize.linears import StoredLinear, stored_linears
 from quantizer.quantize.results import ResultStore
-from quantizer.report import GIB
+from quantizer.report import size_text
 from quantizer.workdir import require_free_space, write_json_atomic
 
 DEFAULT_SHARD_SIZE = 8 << 30
@@ -52,20 +55,34 @@ class PackSettings:
     job_settings: dict | None = None  # the quantize stage's settings record (seed, device, encoder, ...)
 
 
-def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, settings: PackSettings) -> Manifest:
+def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, settings: PackSettings,
+               partial: Path | None = None) -> Manifest:
+    """The pack of `plan` from the results in `work`, written in `partial` (an empty directory beside
+    `out` that the caller owns; by default a fresh one, removed if this fails) and renamed to `out`."""
     out = Path(out)
     check_new_pack_dir(out)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    owned = partial is None
+    if owned:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(prefix=f"{out.name}.partial-", dir=out.parent))
+    try:
+        manifest = _write(ck, plan, ResultStore(work), partial, settings)
+        _publish(partial, out)
+        return manifest
+    except BaseException:
+        if owned:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
 
+
+def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settings: PackSettings) -> Manifest:
     linears = stored_linears(ck.config, plan)
-    tensors, sources = _pack_tensors(ck, plan, linears, ResultStore(work))
+    tensors, sources = _pack_tensors(ck, plan, linears, store)
     shards = assign_shards(tensors, settings.shard_size, reusable_sources(tensors))
     size = sum(s.nbytes for s in shards)
     linkable = sum(s.nbytes for s in shards if s.reuse and os.stat(s.reuse).st_dev == os.stat(partial).st_dev)
-    print(f"pack: {len(tensors):,} tensors in {len(shards)} shards, {size / GIB:,.2f} GiB in {partial}; "
-          f"{(size - linkable) / GIB:,.2f} GiB to write, {linkable / GIB:,.2f} GiB of Engram shards linked from the "
+    print(f"pack: {len(tensors):,} tensors in {len(shards)} shards, {size_text(size)} in {partial}; "
+          f"{size_text(size - linkable)} to write, {size_text(linkable)} of Engram shards linked from the "
           "source (copied where the filesystem refuses links)", file=sys.stderr)
     require_free_space(partial, size - linkable, "the pack")
     made = write_shards(partial, shards)
@@ -78,10 +95,18 @@ def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, se
     _copy_side_files(ck.root, partial)
     manifest = _manifest(ck, plan, linears, shards, records, sources, qcfg, settings, _fit(partial))
     write_json_atomic(partial / MANIFEST_NAME, manifest.to_dict())
-    if out.exists():
-        out.rmdir()
-    partial.rename(out)
     return manifest
+
+
+def _publish(partial: Path, out: Path) -> None:
+    """Rename the finished pack into place; the kernel refuses if `out` is (no longer) empty."""
+    try:
+        os.rename(partial, out)
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise
+        raise UserError(f"{out}: appeared while this build was packing (another build?); it was left as it is. "
+                        "Choose another --out and rerun: the work directory is kept, so only packing runs again")
 
 
 def check_new_pack_dir(out: Path) -> None:

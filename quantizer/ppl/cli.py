@@ -2,7 +2,9 @@
 
 MODEL is a native checkpoint or a pack written by quantizer (its EXL3 linears are decoded to the
 weights a loader computes with). With `--against SRC` both run over the same rows and the report
-adds KL(SRC || MODEL), top-1 agreement and the paired NLL delta with its standard error.
+adds KL(SRC || MODEL), top-1 agreement and the paired NLL delta with its standard error; a pack is
+compared only with the checkpoint its manifest says it was built from (same content fingerprint).
+A model that computes NaN or inf is an error (exit 2) naming what `verify --full` finds.
 
 Rows are cut by quantizer.textdata: text is tokenized with the checkpoint's tokenizer.json, one BOS
 per row and EOS between documents; token files (.npy, or .safetensors with `input_ids`) are used
@@ -23,9 +25,10 @@ from quantizer.errors import UserError
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.pack.manifest import MANIFEST_NAME
 from quantizer.ppl.compare import Comparison, compare
-from quantizer.ppl.pack_source import PackSource
-from quantizer.ppl.perplexity import perplexity, row_predictions
+from quantizer.ppl.pack_source import PackSource, require_built_from
+from quantizer.ppl.perplexity import NonFiniteLogits, perplexity, row_predictions
 from quantizer.textdata import model_rows
+from quantizer.verify.verify import verify_pack
 
 DEFAULT_COLS = 512
 
@@ -51,7 +54,23 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible to torch; use --device cpu")
     model = Checkpoint.open(args.src, revision=args.revision)
+    is_pack = (model.root / MANIFEST_NAME).exists()
     reference = Checkpoint.open(args.against) if args.against else None
+    if is_pack and reference is not None:
+        require_built_from(model, reference)
+    try:
+        return _report(args, model, reference)
+    except NonFiniteLogits as e:
+        raise UserError(f"{args.src}: {e}" + (_first_fault(model.root) if is_pack else "")) from None
+
+
+def _first_fault(pack) -> str:
+    """What `verify --full` finds first in a pack that computed NaN, else what to run."""
+    faults = verify_pack(pack, full=True).faults
+    return f"; verify --full: {faults[0].line()}" if faults else f"; verify --full finds no fault in {pack}"
+
+
+def _report(args: argparse.Namespace, model: Checkpoint, reference: Checkpoint | None) -> int:
     rows = _rows(args, reference or model)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
 

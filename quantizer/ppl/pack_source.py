@@ -10,12 +10,28 @@ from __future__ import annotations
 
 import torch
 
+from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear, dequantize
 from quantizer.errors import UserError
 from quantizer.model.streaming import CheckpointSource
 from quantizer.pack.manifest import Manifest
 from quantizer.plan.sizes import EXL3_LEAVES
+
+
+def require_built_from(pack: Checkpoint, source: Checkpoint) -> None:
+    """UserError unless `source` is the checkpoint the manifest says `pack` was built from: a KL
+    against another checkpoint (another architecture even) would be a number without meaning.
+    The check hashes every shard of `source` once (checkpoint/fingerprint.py), one more read of it."""
+    recorded = Manifest.load(pack.root).source
+    if recorded.get("arch") != source.config.arch:
+        raise UserError(f"{source.root}: a {source.config.arch} checkpoint, but {pack.root} was built from a "
+                        f"{recorded.get('arch')} one ({recorded.get('path')}); compare a pack with its own source")
+    found = source_fingerprint(source)
+    if found != recorded.get("fingerprint"):
+        raise UserError(f"{source.root}: not the checkpoint {pack.root} was built from (its fingerprint is {found}, "
+                        f"the manifest records {recorded.get('fingerprint')} from {recorded.get('path')}); "
+                        "compare a pack with its own source")
 
 
 class PackSource(CheckpointSource):

@@ -16,7 +16,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from quantizer.errors import UserError
 from quantizer.model.streaming import LayerStreamer
+
+
+class NonFiniteLogits(UserError):
+    """The model computed NaN or inf: its weights are corrupt, and no perplexity can be reported."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,9 @@ class PplResult:
 
 def row_predictions(streamer: LayerStreamer, rows: torch.Tensor) -> Iterator[RowPredictions]:
     for index, (row, logits) in enumerate(zip(rows, streamer.row_logits(rows))):
+        if not torch.isfinite(logits).all():
+            raise NonFiniteLogits(f"row {index}: the model's logits are not finite (NaN or inf), so its weights "
+                                  "are corrupt")
         yield RowPredictions(index, torch.log_softmax(logits[:-1], dim=-1), row[1:])
 
 

@@ -2,20 +2,17 @@
 
 A job is its source (by fingerprint, not path: a moved checkpoint is the same checkpoint), its plan
 (hash plus the full K map, so a difference can be named per tensor) and its settings (seed, device,
-encoder, calibration, tool version). Any difference refuses the resume with one line per field.
-The directory's other guards (lock, free disk, atomic JSON) are in quantizer/workdir.py.
+encoder, calibration, tool version). Any difference refuses the resume with one line per field;
+the guard that applies it (lock, job file, free disk) is quantizer/workdir.py's, as for calibration.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
-from quantizer.errors import UserError
-from quantizer.workdir import LOCK_NAME, write_json_atomic
+from quantizer.workdir import settings_differences, source_difference
 
-JOB_NAME = "job.json"
 SHOWN_KEYS = 3
 
 
@@ -26,39 +23,10 @@ class JobSpec:
     settings: dict  # seed, device, encoder, calibration, quantizer_version
 
 
-def open_job(work: Path, spec: JobSpec) -> bool:
-    """Start a job in `work`, or check that it continues the recorded one; True when resuming."""
-    work.mkdir(parents=True, exist_ok=True)
-    path = work / JOB_NAME
-    if not path.exists():
-        if any(p.name != LOCK_NAME and not p.name.endswith(".tmp") for p in work.iterdir()):
-            raise UserError(f"{work}: not empty but has no {JOB_NAME}, so its contents cannot be trusted; "
-                            "delete it or choose another --work directory")
-        write_json_atomic(path, asdict(spec))
-        return False
-    try:
-        old = JobSpec(**json.loads(path.read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise UserError(f"{path}: unreadable job file ({e}); delete the work directory to start over")
-    differences = job_differences(old, spec)
-    if differences:
-        raise UserError(
-            f"{work}: cannot resume a different job: " + "; ".join(differences)
-            + ". Rerun with the original settings, or use a new --work directory"
-        )
-    return True
-
-
-def job_differences(old: JobSpec, new: JobSpec) -> list[str]:
-    out = []
-    if old.source.get("fingerprint") != new.source.get("fingerprint"):
-        out.append(f"source fingerprint differs: {old.source.get('fingerprint')} vs {new.source.get('fingerprint')}")
-    out += _plan_differences(old.plan, new.plan)
-    for field in sorted(old.settings.keys() | new.settings.keys()):
-        a, b = old.settings.get(field), new.settings.get(field)
-        if a != b:
-            out.append(f"{field} differs: {a} -> {b}")
-    return out
+def job_differences(old: dict, new: dict) -> list[str]:
+    """What differs between two job records (JobSpec as dicts), one line per field."""
+    return (source_difference(old["source"], new["source"]) + _plan_differences(old["plan"], new["plan"])
+            + settings_differences(old["settings"], new["settings"]))
 
 
 def _plan_differences(old: dict, new: dict) -> list[str]:

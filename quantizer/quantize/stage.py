@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -30,14 +30,14 @@ from quantizer.errors import UserError
 from quantizer.plan.plan import Plan
 from quantizer.plan.sizes import exl3_bytes
 from quantizer.quantize.encode import EncodedUnit, encode_unit
-from quantizer.quantize.job import JobSpec, open_job
+from quantizer.quantize.job import JobSpec, job_differences
 from quantizer.quantize.linears import StoredLinear, stored_linears, work_units
 from quantizer.quantize.pipeline import PREFETCH_UNITS, run_pipeline
 from quantizer.quantize.rates import RateTable, estimate
 from quantizer.quantize.results import ResultStore, Unit
 from quantizer.quantize.settings import QuantizeSettings
-from quantizer.report import GIB, gib
-from quantizer.workdir import require_free_space
+from quantizer.report import size_text
+from quantizer.workdir import FINGERPRINT_CACHE, open_job, require_free_space
 
 # hessian(stored key) -> (H [in, in] float32 summed over `count` rows, count), or None (uncalibrated)
 HessianProvider = Callable[[str], "tuple[torch.Tensor, int] | None"]
@@ -64,21 +64,31 @@ def quantize(
     settings: QuantizeSettings,
     hessian: HessianProvider | None = None,
     depth: int = PREFETCH_UNITS,
+    on_start: Callable[[], None] | None = None,
 ) -> QuantizeResult:
-    """Encode every linear of `plan` not yet finished in `work`. `depth` units are read, dequantized and
-    given their Hessians ahead of the encoder (0: one step after another; the results are the same)."""
+    """Encode (or finish encoding) every linear of `plan` not yet finished in `work`. `depth` units are
+    read, dequantized and given their Hessians ahead of the encoder (0: one step after another; the
+    results are the same). `on_start` runs once the job is locked and accepted, before any encoding
+    (build saves the plan there, so a refused rerun changes nothing). Under torchrun rank 0 holds the
+    lock and checks the job; every rank encodes its share."""
     work = Path(work)
     if settings.device == "cuda":
         _check_cuda()
-    spec = JobSpec(
-        source={"path": str(ck.root), "fingerprint": source_fingerprint(ck)},
-        plan={"hash": plan.content_hash(), "K": plan.k, "codebook": plan.codebook, "loader": plan.loader,
-              "aliases": plan.aliases},
-        settings=settings.record(),
-    )
+
+    def accept() -> None:
+        spec = JobSpec(
+            source={"path": str(ck.root), "fingerprint": source_fingerprint(ck, work / FINGERPRINT_CACHE)},
+            plan={"hash": plan.content_hash(), "K": plan.k, "codebook": plan.codebook, "loader": plan.loader,
+                  "aliases": plan.aliases},
+            settings=settings.record(),
+        )
+        open_job(work, asdict(spec), job_differences, "quantize job")
+        if on_start:
+            on_start()
+
     ranks = current()
     with ranks.lock(work):
-        ranks.on_main(lambda: open_job(work, spec))
+        ranks.on_main(accept)
         return _run(ck, plan, work, settings, hessian, depth)
 
 
@@ -207,10 +217,7 @@ def _needs_line(work, linears, units, todo, settings, ram: int, disk: int) -> st
         how += f" (~{hours:,.2f} GPU-hours at measured rates)"
     return (
         f"quantize: {len(linears):,} linears in {len(units):,} units, {len(units) - len(todo):,} already done; "
-        f"{weights:,} weights to encode with {how}; needs ~{_size(ram)} RAM and "
-        f"~{_size(disk)} disk in {work / 'quantized'}"
+        f"{weights:,} weights to encode with {how}; needs ~{size_text(ram)} RAM and "
+        f"~{size_text(disk)} disk in {work / 'quantized'}"
     )
 
-
-def _size(n: int) -> str:
-    return f"{gib(n)} GiB" if n >= GIB else f"{n / (1 << 20):,.1f} MiB"

@@ -1,0 +1,112 @@
+"""What `build` checks and claims before any expensive stage, so a mistake costs seconds, not a day.
+
+- `--work` and `--out` are different places, neither inside the other;
+- free space: the pack on `--out`'s filesystem, the calibration and quantized results on `--work`'s
+  (both on one filesystem: the sum), estimated from the plan the request makes (see `DiskNeeds`);
+- the work directory is claimed (quantizer/workdir.py: never a directory of the user's) and locked
+  from the first write to the last rename;
+- the pack is written in `<out>.partial-<job id>`, the job's own name: another build's temporary
+  directory, or a `<out>.partial` of the user's, is never touched. While a build holds its partial
+  directory (an flock on it), a second build into the same `--out` is refused at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.errors import UserError
+from quantizer.fit.stored import EXL3, stored_from_plan
+from quantizer.plan.plan import Plan
+from quantizer.plan.sizes import UNQUANTIZED
+from quantizer.report import size_text
+from quantizer.workdir import claim_work_dir, existing_parent, free_bytes, job_lock
+
+# Per pack tensor, beyond its bytes: the 64-byte alignment pad, its shard header entry and its lines in
+# the index, the manifest and quantization_config.json; measured at 554 bytes on a tiny V4.1 pack.
+TENSOR_OVERHEAD = 1024
+JSON_BYTES = 1 << 20  # config.json, quantization_config.json and the manifest's fixed parts
+
+
+@dataclass(frozen=True)
+class DiskNeeds:
+    pack: int  # stored tensors + per-tensor headers, pads and JSON + the source's side files
+    work: int  # calibration files + the quantized results, less what the work directory already holds
+
+    def describe(self, out: Path, work: Path) -> str:
+        return f"build: needs ~{size_text(self.pack)} for {out} and ~{size_text(self.work)} more in {work}"
+
+
+def disk_needs(ck: Checkpoint, plan: Plan, calibration_disk: int, work: Path) -> DiskNeeds:
+    stored = stored_from_plan(ck.config, plan)
+    side = sum(f.stat().st_size for f in ck.root.iterdir() if f.is_file() and not f.name.endswith(".safetensors"))
+    pack = sum(t.nbytes for t in stored) + TENSOR_OVERHEAD * len(stored) + JSON_BYTES + side
+    results = sum(t.nbytes for t in stored if t.storage == EXL3 or _fp16(plan, t.name))
+    held = sum(p.stat().st_size for p in work.rglob("*") if p.is_file()) if work.is_dir() else 0
+    return DiskNeeds(pack, max(0, calibration_disk + results + TENSOR_OVERHEAD * len(stored) - held))
+
+
+def _fp16(plan: Plan, name: str) -> bool:
+    return name.endswith(".weight") and plan.k.get(name[: -len(".weight")]) == UNQUANTIZED
+
+
+def check_places(out: Path, work: Path) -> None:
+    """UserError when --work and --out are one directory, or one holds the other."""
+    a, b = out.absolute().resolve(), work.absolute().resolve()
+    if a == b or a in b.parents or b in a.parents:
+        raise UserError(f"--work {work} and --out {out} must be separate directories (neither inside the other): "
+                        "the pack is renamed into place at the end, the work directory is kept")
+
+
+def check_space(out: Path, work: Path, needs: DiskNeeds) -> None:
+    """Refuse before any work when the pack or the work directory cannot fit where it goes."""
+    print(needs.describe(out, work), file=sys.stderr)
+    same = os.stat(existing_parent(out)).st_dev == os.stat(existing_parent(work)).st_dev
+    wanted = [(out, needs.pack + (needs.work if same else 0), "the pack" + (" and the work directory" if same else ""))]
+    if not same:
+        wanted.append((work, needs.work, "the work directory"))
+    for where, need, what in wanted:
+        free = free_bytes(where)
+        if need > free:
+            raise UserError(f"{existing_parent(where)}: {what} needs ~{size_text(need)} but only {size_text(free)} "
+                            "are free; free some space or choose another --out / --work")
+
+
+@contextmanager
+def claim(out: Path, work: Path) -> Iterator[Path]:
+    """Hold the work directory and this job's partial pack directory for the whole build; yields the
+    partial directory (empty), which is removed again unless the pack stage renamed it to `out`."""
+    job = claim_work_dir(work)
+    with job_lock(work):
+        partial = out.with_name(f"{out.name}.partial-{job}")
+        shutil.rmtree(partial, ignore_errors=True)  # this job's own, left by a kill: nothing in it is reused
+        partial.mkdir(parents=True)
+        fd = os.open(partial, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _refuse_other_writers(out, partial)
+            yield partial
+        finally:
+            os.close(fd)
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _refuse_other_writers(out: Path, ours: Path) -> None:
+    for other in sorted(out.parent.glob(f"{out.name}.partial-*")):
+        if other == ours or not other.is_dir():
+            continue
+        fd = os.open(other, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"{out}: another build is writing this pack (in {other.name}); wait for it to finish "
+                            "or choose another --out") from None
+        finally:
+            os.close(fd)
