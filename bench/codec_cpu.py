@@ -20,10 +20,9 @@ import time
 
 import torch
 
-from quantizer.codec import (EXL3Linear, codebook_values, dequantize, encode_tiles, native, quantize_linear,
-                             quantize_linears)
-from quantizer.codec.codebook import Codebook
+from quantizer.codec import EXL3Linear, dequantize, encode_tiles, native, quantize_linear, quantize_linears
 from quantizer.codec.viterbi import _EXACT_SEAM_WINDOW, FAST_SEAM_WINDOW, _encode_torch
+from quantizer.exl3 import Codebook, codebook_values
 
 EXLLAMAV3_MSE = {2: 0.068, 3: 0.0176, 4: 0.0046}  # quantize_tiles, mul1, N(0,1) tiles, one H200
 SEAMS = {"exact": _EXACT_SEAM_WINDOW, "fast": FAST_SEAM_WINDOW}

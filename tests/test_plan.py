@@ -8,11 +8,11 @@ import json
 import pytest
 
 from quantizer.errors import UserError
+from quantizer.exl3 import check_k, exl3_bytes, k_from_trellis, leaf_layout
 from quantizer.model.config import ModelConfig
 from quantizer.model.tensor_classes import ATTENTION, HEAD, ROUTED_EXPERT, classify
 from quantizer.plan.plan import Plan, make_plan
 from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
-from quantizer.plan.sizes import check_k, exl3_bytes, exl3_leaves, k_from_trellis
 from quantizer.plan.targets import quantizable, target_map, targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
@@ -85,9 +85,9 @@ def test_classify_knows_exl3_leaves():
 
 def test_exl3_tensor_sizes():
     # ref/exllamav3-internals.md 2.3: trellis int16 [in/16, out/16, 16K], suh [in], svh [out], int32 marker
-    leaves = {s.name: s for s in exl3_leaves("x", 5120, 2304, 2.5, "mul1")}
-    assert leaves["x.trellis"].shape == (320, 144, 40) and leaves["x.trellis"].dtype == "I16"
-    assert leaves["x.suh"].shape == (5120,) and leaves["x.svh"].shape == (2304,) and leaves["x.mul1"].nbytes == 4
+    leaves = {suffix: (shape, dtype, nbytes) for suffix, shape, dtype, nbytes in leaf_layout(5120, 2304, 2.5, "mul1")}
+    assert leaves[".trellis"] == ((320, 144, 40), "I16", 5120 * 2304 * 2.5 / 8)
+    assert leaves[".suh"][0] == (5120,) and leaves[".svh"][0] == (2304,) and leaves[".mul1"] == ((), "I32", 4)
     assert exl3_bytes(5120, 2304, 2.5) == 5120 * 2304 * 2.5 / 8 + 2 * 5120 + 2 * 2304 + 4
     assert exl3_bytes(5120, 2304, 3, "3inst") == 5120 * 2304 * 3 // 8 + 2 * (5120 + 2304)  # no marker
     assert exl3_bytes(5120, 2304, 16) == 5120 * 2304 * 2  # 16: unquantized fp16

@@ -14,7 +14,7 @@ from quantizer.model.config import ModelConfig
 from quantizer.plan.sensitivity import (
     ENGRAM_GAIN, EXPONENT, MUL1_MSE, REFERENCE_RATE, model_proxy, sensitivity, silu_gate_factor, synthetic_summary,
 )
-from quantizer.plan.sizes import rate_grid
+from quantizer.exl3 import rate_grid
 from quantizer.plan.targets import targets
 from quantizer.shipped import model_config_path
 

@@ -27,6 +27,7 @@ from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import code_fingerprint, current
 from quantizer.errors import UserError
+from quantizer.exl3 import rate_grid
 from quantizer.fit.memory import FitReport
 from quantizer.model.config import ModelConfig
 from quantizer.pack.manifest import Manifest
@@ -36,7 +37,6 @@ from quantizer.plan.methods import METHODS, OURS, UNIFORM, planner
 from quantizer.plan.plan import Plan
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
-from quantizer.plan.sizes import rate_grid
 from quantizer.quantize.rates import plan_estimate
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import QuantizeResult, quantize

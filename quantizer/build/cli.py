@@ -17,6 +17,7 @@ from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import current
 from quantizer.errors import UserError
+from quantizer.exl3 import CODEBOOKS
 from quantizer.fit.cli import render as render_fit
 from quantizer.fit.cli import tokens
 from quantizer.fit.memory import TOPOLOGIES
@@ -26,7 +27,6 @@ from quantizer.plan.profiles import EXLLAMAV3, LOADERS
 from quantizer.textdata import model_rows, shipped_text_path
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.plan import Plan
-from quantizer.plan.sizes import CODEBOOKS
 from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
 from quantizer.report import gib, table
 

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .codebook import Codebook, codebook_values
+from quantizer.exl3 import Codebook, codebook_values
+
 from .trellis import TILE, matrix_to_tiles, tiles_to_matrix
 from .viterbi import EncoderMode, encode_tiles
 

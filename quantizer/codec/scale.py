@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .codebook import Codebook, codebook_values
+from quantizer.exl3 import Codebook, codebook_values
+
 from .trellis import matrix_to_tiles
 from .viterbi import encode_tiles
 

@@ -13,7 +13,7 @@ from itertools import accumulate
 
 import torch
 
-from .codebook import check_bitrate
+from quantizer.exl3 import trellis_k
 
 TILE = 16
 TILE_POSITIONS = TILE * TILE
@@ -24,7 +24,7 @@ _CHUNK_TILES = 8192
 @lru_cache(maxsize=None)
 def step_bits(K: float) -> tuple[int, ...]:
     """D(p): bits position p adds to the ring; half rates alternate KA (even p) and KA+1 (odd p)."""
-    k = check_bitrate(K)
+    k = trellis_k(K)
     ka = int(k)
     return tuple(ka + (p & 1) * int(k != ka) for p in range(TILE_POSITIONS))
 

@@ -31,9 +31,9 @@ from quantizer.checkpoint.safetensors_file import (
     PAD_PREFIX, PlannedTensor, TensorEntry, read_header, write_safetensors,
 )
 from quantizer.errors import UserError
+from quantizer.exl3 import PACK_ALIGN
 from quantizer.model.tensor_classes import ENGRAM_TABLE, VISION
 
-ALIGN = 64
 SHARD_METADATA = {"format": "pt"}
 COPY_CHUNK = 1 << 30
 FICLONE = 0x40049409  # ioctl: share all of one file's extents with another (btrfs, XFS, ...)
@@ -150,7 +150,7 @@ def _split(members: list[PackTensor], cap: int) -> list[list[PackTensor]]:
 
 def _footprint(t: PackTensor) -> int:
     """Bytes in the file including the worst-case alignment pad."""
-    return t.nbytes + ALIGN
+    return t.nbytes + PACK_ALIGN
 
 
 def write_shard(path: Path, shard: ShardPlan, progress=None) -> str:
@@ -167,7 +167,7 @@ def write_shard(path: Path, shard: ShardPlan, progress=None) -> str:
         filling,
         [PlannedTensor(t.name, t.source.dtype, t.source.shape, None) for t in shard.tensors],
         metadata=SHARD_METADATA,
-        align=ALIGN,
+        align=PACK_ALIGN,
     )
     placed = read_header(filling).tensors
     fd = os.open(filling, os.O_WRONLY)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from quantizer.errors import UserError
+from quantizer.exl3 import check_k, rate_grid
 from quantizer.fit.hardware import GIB, Hardware, load_hardware
 from quantizer.fit.memory import FitReport, Scenario, evaluate, fit
 from quantizer.fit.stored import stored_from_plan
@@ -41,7 +42,6 @@ from quantizer.model.config import ModelConfig
 from quantizer.plan.plan import Plan, expert_of, make_plan
 from quantizer.plan.profiles import EXLLAMAV3, load_profile
 from quantizer.plan.sensitivity import AliasOption, Sensitivity
-from quantizer.plan.sizes import check_k, rate_grid
 from quantizer.plan.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, target_map, targets
 from quantizer.plan.uniform import drafter_k
 

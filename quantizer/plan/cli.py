@@ -18,6 +18,7 @@ from pathlib import Path
 from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.errors import UserError
+from quantizer.exl3 import CODEBOOKS, rate_grid
 from quantizer.fit.memory import TOPOLOGIES, fit
 from quantizer.fit.stored import stored_from_plan
 from quantizer.model.config import ModelConfig
@@ -28,7 +29,6 @@ from quantizer.plan.plan import TOTAL, TOTAL_RESIDENT, Plan, check_plan
 from quantizer.plan.profiles import EXLLAMAV3, LOADERS, load_profile
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
-from quantizer.plan.sizes import CODEBOOKS, rate_grid
 from quantizer.plan.targets import GROUPS, ROUTED, targets
 from quantizer.plots import plot_path, save_figure
 from quantizer.quantize.rates import plan_estimate

@@ -41,10 +41,10 @@ from importlib import metadata
 from pathlib import Path
 
 from quantizer.errors import UserError
+from quantizer.exl3 import rate_grid
 from quantizer.model.config import V4, ModelConfig
 from quantizer.plan.plan import Plan, achieved_bpw, make_plan
 from quantizer.plan.profiles import EXLLAMAV3
-from quantizer.plan.sizes import rate_grid
 from quantizer.plan.targets import DRAFT, ENGRAM, HEAD_GROUP, target_map, targets
 from quantizer.plan.uniform import drafter_k, rate_floor
 

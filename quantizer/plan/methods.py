@@ -12,12 +12,12 @@ from dataclasses import replace
 
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.errors import UserError
+from quantizer.exl3 import rate_grid
 from quantizer.model.config import ModelConfig
 from quantizer.plan.allocate import AllocationSettings, Allocator
 from quantizer.plan.exl3_baseline import HQ, exl3_plan
 from quantizer.plan.plan import Plan
 from quantizer.plan.sensitivity import sensitivity
-from quantizer.plan.sizes import rate_grid
 from quantizer.plan.uniform import uniform_plan
 
 OURS, UNIFORM, EXL3 = "ours", "uniform", "exl3"

@@ -24,10 +24,10 @@ from pathlib import Path
 import yaml
 
 from quantizer.errors import UserError
+from quantizer.exl3 import check_k
 from quantizer.model.config import ModelConfig
 from quantizer.plan.plan import Plan, make_plan
 from quantizer.plan.profiles import EXLLAMAV3
-from quantizer.plan.sizes import check_k
 from quantizer.plan.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, Target, targets
 
 NATIVE = "native"

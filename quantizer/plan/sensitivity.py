@@ -71,8 +71,8 @@ import numpy as np
 
 from quantizer.calibrate.summary import MEASURED_KL, CalibrationSummary, LayerStats, TensorStats, kl_unit
 from quantizer.errors import UserError
+from quantizer.exl3 import rate_grid
 from quantizer.model.config import ModelConfig
-from quantizer.plan.sizes import rate_grid
 from quantizer.plan.targets import ENGRAM, ROUTED, SHARED, targets
 
 # ref/exllamav3-internals.md 2.7: relative MSE of mul1 on i.i.d. Gaussian tiles (no LDLQ).

@@ -21,7 +21,7 @@ from quantizer.model.layout import TensorSpec, native_layout
 from quantizer.model.tensor_classes import (
     ATTENTION, COMPRESSOR, DRAFTER, ENGRAM_RESIDENT, HEAD, INDEXER, ROUTED_EXPERT, SHARED_EXPERT, classify,
 )
-from quantizer.plan.sizes import UNQUANTIZED
+from quantizer.exl3 import HADAMARD_BLOCK, UNQUANTIZED
 
 # Target groups: the unit of floors in a uniform plan and of patterns in a recipe.
 ROUTED = "routed"
@@ -34,7 +34,6 @@ DRAFT = "drafter"
 GROUPS = (ROUTED, SHARED, ATTN, INDEX, ENGRAM, HEAD_GROUP, DRAFT)
 BUDGETED_GROUPS = (ROUTED, SHARED, ATTN, INDEX, ENGRAM)
 
-EXL3_ALIGN = 128  # EXL3 rotates 128-wide Hadamard blocks: in and out features must be multiples
 ATTENTION_PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
 COMPRESSOR_PROJECTIONS = ("compressor.wkv", "compressor.wgate")  # read the attention input, as wq_a does
 INDEXER_PROJECTIONS = ("wq_b", "wk") + COMPRESSOR_PROJECTIONS  # under attn.indexer.
@@ -124,7 +123,7 @@ def _target(spec: TensorSpec, scale_bytes: int) -> Target | None:
     if found is None or len(spec.shape) != 2:
         return None
     inp, out = weight_features(spec)
-    if inp % EXL3_ALIGN or out % EXL3_ALIGN:
+    if inp % HADAMARD_BLOCK or out % HADAMARD_BLOCK:
         return None
     group, proj = found
     c = classify(spec.name)

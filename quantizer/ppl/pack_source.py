@@ -13,9 +13,9 @@ import torch
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear, dequantize
 from quantizer.errors import UserError
+from quantizer.exl3 import EXL3_LEAVES
 from quantizer.model.streaming import CheckpointSource
 from quantizer.pack.manifest import Manifest
-from quantizer.plan.sizes import EXL3_LEAVES
 
 
 class PackSource(CheckpointSource):

@@ -16,9 +16,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from quantizer.exl3 import UNQUANTIZED
 from quantizer.model.config import ModelConfig
 from quantizer.plan.plan import Plan, aliased_keys
-from quantizer.plan.sizes import UNQUANTIZED
 from quantizer.plan.targets import DRAFT, ROUTED, Target, stored_parts, targets
 from quantizer.quantize.results import Unit
 
