@@ -29,10 +29,11 @@ from quantizer.distributed import code_fingerprint, current
 from quantizer.errors import UserError
 from quantizer.exl3 import rate_grid
 from quantizer.fit.memory import FitReport
+from quantizer.fit.target import FitTarget, largest_fitting_plan
 from quantizer.model.config import ModelConfig
 from quantizer.pack.manifest import Manifest
 from quantizer.pack.writer import PackSettings, check_new_pack_dir, write_pack
-from quantizer.plan.allocate import AllocationSettings, FitTarget, largest_fitting_plan
+from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS, UNIFORM, planner
 from quantizer.plan.plan import Plan
 from quantizer.plan.recipe import write_recipe

@@ -1,7 +1,7 @@
 """The three ways to choose K: ours (allocate.py), uniform (uniform.py), exl3 (exllamav3's allocator).
 
 `planner` turns a method into `bpw -> Plan` plus the lowest bpw worth asking for, the form both a
-plan at a given bpw and the search for the most bits that fit N Sparks (largest_fitting_plan) take;
+plan at a given bpw and fit's search for the most bits that fit N Sparks (fit/target.py) take;
 `quantizer plan` and `quantizer build` share it.
 """
 
