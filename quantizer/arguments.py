@@ -10,9 +10,9 @@ import argparse
 import re
 from pathlib import Path
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
-from quantizer.model.config import ModelConfig
 from quantizer.shipped import model_config_path
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")

@@ -9,20 +9,20 @@ import time
 import pytest
 
 from quantizer.calibrate.summary import CalibrationSummary
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.cli import main
 from quantizer.errors import UserError
 from quantizer.exl3 import rate_grid
 from quantizer.fit.memory import fit
 from quantizer.fit.stored import stored_from_plan
 from quantizer.fit.target import FitTarget, largest_fitting_plan
-from quantizer.model.config import ModelConfig
+from quantizer.model.targets import targets
 from quantizer.plan.allocate import AllocationSettings, allocate
 from quantizer.plan.methods import OURS, planner
 from quantizer.plan.plan import Plan
 from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
-from quantizer.plan.targets import targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 from test_allocate import with_cold_experts  # tests/ is on sys.path (pytest prepend import mode)

@@ -8,15 +8,15 @@ import shutil
 
 import pytest
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PlannedTensor, read_header, write_safetensors
 from quantizer.cli import main
 from quantizer.errors import UserError
 from quantizer.exl3 import leaf_layout
 from quantizer.fit.memory import fit
 from quantizer.fit.stored import stored_from_pack, stored_from_plan
-from quantizer.model.config import ModelConfig
+from quantizer.model.targets import classified_layout, stored_parts, target_map
 from quantizer.plan.plan import Plan
-from quantizer.plan.targets import classified_layout, stored_parts, target_map
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 

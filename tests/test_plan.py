@@ -7,13 +7,13 @@ import json
 
 import pytest
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import check_k, exl3_bytes, k_from_trellis, leaf_layout
-from quantizer.model.config import ModelConfig
+from quantizer.model.targets import quantizable, target_map, targets
 from quantizer.model.tensor_classes import ATTENTION, HEAD, ROUTED_EXPERT, classify
 from quantizer.plan.plan import Plan, make_plan
 from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
-from quantizer.plan.targets import quantizable, target_map, targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 

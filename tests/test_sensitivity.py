@@ -8,14 +8,12 @@ import time
 import numpy as np
 import pytest
 
-from quantizer.calibrate.summary import CalibrationSummary, LayerStats, TensorStats
+from quantizer.calibrate.summary import REFERENCE_RATE, CalibrationSummary, LayerStats, TensorStats
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
-from quantizer.plan.sensitivity import (
-    ENGRAM_GAIN, EXPONENT, MUL1_MSE, REFERENCE_RATE, model_proxy, sensitivity, silu_gate_factor, synthetic_summary,
-)
-from quantizer.exl3 import rate_grid
-from quantizer.plan.targets import targets
+from quantizer.exl3 import MUL1_MSE, model_proxy, rate_grid
+from quantizer.model.targets import targets
+from quantizer.plan.sensitivity import ENGRAM_GAIN, EXPONENT, sensitivity, silu_gate_factor, synthetic_summary
 from quantizer.shipped import model_config_path
 
 

@@ -23,6 +23,7 @@ from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.stage import calibrate, tokens_digest
 from quantizer.calibrate.storage import HessianStore
 from quantizer.calibrate.summary import CalibrationSummary
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import code_fingerprint, current
@@ -30,7 +31,6 @@ from quantizer.errors import UserError
 from quantizer.exl3 import rate_grid
 from quantizer.fit.memory import FitReport
 from quantizer.fit.target import FitTarget, largest_fitting_plan
-from quantizer.model.config import ModelConfig
 from quantizer.pack.manifest import Manifest
 from quantizer.pack.writer import PackSettings, check_new_pack_dir, write_pack
 from quantizer.plan.allocate import AllocationSettings

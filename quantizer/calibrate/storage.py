@@ -31,7 +31,7 @@ from quantizer.checkpoint.safetensors_file import (
 )
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
-from quantizer.plan.targets import target_map
+from quantizer.model.targets import target_map
 
 CALIBRATION_DIR = "calibration"
 JOB_FILE = "job.json"

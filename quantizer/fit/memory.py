@@ -14,12 +14,12 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.fit.hardware import GIB, Hardware, kv_bytes_per_token, load_hardware, swa_ring_bytes
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES, Options, rank_weights
 from quantizer.fit.stored import StoredTensor
-from quantizer.model.config import ModelConfig
-from quantizer.plan.targets import targets
+from quantizer.model.targets import targets
 
 TOPOLOGIES = (1, 2, 4)
 

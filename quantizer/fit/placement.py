@@ -20,13 +20,13 @@ from collections import defaultdict
 from itertools import accumulate
 from dataclasses import dataclass
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.exl3 import HADAMARD_BLOCK
 from quantizer.fit.stored import EXL3, NATIVE, StoredTensor, exl3_key
-from quantizer.model.config import ModelConfig
 from quantizer.model.tensor_classes import (
     ATTENTION, DRAFTER, ENGRAM_RESIDENT, ENGRAM_TABLE, HEAD, ROUTED_EXPERT, SHARED_EXPERT, VISION, classify,
 )
-from quantizer.plan.targets import classified_layout, target_map
+from quantizer.model.targets import classified_layout, target_map
 
 SPLITS = ("tp", "ep")
 ENGRAM_MODES = ("nvme", "scales", "resident")

@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.fit.hardware import Hardware, load_hardware
 from quantizer.fit.memory import FitReport, Scenario, fit, highest_fitting_bpw, lowest_accepted
 from quantizer.fit.stored import StoredTensor, stored_from_plan
-from quantizer.model.config import ModelConfig
 from quantizer.plan.plan import Plan
 
 

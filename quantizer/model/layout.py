@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quantizer.checkpoint.config import V4, V41, ModelConfig
 from quantizer.checkpoint.safetensors_file import ELEMENT_BYTES
-from quantizer.model.config import V4, V41, ModelConfig
 
 
 @dataclass(frozen=True)

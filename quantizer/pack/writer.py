@@ -27,13 +27,13 @@ from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED, leaf_layout, parse_codebook
 from quantizer.fit import fit_table, stored_from_pack
 from quantizer.model.layout import TensorSpec
+from quantizer.model.targets import targets
 from quantizer.model.tensor_classes import classify
 from quantizer.pack.exl3_config import EXLLAMAV3_TARGET, pack_config, quantization_config, tensor_storage
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, ShardRecord, TensorRecord, sha256_file
 from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, reusable_sources, write_shards
 from quantizer.plan.plan import Plan, achieved_bpw, expert_of
 from quantizer.plan.profiles import load_profile
-from quantizer.plan.targets import targets
 from quantizer.quantize.linears import StoredLinear, stored_linears
 from quantizer.quantize.results import ResultStore
 from quantizer.report import GIB

@@ -32,13 +32,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import check_k, rate_grid
-from quantizer.model.config import ModelConfig
+from quantizer.model.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, target_map, targets
 from quantizer.plan.plan import Plan, expert_of, make_plan
 from quantizer.plan.profiles import EXLLAMAV3, load_profile
 from quantizer.plan.sensitivity import AliasOption, Sensitivity
-from quantizer.plan.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, target_map, targets
 from quantizer.plan.uniform import drafter_k
 
 FLOORED = (ATTN, INDEX, SHARED, ENGRAM)

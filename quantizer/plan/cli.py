@@ -18,13 +18,14 @@ from pathlib import Path
 from quantizer.arguments import add_model_arguments, add_plan_arguments, load_model_config, tokens
 from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
 from quantizer.calibrate.summary import CalibrationSummary
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import rate_grid
 from quantizer.fit.memory import TOPOLOGIES, fit
 from quantizer.fit.render import render as render_fit
 from quantizer.fit.stored import stored_from_plan
 from quantizer.fit.target import FitTarget, largest_fitting_plan
-from quantizer.model.config import ModelConfig
+from quantizer.model.targets import GROUPS, ROUTED, targets
 from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings
 from quantizer.plan.exl3_baseline import HQ
 from quantizer.plan.methods import EXL3, METHODS, OURS, UNIFORM, planner
@@ -32,7 +33,6 @@ from quantizer.plan.plan import TOTAL, TOTAL_RESIDENT, Plan, check_plan
 from quantizer.plan.profiles import EXLLAMAV3, LOADERS, load_profile
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
-from quantizer.plan.targets import GROUPS, ROUTED, targets
 from quantizer.plots import plot_path, save_figure
 from quantizer.quantize.rates import plan_estimate
 from quantizer.report import gib, table

@@ -40,12 +40,12 @@ from collections import defaultdict
 from importlib import metadata
 from pathlib import Path
 
+from quantizer.checkpoint.config import V4, ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import rate_grid
-from quantizer.model.config import V4, ModelConfig
+from quantizer.model.targets import DRAFT, ENGRAM, HEAD_GROUP, target_map, targets
 from quantizer.plan.plan import Plan, achieved_bpw, make_plan
 from quantizer.plan.profiles import EXLLAMAV3
-from quantizer.plan.targets import DRAFT, ENGRAM, HEAD_GROUP, target_map, targets
 from quantizer.plan.uniform import drafter_k, rate_floor
 
 EXLLAMAV3_VERSION = "1.6.5"

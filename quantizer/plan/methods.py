@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from quantizer.calibrate.summary import CalibrationSummary
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import rate_grid
-from quantizer.model.config import ModelConfig
 from quantizer.plan.allocate import AllocationSettings, Allocator
 from quantizer.plan.exl3_baseline import HQ, exl3_plan
 from quantizer.plan.plan import Plan

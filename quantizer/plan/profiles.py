@@ -22,7 +22,7 @@ from functools import lru_cache
 
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED
-from quantizer.plan.targets import DRAFT, ROUTED, Target
+from quantizer.model.targets import DRAFT, ROUTED, Target
 from quantizer.shipped import shipped
 
 EXLLAMAV3 = "exllamav3"

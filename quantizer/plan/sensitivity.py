@@ -69,31 +69,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from quantizer.calibrate.summary import MEASURED_KL, CalibrationSummary, LayerStats, TensorStats, kl_unit
+from quantizer.calibrate.summary import (
+    MEASURED_KL, REFERENCE_RATE, CalibrationSummary, LayerStats, TensorStats, kl_unit,
+)
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.exl3 import rate_grid
-from quantizer.model.config import ModelConfig
-from quantizer.plan.targets import ENGRAM, ROUTED, SHARED, targets
+from quantizer.exl3 import model_proxy, rate_grid
+from quantizer.model.targets import ENGRAM, ROUTED, SHARED, targets
 
-# ref/exllamav3-internals.md 2.7: relative MSE of mul1 on i.i.d. Gaussian tiles (no LDLQ).
-MUL1_MSE = {1.0: 0.277, 1.5: 0.137, 2.0: 0.068, 2.5: 0.035, 3.0: 0.0176, 3.5: 0.0090,
-            4.0: 0.0046, 5.0: 0.0013, 6.0: 0.0004, 8.0: 0.0001}
-# Same table, other codebooks: mcg measured 1.088x (K2) and 1.022x (K4) of mul1, 3INST 1.043x (K4).
-CODEBOOK_MSE_FACTOR = {"mul1": 1.0, "mcg": float(np.sqrt(1.088 * 1.022)), "3inst": 1.043}
 PROXY_FLOOR = 1e-12  # measured proxies are clamped here before taking logs
 EXPONENT = 1.5  # see the module docstring
-REFERENCE_RATE = 3.0
 ENGRAM_GAIN = 1.0
 
 _HERMITE_X, _HERMITE_W = np.polynomial.hermite_e.hermegauss(48)
 _HERMITE_W = _HERMITE_W / _HERMITE_W.sum()
-
-
-def model_proxy(rates: tuple[float, ...] | np.ndarray, codebook: str = "mul1") -> np.ndarray:
-    """Relative MSE of the codebook at each rate: the measured table, log-linear between its points."""
-    ks = np.array(sorted(MUL1_MSE))
-    log_mse = np.log([MUL1_MSE[k] for k in ks])
-    return np.exp(np.interp(np.asarray(rates, dtype=float), ks, log_mse)) * CODEBOOK_MSE_FACTOR[codebook]
 
 
 def silu_gate_factor(sigma: np.ndarray) -> np.ndarray:

@@ -14,9 +14,9 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED
-from quantizer.model.config import ModelConfig
 from quantizer.plan.plan import Plan
 from quantizer.quantize.linears import StoredLinear, stored_linears
 from quantizer.shipped import shipped

@@ -17,14 +17,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, SafetensorsHeader, TensorEntry, read_header
 from quantizer.checkpoint.source import ENGRAM_TABLE, INDEX_NAME
 from quantizer.errors import UserError
 from quantizer.exl3 import PACK_ALIGN, UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
-from quantizer.model.config import ModelConfig
+from quantizer.model.targets import target_map
 from quantizer.pack.manifest import NATIVE, Manifest, sha256_file
 from quantizer.plan.profiles import StoredLinear, load_profile, violations
-from quantizer.plan.targets import target_map
 
 EXL3_SCALES = ("suh", "svh")
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from quantizer.model.config import ModelConfig
+from quantizer.checkpoint.config import ModelConfig
+from quantizer.exl3 import HADAMARD_BLOCK, UNQUANTIZED
 from quantizer.model.layout import TensorSpec, native_layout
 from quantizer.model.tensor_classes import (
     ATTENTION, COMPRESSOR, DRAFTER, ENGRAM_RESIDENT, HEAD, INDEXER, ROUTED_EXPERT, SHARED_EXPERT, classify,
 )
-from quantizer.exl3 import HADAMARD_BLOCK, UNQUANTIZED
 
 # Target groups: the unit of floors in a uniform plan and of patterns in a recipe.
 ROUTED = "routed"
