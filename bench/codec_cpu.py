@@ -2,7 +2,7 @@
 
 Encoder: tiles/s of exact and fast mode at K = 2, 3, 4 (mul1) on N(0,1) tiles, for the compiled kernel and
 the pure-torch search (the fallback, and the previous encoder), with the speed ratios, the fast/exact MSE
-ratio and the exact MSE against exllamav3's own numbers (internals 2.7).
+ratio and the exact MSE against exllamav3's own numbers (docs/exl3-format.md, distortion).
 
 Quantizer: weights/s of quantize_linear (one matrix per call) and quantize_linears (8 per call) on the
 bundled small model's shapes, 128x256 and 512x128 (out x in) with a Hessian, against the floor: the same

@@ -1,4 +1,4 @@
-"""The decoder against the spec (internals 2.6), re-derived here in plain Python, one bit at a time."""
+"""The decoder against the spec (docs/exl3-format.md, the decode), re-derived here in plain Python, one bit at a time."""
 
 import math
 import struct

@@ -1,5 +1,5 @@
 """Trellis encoder: valid tail-biting rings, exact pack/unpack/decode round trips, and distortion against
-exllamav3's measured numbers (internals 2.7: relative MSE on i.i.d. N(0,1) tiles)."""
+exllamav3's measured numbers (docs/exl3-format.md, distortion: relative MSE on i.i.d. N(0,1) tiles)."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from quantizer.codec.trellis import step_bits, tiles_to_matrix
 CASES = [("mul1", k) for k in (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)] + [
     (cb, k) for cb in ("mcg", "3inst") for k in range(1, 9)
 ]
-# exllamav3 1.6.5 quantize_tiles on an H200 (internals 2.7)
+# exllamav3 1.6.5 quantize_tiles on an H200 (docs/exl3-format.md, distortion)
 REFERENCE_MSE = {("mul1", 1): 0.277, ("mul1", 2): 0.068, ("mul1", 4): 0.0046, ("mcg", 2): 0.074}
 
 

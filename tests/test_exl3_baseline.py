@@ -43,7 +43,7 @@ def test_v4_twin_of_v41_maps_compressed_layers_by_indexer():
 
 @needs_exllamav3
 def test_create_q_strategy_as_documented():
-    """ref/exllamav3-internals.md 3.1: -b 2.5 -hq 1 gives experts 2.5, attention and shared experts 4;
+    """docs/exl3-format.md, allocator: -b 2.5 -hq 1 gives experts 2.5, attention and shared experts 4;
     all experts of a layer share one K; DSV4 attention takes integer K only."""
     cfg = config("tiny-v4.json")
     strategy, final = exl3_strategy(cfg, 2.5, hq=1)

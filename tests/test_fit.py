@@ -1,5 +1,5 @@
 """fit: 128-block splits, placement per class, KV bytes per engine, and the real V4.1-Flash shape on
-1/2/4 Sparks at 2.5/2.9/3.5 bpw checked against what users report (ref/packs-and-gb10.md)."""
+1/2/4 Sparks at 2.5/2.9/3.5 bpw checked against what users report (docs/gb10-memory.md)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def pack(v41):
 
 
 def test_block_splits():
-    # ref/packs-and-gb10.md 3.3: EXL3 splits land on 128-wide blocks
+    # docs/gb10-memory.md: EXL3 splits land on 128-wide blocks
     assert block_split(2304, 4) == [640, 640, 512, 512]
     assert block_split(2304, 2) == [1152, 1152]
     assert block_split(129_280, 4) == [32_384, 32_384, 32_256, 32_256]
@@ -85,7 +85,7 @@ def test_placement_tp4_and_ep(v41, pack):
     assert rank0[0]["dspark_drafter"] == one["dspark_drafter"] and "dspark_drafter" not in rank0[1]
 
 
-# Anchors (ref/packs-and-gb10.md): what users ran, and what our model says about it.
+# Anchors (docs/gb10-memory.md): what users ran, and what our model says about it.
 
 def test_29_fits_two_sparks_at_1m_on_tensorfold_not_one(v41, pack):
     # jayleaton / bertholomus / soumyarupsarkar serve the 2.9 bpw pack at 1,048,576 positions on

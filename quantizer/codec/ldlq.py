@@ -3,7 +3,7 @@
 With H = (I + L) D (I + L)^T, L strictly block-lower (16x16 blocks, zero diagonal blocks), quantizing the
 (in, out) weight strip by strip from the last input row up, each strip aimed at
 W[strip] + L[later, strip]^T (W - Q)[later], leaves a proxy error tr(E^T H E) made of D-weighted
-per-strip errors only (internals 2.2 step 3).
+per-strip errors only (docs/exl3-format.md, how exllamav3 quantizes one linear, step 3).
 """
 
 from __future__ import annotations

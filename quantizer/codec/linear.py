@@ -1,4 +1,4 @@
-"""CPU linear quantizer: exllamav3's `quantize_exl3` algorithm (internals 2.2) on top of our own encoder.
+"""CPU linear quantizer: exllamav3's `quantize_exl3` algorithm (docs/exl3-format.md) on top of our own encoder.
 
 Steps: finalize H (average, damp), random input/output signs, 128-block Hadamard on both sides with
 channel-scale regularisation, a global-scale search on sampled tiles, LDLQ, a refit of the per-channel

@@ -2,7 +2,7 @@
 
 A 16x16 tile is a ring of R = 256*K bits. Position p appends D(p) bits (K, or KA/KA+1 alternating for
 half rates K = KA + 0.5), and its 16-bit state is the window of ring bits that ends where its own bits end
-(internals 2.6 steps 1-3). The ring is stored MSB-first in 32-bit words, each word as two little-endian
+(docs/exl3-format.md, the decode, steps 1-3). The ring is stored MSB-first in 32-bit words, each word as two little-endian
 int16: word i = u16[2i] | u16[2i+1] << 16. Positions map to tile elements in tensor-core order (step 5).
 """
 

@@ -407,7 +407,7 @@ def explain_terms(cfg: ModelConfig, s: Scenario, hw: Hardware) -> list[Explained
              f"{e.prefill_fixed_gib:g} GiB + {e.prefill_bytes_per_context_token:,.0f} B per context token",
              e.prefill_source),
         Explained("weights", f"split {s.split}, drafter {s.drafter}, vision {s.vision}",
-             "ref/packs-and-gb10.md 3.3; EXL3 splits on 128-wide blocks (jayleaton FOUR_SPARKS.md)"),
+             "docs/gb10-memory.md (tensor parallel); EXL3 splits on 128-wide blocks (jayleaton FOUR_SPARKS.md)"),
     ]
     if cfg.engram_layer_ids:
         src = {"nvme": hw.engram_cache_rows_per_table.source, "scales": hw.engram_scales_source,

@@ -1,4 +1,4 @@
-"""Which rank holds which bytes (ref/packs-and-gb10.md 3.3).
+"""Which rank holds which bytes (docs/gb10-memory.md, tensor parallel).
 
 Replicated on every rank: fused Q-A and KV projections, router, compressor, indexer, norms, mHC,
 Engram's q/k weights. Split by columns (output features): attention Q-B (by heads), WO-A (by

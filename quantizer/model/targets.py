@@ -7,7 +7,7 @@ on it: the trunk's routed and shared experts, attention with its compressor (`at
 and Engram's `wkv` (docs/loader-profiles.md: every Linear exllamav3's DeepSeek-V4 attention block
 quantizes).
 The head (`head_bits`), the DSpark drafter (`mtp_bits`) and vision sit outside the budget
-(ref/exllamav3-internals.md 2.4, 3.1). Everything that is not a target keeps its native storage.
+(docs/exl3-format.md, bits per weight). Everything that is not a target keeps its native storage.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""exllamav3's `recipe.yaml` (ref/exllamav3-internals.md 3.2), read into a Plan and written from one.
+"""exllamav3's `recipe.yaml` (docs/exl3-format.md, recipes), read into a Plan and written from one.
 
     target_bpw: 2.9
     head_bits: 6

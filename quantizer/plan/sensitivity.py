@@ -5,10 +5,10 @@
 proxy_t(K) is the relative output error of tensor t at rate K (exllamav3's proxy_err,
 tr(E H E^T) / tr(W H W^T)): measured values where the caller has them (e.g. from encoding each
 tensor at each candidate K), otherwise the rate-distortion model: exllamav3's measured Gaussian
-distortion per K (ref/exllamav3-internals.md 2.7; K 7 interpolated) times the tensor's ldlq_factor
+distortion per K (docs/exl3-format.md, distortion; K 7 interpolated) times the tensor's ldlq_factor
 (how much LDLQ on its Hessian beats plain rounding). For a tensor measured at only some rates, the
 other rates follow the model's shape through the measured points (the field's K4/K3 ratio is
-~0.25 per bit, ref/peers-and-anchors.md 3.2, so one measurement plus the model's slope suffices).
+~0.25 per bit, docs/field-evidence.md, so one measurement plus the model's slope suffices).
 
 importance_t is the relative error energy that a unit relative error of t causes in the residual
 streams (the hc streams a site writes into), so that tensors of every layer compare on one scale:
@@ -58,7 +58,7 @@ token counts suggest. The shares still price cold-expert aliases (below), where 
 Cold-expert aliases cost importance(w2 of the cold expert) x the aliasing error calibration
 measured (||E_cold(x) - E_warm(x)||^2 / ||E_cold(x)||^2 over the cold expert's tokens), bent the
 same way around its w2's reference proxy: an aliasing error of ~1 is far above any rate's, so only
-experts of almost no importance are aliased (the field's advice: ref/peers-and-anchors.md 3.3).
+experts of almost no importance are aliased (the field's advice: docs/field-evidence.md).
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ SYNTHETIC_ROWS, SYNTHETIC_COLS = 384, 2048  # the size of the field's V4.1 routi
 
 def synthetic_summary(cfg: ModelConfig, seed: int = 0) -> CalibrationSummary:
     """A plausible summary for any shape, from what the field measured on V4.1-Flash
-    (ref/peers-and-anchors.md 3.2): Zipf-like routing (n_eff from about half the experts early to
+    (docs/field-evidence.md, routing): Zipf-like routing (n_eff from about half the experts early to
     a sixth late), dead experts (< 64 of 786k tokens) rare early and up to 26 of 384 in the last
     layers, site gains taken from the ledger's write gains: ~6 in the first third, ~1 in the
     middle, 0.05-0.2 in the last layers. Energies and LDLQ factors are jittered around plain
