@@ -32,7 +32,7 @@ from forward_gpu_layer import Timer, random_block  # noqa: E402
 from quantizer.calibrate.collect import LayerCollector  # noqa: E402
 from quantizer.calibrate.needs import calibration_needs  # noqa: E402
 from quantizer.calibrate.settings import CalibrationSettings  # noqa: E402
-from quantizer.model.config import ModelConfig  # noqa: E402
+from quantizer.checkpoint.config import ModelConfig  # noqa: E402
 from quantizer.model.state import ForwardState  # noqa: E402
 from quantizer.report import table  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 Encoder: tiles/s of exact and fast mode at K = 2, 3, 4 (mul1) on N(0,1) tiles, for the compiled kernel and
 the pure-torch search (the fallback, and the previous encoder), with the speed ratios, the fast/exact MSE
-ratio and the exact MSE against exllamav3's own numbers (internals 2.7).
+ratio and the exact MSE against exllamav3's own numbers (docs/exl3-format.md, distortion).
 
 Quantizer: weights/s of quantize_linear (one matrix per call) and quantize_linears (8 per call) on the
 bundled small model's shapes, 128x256 and 512x128 (out x in) with a Hessian, against the floor: the same
@@ -20,10 +20,9 @@ import time
 
 import torch
 
-from quantizer.codec import (EXL3Linear, codebook_values, dequantize, encode_tiles, native, quantize_linear,
-                             quantize_linears)
-from quantizer.codec.codebook import Codebook
+from quantizer.codec import EXL3Linear, dequantize, encode_tiles, native, quantize_linear, quantize_linears
 from quantizer.codec.viterbi import _EXACT_SEAM_WINDOW, FAST_SEAM_WINDOW, _encode_torch
+from quantizer.exl3 import Codebook, codebook_values
 
 EXLLAMAV3_MSE = {2: 0.068, 3: 0.0176, 4: 0.0046}  # quantize_tiles, mul1, N(0,1) tiles, one H200
 SEAMS = {"exact": _EXACT_SEAM_WINDOW, "fast": FAST_SEAM_WINDOW}

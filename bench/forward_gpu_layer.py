@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.model.block import Block
-from quantizer.model.config import ModelConfig
 from quantizer.model.flops import layer_flops
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.state import ForwardState

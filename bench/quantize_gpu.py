@@ -38,10 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from quantizer.checkpoint.dequant import dequantize, quantize_mxfp4
 from quantizer.checkpoint.safetensors_file import planned, write_safetensors
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
+from quantizer.exl3 import rate_grid
+from quantizer.model.targets import targets
 from quantizer.plan.plan import make_plan
 from quantizer.plan.profiles import MIXEDK
-from quantizer.plan.sizes import rate_grid
-from quantizer.plan.targets import targets
 from quantizer.quantize.rates import RATES_FORMAT
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import quantize

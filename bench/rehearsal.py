@@ -48,13 +48,13 @@ from quantizer.build.build import BuildRequest, build  # noqa: E402
 from quantizer.calibrate.needs import calibration_needs  # noqa: E402
 from quantizer.calibrate.settings import CalibrationSettings  # noqa: E402
 from quantizer.calibrate.storage import HessianStore  # noqa: E402
-from quantizer.checkpoint.native_writer import write_native_checkpoint  # noqa: E402
+from quantizer.tiny.native_writer import write_native_checkpoint  # noqa: E402
 from quantizer.checkpoint.source import Checkpoint  # noqa: E402
-from quantizer.model.config import ModelConfig  # noqa: E402
+from quantizer.exl3 import exl3_bytes  # noqa: E402
+from quantizer.checkpoint.config import ModelConfig  # noqa: E402
 from quantizer.model.engram import engram_primes  # noqa: E402
 from quantizer.model.layout import native_layout  # noqa: E402
 from quantizer.plan.plan import TOTAL, expected_bytes  # noqa: E402
-from quantizer.plan.sizes import exl3_bytes  # noqa: E402
 from quantizer.plan.uniform import uniform_plan  # noqa: E402
 from quantizer.quantize.linears import stored_linears, work_units  # noqa: E402
 from quantizer.quantize.rates import EncodeRate, RateTable, estimate  # noqa: E402

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 
 from quantizer.calibrate.summary import CalibrationSummary
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
 from quantizer.plan.allocate import (
     DEFAULT_FLOOR, AllocationSettings, Allocator, InfeasibleBudget, allocate, marginal_allocation,
 )
+from quantizer.model.targets import ATTN, DRAFT, ENGRAM, INDEX, ROUTED, SHARED, targets
 from quantizer.plan.plan import Plan, aliased_keys, check_plan
 from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
 from quantizer.plan.recipe import plan_from_recipe, read_recipe, write_recipe
 from quantizer.plan.sensitivity import Sensitivity, sensitivity, synthetic_summary
-from quantizer.plan.targets import ATTN, DRAFT, ENGRAM, INDEX, ROUTED, SHARED, targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 from test_sensitivity import hand_summary  # tests/ is on sys.path (pytest prepend import mode)

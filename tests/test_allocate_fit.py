@@ -9,17 +9,20 @@ import time
 import pytest
 
 from quantizer.calibrate.summary import CalibrationSummary
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.cli import main
 from quantizer.errors import UserError
+from quantizer.exl3 import rate_grid
 from quantizer.fit.memory import fit
 from quantizer.fit.stored import stored_from_plan
-from quantizer.model.config import ModelConfig
-from quantizer.plan.allocate import AllocationSettings, FitTarget, allocate, allocate_to_fit
+from quantizer.fit.target import FitTarget, largest_fitting_plan
+from quantizer.model.targets import targets
+from quantizer.plan.allocate import AllocationSettings, allocate
+from quantizer.plan.methods import OURS, planner
 from quantizer.plan.plan import Plan
 from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
-from quantizer.plan.targets import targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 from test_allocate import with_cold_experts  # tests/ is on sys.path (pytest prepend import mode)
@@ -72,8 +75,14 @@ def test_equal_bpw_plans_are_within_one_percent_in_bytes(v41, v41_sens, bpw):
         assert abs(routed_and_budgeted(allocate(v41, v41_sens, bpw, AllocationSettings(loader=mode))) / uniform - 1) < 0.01
 
 
-def test_one_spark_at_1m_fits_only_at_a_low_rate(v41, v41_sens):
-    plan, report = allocate_to_fit(v41, v41_sens, FitTarget(1, MILLION), AllocationSettings(loader=MIXEDK))
+def most_that_fits(cfg, target, settings=AllocationSettings()):
+    # as `plan --sparks` and `build --sparks` ask fit: our allocator on a synthetic summary
+    plan_at, lowest = planner(cfg, OURS, settings, synthetic_summary(cfg))
+    return largest_fitting_plan(cfg, plan_at, lowest, rate_grid(settings.codebook)[-1], target)
+
+
+def test_one_spark_at_1m_fits_only_at_a_low_rate(v41):
+    plan, report = most_that_fits(v41, FitTarget(1, MILLION), AllocationSettings(loader=MIXEDK))
     assert report.fits and report.sparks == 1
     assert 1.2 < plan.achieved_bpw < 1.6 and plan.loader == MIXEDK and plan.aliases
     routed = [plan.k[t.key] for t in targets(v41) if t.group == "routed"]
@@ -83,7 +92,7 @@ def test_one_spark_at_1m_fits_only_at_a_low_rate(v41, v41_sens):
 def test_a_target_that_cannot_fit_says_by_how_much(v41, capsys):
     with pytest.raises(UserError, match=r"does not fit 1 Spark at 1,048,576 tokens x 16 streams .* even at the "
                                         r"lowest rates \(1\.\d+ bpw\): the worst rank is short by [\d.]+ GiB"):
-        allocate_to_fit(v41, sensitivity(v41, synthetic_summary(v41)), FitTarget(1, MILLION, streams=16))
+        most_that_fits(v41, FitTarget(1, MILLION, streams=16))
     assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "1", "--context", "1M",
                  "--streams", "16", "--synthetic"]) == 2
     assert "short by" in capsys.readouterr().err

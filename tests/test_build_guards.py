@@ -24,7 +24,7 @@ from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.pack.manifest import Manifest
 from quantizer.plan.plan import make_plan
-from quantizer.plan.targets import targets
+from quantizer.model.targets import targets
 from quantizer.report import size_text
 from quantizer.tiny.make import make_tiny
 from quantizer.workdir import FINGERPRINT_CACHE, LOCK_NAME, WORK_MARKER

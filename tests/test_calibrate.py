@@ -16,8 +16,8 @@ from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec.ldlq import finalize_hessian
 from quantizer.model.hooks import ForwardHooks
+from quantizer.model.targets import DRAFT, ROUTED, targets
 from quantizer.model.transformer import DeepseekModel
-from quantizer.plan.targets import DRAFT, ROUTED, targets
 
 DEAD_LAYER, DEAD_EXPERT = 2, 5  # the router's selection bias keeps this expert from ever being picked
 ROWS, COLS = 3, 24

@@ -17,11 +17,11 @@ import torch
 
 from quantizer.calibrate import CalibrationSettings, HessianStore, calibrate, calibration_needs
 from quantizer.calibrate.storage import CALIBRATION_DIR, STREAMS_PREFIX, SUMMARY_FILE, layer_file
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
-from quantizer.plan.targets import DRAFT, targets
+from quantizer.model.targets import DRAFT, targets
 from quantizer.shipped import model_config_path
 
 TIMEOUT_S = 300

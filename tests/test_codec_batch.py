@@ -7,8 +7,8 @@ import torch
 
 from quantizer.codec import EXL3Linear, dequantize, quantize_linear, quantize_linears
 from quantizer.codec import scale
-from quantizer.codec.codebook import Codebook
 from quantizer.codec.ldlq import block_ldl, finalize_hessian, ldlq
+from quantizer.exl3 import Codebook
 
 
 def _layer(out_f: int, in_f: int, seed: int):

@@ -1,4 +1,4 @@
-"""The decoder against the spec (internals 2.6), re-derived here in plain Python, one bit at a time."""
+"""The decoder against the spec (docs/exl3-format.md, the decode), re-derived here in plain Python, one bit at a time."""
 
 import math
 import struct
@@ -6,7 +6,8 @@ import struct
 import pytest
 import torch
 
-from quantizer.codec import EXL3Linear, codebook_values, decode_rotated, dequantize
+from quantizer.codec import EXL3Linear, decode_rotated, dequantize
+from quantizer.exl3 import codebook_values
 from quantizer.codec.hadamard import hadamard_128
 
 K_ALL = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)

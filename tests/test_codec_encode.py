@@ -1,16 +1,18 @@
 """Trellis encoder: valid tail-biting rings, exact pack/unpack/decode round trips, and distortion against
-exllamav3's measured numbers (internals 2.7: relative MSE on i.i.d. N(0,1) tiles)."""
+exllamav3's measured numbers (docs/exl3-format.md, distortion: relative MSE on i.i.d. N(0,1) tiles)."""
 
 import pytest
 import torch
 
-from quantizer.codec import codebook_values, decode_rotated, encode_tiles, pack_trellis, unpack_trellis
+from quantizer.codec import decode_rotated, encode_tiles, pack_trellis, unpack_trellis
+from quantizer.errors import UserError
+from quantizer.exl3 import codebook_values
 from quantizer.codec.trellis import step_bits, tiles_to_matrix
 
 CASES = [("mul1", k) for k in (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)] + [
     (cb, k) for cb in ("mcg", "3inst") for k in range(1, 9)
 ]
-# exllamav3 1.6.5 quantize_tiles on an H200 (internals 2.7)
+# exllamav3 1.6.5 quantize_tiles on an H200 (docs/exl3-format.md, distortion)
 REFERENCE_MSE = {("mul1", 1): 0.277, ("mul1", 2): 0.068, ("mul1", 4): 0.0046, ("mcg", 2): 0.074}
 
 
@@ -66,9 +68,9 @@ def test_fast_mode_within_ten_percent_of_exact(encoded, case):
 
 def test_bad_input_is_refused():
     tiles = _gaussian_tiles(1, seed=0)
-    with pytest.raises(ValueError, match="not an EXL3 rate"):
+    with pytest.raises(UserError, match="not an EXL3 rate"):
         encode_tiles(tiles, 2.25)
-    with pytest.raises(ValueError, match="mul1"):
+    with pytest.raises(UserError, match="mul1"):
         encode_tiles(tiles, 2.5, "mcg")
     with pytest.raises(ValueError, match="encoder mode"):
         encode_tiles(tiles, 2, mode="slow")

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from quantizer.codec import Codebook, EXL3Linear, dequantize, quantize_linear
+from quantizer.codec import EXL3Linear, dequantize, quantize_linear
+from quantizer.errors import UserError
+from quantizer.exl3 import Codebook
 
 
 def _layer(out_f: int, in_f: int, seed: int = 0):
@@ -108,7 +110,7 @@ def test_from_tensors_refuses_incomplete_or_ambiguous_storage():
         EXL3Linear.from_tensors({k: v for k, v in d.items() if k != "x.svh"}, "x")
     with pytest.raises(ValueError, match="both"):
         EXL3Linear.from_tensors({**d, "x.mcg": d["x.mul1"]}, "x")
-    with pytest.raises(ValueError, match="half rates are mul1-only"):
+    with pytest.raises(UserError, match="half rates are mul1-only"):
         EXL3Linear(torch.zeros(8, 8, 40, dtype=torch.int16), q.suh, q.svh, "3inst", 2.5)
     with pytest.raises(ValueError, match="svh must be fp16"):
         EXL3Linear(q.trellis, q.suh, q.svh.float(), "mul1", 2)
@@ -119,12 +121,6 @@ def test_from_tensors_refuses_incomplete_or_ambiguous_storage():
     (dict(weight=torch.zeros(128, 200)), "multiples of 128"),
     (dict(weight=torch.zeros(128)), "2-D"),
     (dict(weight=torch.full((128, 128), float("inf"))), "NaN or inf"),
-    (dict(K=0), "not an EXL3 rate"),
-    (dict(K=9), "not an EXL3 rate"),
-    (dict(K=2.25), "not an EXL3 rate"),
-    (dict(K="two"), "not a number"),
-    (dict(K=1.5, codebook="mcg"), "mul1"),
-    (dict(codebook="int4"), "unknown EXL3 codebook"),
     (dict(mode="slow"), "encoder mode"),
     (dict(hessian=torch.eye(64)), r"Hessian must be \(128, 128\)"),
     (dict(hessian=torch.eye(128), count=-1), "count"),
@@ -132,4 +128,19 @@ def test_from_tensors_refuses_incomplete_or_ambiguous_storage():
 def test_bad_input_gets_a_clear_error(kwargs, message):
     args = dict(weight=torch.zeros(128, 128), K=2) | kwargs
     with pytest.raises(ValueError, match=message):
+        quantize_linear(**args)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(K=0), "not an EXL3 rate"),
+    (dict(K=9), "not an EXL3 rate"),
+    (dict(K=2.25), "not an EXL3 rate"),
+    (dict(K="two"), "not a number"),
+    (dict(K=1.5, codebook="mcg"), "mul1"),
+    (dict(codebook="int4"), "unknown EXL3 codebook"),
+])
+def test_a_bad_rate_or_codebook_is_a_user_error(kwargs, message):
+    # K and the codebook come from plans, recipes and flags: one UserError line, as everywhere else
+    args = dict(weight=torch.zeros(128, 128), K=2) | kwargs
+    with pytest.raises(UserError, match=message):
         quantize_linear(**args)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from quantizer.codec import encode_tiles, native
-from quantizer.codec.codebook import Codebook
 from quantizer.codec.viterbi import _EXACT_SEAM_WINDOW, FAST_SEAM_WINDOW, _encode_torch
+from quantizer.exl3 import Codebook
 
 CASES = [("mul1", k) for k in (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)] + [("mcg", 2), ("3inst", 4), ("mcg", 8)]
 

@@ -82,7 +82,7 @@ def test_bundled_v4_model_is_the_shape_exllamav3_runs():
     from quantizer.checkpoint.source import Checkpoint
     from quantizer.demo.demo import MODELS
     from quantizer.inventory.inventory import check_against_config
-    from quantizer.model.config import V4
+    from quantizer.checkpoint.config import V4
     from quantizer.shipped import model_config_path, shipped
     from quantizer.textdata import shipped_tokenizer_path
 

@@ -9,15 +9,15 @@ import importlib.util
 import numpy as np
 import pytest
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
+from quantizer.model.targets import ATTN, ENGRAM, INDEX, ROUTED, targets
 from quantizer.plan import exl3_baseline
 from quantizer.plan.allocate import AllocationSettings, allocate
 from quantizer.plan.exl3_baseline import exl3_plan, exl3_strategy, v4_twin_config
 from quantizer.plan.plan import Plan, achieved_bpw, aliased_keys, check_plan
 from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
-from quantizer.plan.targets import ATTN, ENGRAM, INDEX, ROUTED, targets
 from quantizer.shipped import model_config_path
 from test_allocate import budget_bytes  # tests/ is on sys.path (pytest prepend import mode)
 
@@ -43,7 +43,7 @@ def test_v4_twin_of_v41_maps_compressed_layers_by_indexer():
 
 @needs_exllamav3
 def test_create_q_strategy_as_documented():
-    """ref/exllamav3-internals.md 3.1: -b 2.5 -hq 1 gives experts 2.5, attention and shared experts 4;
+    """docs/exl3-format.md, allocator: -b 2.5 -hq 1 gives experts 2.5, attention and shared experts 4;
     all experts of a layer share one K; DSV4 attention takes integer K only."""
     cfg = config("tiny-v4.json")
     strategy, final = exl3_strategy(cfg, 2.5, hq=1)

@@ -1,21 +1,23 @@
 """fit: 128-block splits, placement per class, KV bytes per engine, and the real V4.1-Flash shape on
-1/2/4 Sparks at 2.5/2.9/3.5 bpw checked against what users report (ref/packs-and-gb10.md)."""
+1/2/4 Sparks at 2.5/2.9/3.5 bpw checked against what users report (docs/gb10-memory.md)."""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.fit.hardware import Term, derived_kv_bytes_per_token, load_hardware, swa_ring_bytes
 from quantizer.fit.memory import fit, fit_table
 from quantizer.fit.placement import Options, block_split, rank_weights
 from quantizer.fit.stored import stored_from_plan
-from quantizer.model.config import ModelConfig
+from quantizer.fit.target import FitTarget, largest_fitting_plan
+from quantizer.model.targets import targets
 from quantizer.plan.plan import make_plan
-from quantizer.plan.targets import targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 
@@ -41,7 +43,7 @@ def pack(v41):
 
 
 def test_block_splits():
-    # ref/packs-and-gb10.md 3.3: EXL3 splits land on 128-wide blocks
+    # docs/gb10-memory.md: EXL3 splits land on 128-wide blocks
     assert block_split(2304, 4) == [640, 640, 512, 512]
     assert block_split(2304, 2) == [1152, 1152]
     assert block_split(129_280, 4) == [32_384, 32_384, 32_256, 32_256]
@@ -83,7 +85,7 @@ def test_placement_tp4_and_ep(v41, pack):
     assert rank0[0]["dspark_drafter"] == one["dspark_drafter"] and "dspark_drafter" not in rank0[1]
 
 
-# Anchors (ref/packs-and-gb10.md): what users ran, and what our model says about it.
+# Anchors (docs/gb10-memory.md): what users ran, and what our model says about it.
 
 def test_29_fits_two_sparks_at_1m_on_tensorfold_not_one(v41, pack):
     # jayleaton / bertholomus / soumyarupsarkar serve the 2.9 bpw pack at 1,048,576 positions on
@@ -146,19 +148,34 @@ def test_resident_engram_does_not_fit(v41, pack):
     assert fit(v41, pack(2.9), 4, 8192, 1, "tensorfold").fits
 
 
-def test_highest_bpw_is_the_boundary():
-    # the search on the tiny model with a Spark shrunk to ~14 MiB, so the boundary sits mid-range
+def _tiny_spark():
+    """The tiny model with a Spark shrunk to ~14 MiB, so the fit boundary sits mid-range."""
     tiny = ModelConfig.from_file(model_config_path("tiny-v41.json"))
-    hw = load_hardware()
-    small = replace(hw, visible_gib=Term(14 / 1024, "test"), worker_shortfall_gib=Term(0, "test"),
+    small = replace(load_hardware(), visible_gib=Term(14 / 1024, "test"), worker_shortfall_gib=Term(0, "test"),
                     os_reserve_gib=Term(0, "test"), guard_gib=Term(0, "test"),
                     engram_cache_rows_per_table=Term(0, "test"))
+    return tiny, small
+
+
+def test_highest_bpw_is_the_boundary():
+    tiny, small = _tiny_spark()
     stored_at = lambda b: stored_from_plan(tiny, uniform_plan(tiny, b))  # noqa: E731
     r = fit(tiny, stored_at(5.0), 1, 64, 1, "native", hardware=small, stored_at_bpw=stored_at, bpw=5.0)
     best = r.would_fit["highest_bpw"]
     assert not r.fits and 2.5 < best < 5.0 and f"--bpw {best:g} fits 1 Spark" in r.verdict
     assert fit(tiny, stored_at(best), 1, 64, 1, "native", hardware=small).fits
     assert not fit(tiny, stored_at(round(best + 0.05, 2)), 1, 64, 1, "native", hardware=small).fits
+
+
+def test_fit_suggests_what_plan_sparks_finds():
+    # one search: fit's "--bpw B fits" and the largest plan `plan/build --sparks` choose end at one bpw
+    tiny, small = _tiny_spark()
+    stored_at = lambda b: stored_from_plan(tiny, uniform_plan(tiny, b))  # noqa: E731
+    best = fit(tiny, stored_at(5.0), 1, 64, 1, "native", hardware=small, stored_at_bpw=stored_at,
+               bpw=5.0).would_fit["highest_bpw"]
+    plan, report = largest_fitting_plan(tiny, lambda b: uniform_plan(tiny, b), 1.0, 5.0, FitTarget(1, 64, 1, "native"),
+                                        small)
+    assert report.fits and best == math.floor(plan.target_bpw * 100) / 100
 
 
 def test_report_json_and_bad_inputs(v41, pack):

@@ -8,15 +8,15 @@ import shutil
 
 import pytest
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PlannedTensor, read_header, write_safetensors
 from quantizer.cli import main
 from quantizer.errors import UserError
+from quantizer.exl3 import leaf_layout
 from quantizer.fit.memory import fit
 from quantizer.fit.stored import stored_from_pack, stored_from_plan
-from quantizer.model.config import ModelConfig
+from quantizer.model.targets import classified_layout, stored_parts, target_map
 from quantizer.plan.plan import Plan
-from quantizer.plan.sizes import exl3_leaves
-from quantizer.plan.targets import classified_layout, stored_parts, target_map
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 
@@ -37,8 +37,8 @@ def write_fake_pack(out, cfg: ModelConfig, plan: Plan):
             t = tmap[key]
             for part, rows in stored_parts(cfg, t, k):  # a quantized wo_a as its o_groups slices
                 out_features = rows[1] - rows[0] if rows else t.out_features
-                tensors += [PlannedTensor(s.name, s.dtype, s.shape, None)
-                            for s in exl3_leaves(part, t.in_features, out_features, k, plan.codebook)]
+                tensors += [PlannedTensor(part + suffix, dtype, shape, None) for suffix, shape, dtype, _
+                            in leaf_layout(t.in_features, out_features, k, plan.codebook)]
     out.mkdir()
     half = len(tensors) // 2
     weight_map = {}

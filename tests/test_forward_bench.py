@@ -7,7 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from quantizer.model.config import ModelConfig
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.model.flops import layer_flops
 from quantizer.shipped import model_config_path
 

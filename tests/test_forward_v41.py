@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.model.attention import attend, query_chunk
 from quantizer.model.compression import candidate_mask, visibility_mask, visible_counts
-from quantizer.model.config import ModelConfig
 from quantizer.model.engram import compressed_token_map, engram_primes
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.layout import native_layout

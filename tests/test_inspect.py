@@ -9,7 +9,7 @@ from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.inventory.inventory import take_inventory
 
-# ref/deepseek-v41-architecture.md section 3: (tensors, params, bytes) per class of V4.1-Flash
+# docs/deepseek-v4-layout.md: (tensors, params, bytes) per class of V4.1-Flash
 V41_CLASSES = {
     "routed_expert": (92_160, 543_581_798_400, 288_777_830_400),
     "shared_expert": (240, 1_415_577_600, 1_416_960_000),

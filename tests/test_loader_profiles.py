@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import pytest
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
+from quantizer.model.targets import ROUTED, target_map, targets
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS, planner
 from quantizer.plan.plan import make_plan, plan_linears
 from quantizer.plan.profiles import EXLLAMAV3, LOADERS, MIXEDK, load_profile, violations
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.sensitivity import synthetic_summary
-from quantizer.plan.targets import ROUTED, target_map, targets
 from quantizer.shipped import model_config_path
 
 

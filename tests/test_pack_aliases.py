@@ -7,9 +7,9 @@ import json
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
+from quantizer.model.targets import targets
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.plan.plan import make_plan
-from quantizer.plan.targets import targets
 
 COLD, WARM = "layers.0.ffn.experts.7", "layers.0.ffn.experts.2"
 

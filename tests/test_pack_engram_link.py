@@ -10,11 +10,11 @@ import pytest
 
 from quantizer.checkpoint.safetensors_file import PlannedTensor, read_header, read_tensor, write_safetensors
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
+from quantizer.model.targets import targets
 from quantizer.model.tensor_classes import ENGRAM_TABLE, classify
 from quantizer.pack import shards as shards_module
 from quantizer.pack.writer import PackSettings, write_pack
 from quantizer.plan.plan import make_plan
-from quantizer.plan.targets import targets
 from quantizer.quantize import QuantizeSettings, quantize
 from quantizer.verify.verify import verify_pack
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from quantizer.checkpoint.safetensors_file import TensorEntry
 from quantizer.model.tensor_classes import classify
-from quantizer.pack.shards import ALIGN, PackTensor, assign_shards
+from quantizer.exl3 import PACK_ALIGN
+from quantizer.pack.shards import PackTensor, assign_shards
 
 
 def _t(name: str, nbytes: int) -> PackTensor:
@@ -21,7 +22,7 @@ def _layout(shards):
 def test_layers_fill_shards_up_to_the_cap_without_being_split():
     tensors = [_t(f"layers.{layer}.attn_norm.weight", 300) for layer in range(3)]
     tensors += [_t(f"layers.{layer}.ffn_norm.weight", 300) for layer in range(3)]
-    shards = assign_shards(tensors, cap=2 * (600 + 2 * ALIGN))
+    shards = assign_shards(tensors, cap=2 * (600 + 2 * PACK_ALIGN))
     assert _layout(shards) == [
         ["layers.0.attn_norm.weight", "layers.0.ffn_norm.weight", "layers.1.attn_norm.weight", "layers.1.ffn_norm.weight"],
         ["layers.2.attn_norm.weight", "layers.2.ffn_norm.weight"],

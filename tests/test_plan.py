@@ -7,13 +7,13 @@ import json
 
 import pytest
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
+from quantizer.exl3 import check_k, exl3_bytes, k_from_trellis, leaf_layout
+from quantizer.model.targets import quantizable, target_map, targets
 from quantizer.model.tensor_classes import ATTENTION, HEAD, ROUTED_EXPERT, classify
 from quantizer.plan.plan import Plan, make_plan
 from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
-from quantizer.plan.sizes import check_k, exl3_bytes, exl3_leaves, k_from_trellis
-from quantizer.plan.targets import quantizable, target_map, targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 
@@ -45,7 +45,7 @@ def test_v41_targets_by_group(v41):
     assert counts == {"routed": 46_080, "shared": 120, "attention": 207, "indexer": 12, "engram": 2,
                       "head": 1, "drafter": 1_177}
     numel = {g: sum(t.numel for t in ts) for g, ts in groups.items()}
-    # architecture ref section 3: routed params 543,581,798,400; attention class 5,064,696,320
+    # docs/deepseek-v4-layout.md: routed params 543,581,798,400; attention class 5,064,696,320
     # minus its norms and sinks (40 x (1280 + 512 + 64) = 74,240)
     assert numel["routed"] == 543_581_798_400
     compressors = 7 * 5120 * 512  # the compressor class: wkv/wgate [512, 5120]
@@ -84,10 +84,10 @@ def test_classify_knows_exl3_leaves():
 
 
 def test_exl3_tensor_sizes():
-    # ref/exllamav3-internals.md 2.3: trellis int16 [in/16, out/16, 16K], suh [in], svh [out], int32 marker
-    leaves = {s.name: s for s in exl3_leaves("x", 5120, 2304, 2.5, "mul1")}
-    assert leaves["x.trellis"].shape == (320, 144, 40) and leaves["x.trellis"].dtype == "I16"
-    assert leaves["x.suh"].shape == (5120,) and leaves["x.svh"].shape == (2304,) and leaves["x.mul1"].nbytes == 4
+    # docs/exl3-format.md, stored tensors: trellis int16 [in/16, out/16, 16K], suh [in], svh [out], int32 marker
+    leaves = {suffix: (shape, dtype, nbytes) for suffix, shape, dtype, nbytes in leaf_layout(5120, 2304, 2.5, "mul1")}
+    assert leaves[".trellis"] == ((320, 144, 40), "I16", 5120 * 2304 * 2.5 / 8)
+    assert leaves[".suh"][0] == (5120,) and leaves[".svh"][0] == (2304,) and leaves[".mul1"] == ((), "I32", 4)
     assert exl3_bytes(5120, 2304, 2.5) == 5120 * 2304 * 2.5 / 8 + 2 * 5120 + 2 * 2304 + 4
     assert exl3_bytes(5120, 2304, 3, "3inst") == 5120 * 2304 * 3 // 8 + 2 * (5120 + 2304)  # no marker
     assert exl3_bytes(5120, 2304, 16) == 5120 * 2304 * 2  # 16: unquantized fp16
@@ -105,7 +105,7 @@ def test_uniform_plan_29_k_map_and_pack_size(v41, plan29):
     k = plan29.k
     layer_k = [k[f"layers.{L}.ffn.experts.0.w1"] for L in range(40)]
     # 30 layers at K3 nearest the ends of the stack, 10 middle layers at K2.5: routed mean 2.875,
-    # the same mean as Mia's K map (K3, L18-22 at K2); ref/packs-and-gb10.md 2.2
+    # the same mean as Mia's K map (K3, L18-22 at K2); docs/gb10-memory.md, published packs
     assert layer_k == [3.0] * 15 + [2.5] * 10 + [3.0] * 15
     assert sum(layer_k) / 40 == 2.875
     assert all(k[f"layers.{L}.ffn.experts.{e}.{p}"] == layer_k[L]
@@ -119,7 +119,7 @@ def test_uniform_plan_29_k_map_and_pack_size(v41, plan29):
     # native drafter, attention K5 instead of 4: +0.6 GiB, -0.7 GiB, so the same size class)
     resident = plan29.expected_bytes["total_without_engram_tables"] / GIB
     assert 195.0 < resident < 198.0
-    # routed: 67,947,724,800 B per bpw + suh/svh 0.64 GiB + markers (packs-and-gb10 section 1)
+    # routed: 67,947,724,800 B per bpw + suh/svh 0.64 GiB + markers (docs/exl3-format.md, bits per weight)
     routed = plan29.expected_bytes["routed_expert"]
     assert routed == 67_947_724_800 * 2.875 + 46_080 * (2 * (5120 + 2304) + 4)
 

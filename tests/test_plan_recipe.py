@@ -7,14 +7,14 @@ import fnmatch
 
 import pytest
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.cli import main
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
+from quantizer.exl3 import exl3_bytes
+from quantizer.model.targets import stored_parts, target_map
 from quantizer.plan.plan import make_plan
 from quantizer.plan.profiles import MIXEDK
 from quantizer.plan.recipe import _KeyPool, plan_from_recipe, read_recipe, recipe_entries, write_recipe
-from quantizer.plan.sizes import exl3_bytes
-from quantizer.plan.targets import stored_parts, target_map
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path, shipped
 

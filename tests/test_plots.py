@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.cli import main
-from quantizer.model.config import ModelConfig
+from quantizer.model.targets import targets
 from quantizer.plan.plan import Plan
-from quantizer.plan.targets import targets
 from quantizer.plots import DPI, save_figure
 from quantizer.shipped import model_config_path, shipped
 

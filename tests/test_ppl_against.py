@@ -14,10 +14,10 @@ from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.codec import EXL3Linear, dequantize
 from quantizer.model.hooks import ForwardHooks
+from quantizer.model.targets import targets
 from quantizer.model.transformer import DeepseekModel
 from quantizer.plan.plan import make_plan
 from quantizer.plan.profiles import MIXEDK
-from quantizer.plan.targets import targets
 from quantizer.ppl.compare import compare
 from quantizer.ppl.perplexity import RowPredictions
 

@@ -11,12 +11,12 @@ import threading
 import pytest
 import torch
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
-from quantizer.model.config import ModelConfig
+from quantizer.model.targets import ROUTED, targets
 from quantizer.plan.plan import make_plan
 from quantizer.plan.profiles import MIXEDK
-from quantizer.plan.targets import ROUTED, targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.quantize import QuantizeSettings, quantize
 from quantizer.quantize.linears import stored_linears, work_units

@@ -14,8 +14,8 @@ import pytest
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
+from quantizer.model.targets import targets
 from quantizer.plan.plan import make_plan
-from quantizer.plan.targets import targets
 from quantizer.workdir import JOB_NAME
 from quantizer.build.build import QUANTIZE_DIR
 from quantizer.quantize.results import RESULTS_DIR

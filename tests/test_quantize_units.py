@@ -10,8 +10,8 @@ import pytest
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
+from quantizer.model.targets import targets
 from quantizer.plan.plan import make_plan
-from quantizer.plan.targets import targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.quantize.job import JobSpec, job_differences
 from quantizer.quantize.linears import GPU_BATCH_BYTES, stored_linears, tensor_seed, work_units

@@ -8,14 +8,12 @@ import time
 import numpy as np
 import pytest
 
-from quantizer.calibrate.summary import CalibrationSummary, LayerStats, TensorStats
+from quantizer.calibrate.summary import REFERENCE_RATE, CalibrationSummary, LayerStats, TensorStats
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
-from quantizer.plan.sensitivity import (
-    ENGRAM_GAIN, EXPONENT, MUL1_MSE, REFERENCE_RATE, model_proxy, sensitivity, silu_gate_factor, synthetic_summary,
-)
-from quantizer.plan.sizes import rate_grid
-from quantizer.plan.targets import targets
+from quantizer.exl3 import MUL1_MSE, model_proxy, rate_grid
+from quantizer.model.targets import targets
+from quantizer.plan.sensitivity import ENGRAM_GAIN, EXPONENT, sensitivity, silu_gate_factor, synthetic_summary
 from quantizer.shipped import model_config_path
 
 
@@ -49,7 +47,7 @@ def test_model_proxy_is_exllamav3s_table():
         assert proxy[rates.index(k)] == pytest.approx(mse)
     assert proxy[rates.index(7.0)] == pytest.approx(np.sqrt(0.0004 * 0.0001))  # log-linear between 6 and 8
     assert np.all(np.diff(proxy) < 0)
-    # ref/peers-and-anchors.md 3.2: EXL3 K4/K3 proxy ratio ~0.25 (measured 0.252-0.269 on V4.1)
+    # docs/field-evidence.md: EXL3 K4/K3 proxy ratio ~0.25 (measured 0.252-0.269 on V4.1)
     assert 0.24 < proxy[rates.index(4.0)] / proxy[rates.index(3.0)] < 0.27
     assert model_proxy([2.0, 4.0], "mcg")[0] == pytest.approx(0.068 * np.sqrt(1.088 * 1.022))
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.model.config import ModelConfig
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.streaming import CheckpointSource, LayerStreamer, block_weight_bytes, estimate_stream_memory
 from quantizer.model.transformer import DeepseekModel

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from quantizer.calibrate import CalibrationSettings, HessianStore, calibrate
-from quantizer.calibrate.summary import KL_UNITS, MEASURED_KL, STREAM_ENERGY, kl_unit
+from quantizer.calibrate.summary import KL_UNITS, MEASURED_KL, REFERENCE_RATE, STREAM_ENERGY, kl_unit
 from quantizer.calibrate.unit_kl import KLProbe, hessian_noise, unit_keys
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.model.hooks import ForwardHooks
+from quantizer.model.targets import targets
 from quantizer.model.transformer import DeepseekModel
-from quantizer.plan.sensitivity import REFERENCE_RATE, bent_cost, sensitivity
-from quantizer.plan.targets import targets
+from quantizer.plan.sensitivity import bent_cost, sensitivity
 
 ROWS, COLS = 3, 24
 

@@ -11,9 +11,9 @@ import pytest
 from quantizer.checkpoint.safetensors_file import PlannedTensor, read_header, read_tensor, write_safetensors
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import main
+from quantizer.model.targets import targets
 from quantizer.pack.manifest import MANIFEST_NAME, sha256_file
 from quantizer.plan.plan import make_plan
-from quantizer.plan.targets import targets
 
 CAP = "4M"
 

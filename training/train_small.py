@@ -29,11 +29,11 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from quantizer.checkpoint.native_writer import write_native_checkpoint  # noqa: E402
-from quantizer.model.config import ModelConfig  # noqa: E402
+from quantizer.checkpoint.config import ModelConfig  # noqa: E402
 from quantizer.model.hooks import ForwardHooks, RoutingEvent  # noqa: E402
 from quantizer.model.layout import TensorSpec  # noqa: E402
 from quantizer.model.transformer import DeepseekModel, init_parameters  # noqa: E402
+from quantizer.tiny.native_writer import write_native_checkpoint  # noqa: E402
 
 CONFIG = REPO / "configs" / "models" / "small-v41.json"
 TOKENIZER = REPO / "calibration" / "tokenizer.json"

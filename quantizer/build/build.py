@@ -29,21 +29,22 @@ from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.stage import calibrate, tokens_digest
 from quantizer.calibrate.storage import HessianStore
 from quantizer.calibrate.summary import CalibrationSummary
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.fingerprint import layout_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import code_fingerprint, current
 from quantizer.errors import UserError
+from quantizer.exl3 import rate_grid
 from quantizer.fit.memory import FitReport
+from quantizer.fit.target import FitTarget, largest_fitting_plan
 from quantizer.inventory.inventory import require_consistent
-from quantizer.model.config import ModelConfig
 from quantizer.pack.manifest import Manifest
 from quantizer.pack.writer import PackSettings, check_new_pack_dir, write_pack
-from quantizer.plan.allocate import AllocationSettings, FitTarget, largest_fitting_plan
+from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS, UNIFORM, planner
 from quantizer.plan.plan import Plan
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
-from quantizer.plan.sizes import rate_grid
 from quantizer.quantize.rates import plan_estimate
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import QuantizeResult, quantize

@@ -12,21 +12,22 @@ import argparse
 import re
 from pathlib import Path
 
+from quantizer.arguments import tokens
 from quantizer.build.build import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import current
 from quantizer.errors import UserError
-from quantizer.fit.cli import render as render_fit
-from quantizer.fit.cli import tokens
+from quantizer.exl3 import CODEBOOKS
 from quantizer.fit.memory import TOPOLOGIES
-from quantizer.plan.allocate import AllocationSettings, FitTarget
+from quantizer.fit.render import render as render_fit
+from quantizer.fit.target import FitTarget
+from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS
 from quantizer.plan.profiles import EXLLAMAV3, LOADERS
 from quantizer.textdata import model_rows, shipped_text_path
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.plan import Plan
-from quantizer.plan.sizes import CODEBOOKS
 from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
 from quantizer.report import gib, table
 

@@ -25,7 +25,7 @@ from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.fit.stored import EXL3, stored_from_plan
 from quantizer.plan.plan import Plan
-from quantizer.plan.sizes import UNQUANTIZED
+from quantizer.exl3 import UNQUANTIZED
 from quantizer.report import size_text
 from quantizer.workdir import claim_work_dir, existing_parent, free_bytes, job_lock
 

@@ -43,12 +43,12 @@ from quantizer.calibrate.groups import HGroup, group_key, layer_groups, wo_a_sli
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.storage import STORAGE_DTYPES, pack_hessian
 from quantizer.calibrate.summary import LayerStats, TensorStats
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.distributed import Ranks
 from quantizer.model.block import Block
-from quantizer.model.config import ModelConfig
 from quantizer.model.hooks import ForwardHooks, RoutingEvent
 from quantizer.model.mhc import hc_expand, hc_mix
-from quantizer.plan.targets import ROUTED, targets
+from quantizer.model.targets import ROUTED, targets
 
 
 def accumulate(total: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor | None = None) -> None:

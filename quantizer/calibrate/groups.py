@@ -19,8 +19,8 @@ not run by calibration.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from quantizer.model.config import ModelConfig
-from quantizer.plan.targets import (
+from quantizer.checkpoint.config import ModelConfig
+from quantizer.model.targets import (
     ATTN, COMPRESSOR_PROJECTIONS, DRAFT, HEAD_GROUP, INDEX, ROUTED, SHARED, Target, target_map, targets,
 )
 

@@ -24,10 +24,10 @@ import torch
 from quantizer.calibrate.groups import head_group, layer_groups
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.storage import STORAGE_DTYPES
-from quantizer.model.config import ModelConfig
+from quantizer.checkpoint.config import ModelConfig
+from quantizer.model.targets import classified_layout
 from quantizer.model.tensor_classes import ENGRAM_TABLE
 from quantizer.model.streaming import MemoryEstimate, estimate_stream_memory
-from quantizer.plan.targets import classified_layout
 from quantizer.report import GIB, gib
 
 

@@ -32,7 +32,7 @@ from quantizer.checkpoint.safetensors_file import (
 )
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
-from quantizer.plan.targets import target_map
+from quantizer.model.targets import target_map
 from quantizer.workdir import FINGERPRINT_CACHE, JOB_NAME
 
 CALIBRATION_DIR = "calibration"

@@ -21,13 +21,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from quantizer.errors import UserError
-from quantizer.plan.targets import ENGRAM, ROUTED, SHARED
+from quantizer.model.targets import ENGRAM, ROUTED, SHARED
 from quantizer.workdir import read_json, write_json_atomic
 
 FORMAT = "quantizer-calibration-summary"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 STREAM_ENERGY, MEASURED_KL = "stream-energy", "measured-kl"
+REFERENCE_RATE = 3.0  # measured unit KL is the cost at the error level of this K (the allocator's reference)
 
 # The units whose KL calibration measures per layer; attention includes the indexer query.
 ATTENTION_UNIT, ENGRAM_UNIT, SHARED_UNIT, ROUTED_UNIT = "attention", "engram", "shared", "routed"
@@ -35,7 +36,7 @@ KL_UNITS = (ATTENTION_UNIT, ENGRAM_UNIT, SHARED_UNIT, ROUTED_UNIT)
 
 
 def kl_unit(group: str) -> str:
-    """The measured unit of a budgeted target group (plan/targets.py)."""
+    """The measured unit of a budgeted target group (model/targets.py)."""
     return {ROUTED: ROUTED_UNIT, SHARED: SHARED_UNIT, ENGRAM: ENGRAM_UNIT}.get(group, ATTENTION_UNIT)
 
 

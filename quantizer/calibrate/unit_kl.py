@@ -30,13 +30,14 @@ import torch
 from tqdm import tqdm
 
 from quantizer.calibrate.analysis import out_energy
-from quantizer.calibrate.summary import TensorStats, kl_unit
-from quantizer.model.config import ModelConfig
+from quantizer.calibrate.summary import REFERENCE_RATE, TensorStats, kl_unit
+from quantizer.checkpoint.config import ModelConfig
+from quantizer.exl3 import model_proxy
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.state import DEFAULT_ATTN_CHUNK_ELEMENTS, ForwardState
 from quantizer.model.streaming import estimate_stream_memory
+from quantizer.model.targets import classified_layout, targets
 from quantizer.model.transformer import DeepseekModel
-from quantizer.plan.targets import classified_layout, targets
 
 MEMORY_SHARE = 0.5  # measure only when the probe needs at most this share of the free memory
 WEIGHT_SUFFIX = ".weight"
@@ -45,9 +46,6 @@ WEIGHT_SUFFIX = ".weight"
 def kl_relative_error() -> float:
     """The relative output error of the probe's noise per unit of LDLQ factor: the allocator's K 3
     proxy (mul1), so that a unit's measured KL is its cost at the model's reference rate."""
-    # plan.sensitivity imports calibrate.summary, which loads this package: import it when called
-    from quantizer.plan.sensitivity import REFERENCE_RATE, model_proxy
-
     return float(model_proxy([REFERENCE_RATE], "mul1")[0])
 
 

@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 
 from quantizer.errors import UserError
+from quantizer.exl3 import PACK_ALIGN
 
 # The dtypes the safetensors format defines, with their element sizes. Anything else in a header is
 # an error: a reader that guessed would dequantize garbage.
@@ -231,11 +232,11 @@ def write_safetensors(
     path: str | os.PathLike,
     tensors: Iterable[PlannedTensor],
     metadata: dict[str, str] | None = None,
-    align: int = 64,
+    align: int = PACK_ALIGN,
 ) -> int:
     """Write a shard to a temporary name and rename it, so a crash never leaves a half file.
 
-    `align=1` packs tensors back to back as most writers do; packs use 64 (GB10 zero-copy loads).
+    `align=1` packs tensors back to back as most writers do; packs use PACK_ALIGN (docs/exl3-format.md, alignment).
     Tensors with `data=None` are left as holes (zeros) in a sparse file. Returns the file size.
     """
     path = Path(path)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.dequant import dequantize
 from quantizer.checkpoint.safetensors_file import TensorEntry, read_header, read_tensor
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

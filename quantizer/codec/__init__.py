@@ -7,10 +7,10 @@ Public surface:
 - dequantize / decode_rotated: the original-basis weight, or the rotated one exactly as exllamav3 builds it.
 - encode_tiles / pack_trellis / unpack_trellis: the trellis encoder and the bit stream, for tooling and tests.
 The CPU encoder is compiled C++ when a compiler is present (native.py), pure torch otherwise.
+Codebooks, rates and sizes are quantizer.exl3's (the shared EXL3 vocabulary).
 exllamav3 itself is only touched by quantizer.codec.exllamav3_adapter (GPU machines).
 """
 
-from .codebook import Codebook, check_bitrate, codebook_values
 from .decode import decode_rotated, dequantize
 from .linear import quantize_linear, quantize_linears
 from .packed import EXL3Linear
@@ -18,11 +18,8 @@ from .trellis import pack_trellis, unpack_trellis
 from .viterbi import EncoderMode, encode_tiles
 
 __all__ = [
-    "Codebook",
     "EXL3Linear",
     "EncoderMode",
-    "check_bitrate",
-    "codebook_values",
     "decode_rotated",
     "dequantize",
     "encode_tiles",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .codebook import Codebook, codebook_values
+from quantizer.exl3 import Codebook, codebook_values
+
 from .hadamard import rotate_cols, rotate_rows
 from .packed import EXL3Linear
 from .trellis import tiles_to_matrix, unpack_trellis

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .codebook import Codebook, check_bitrate, parse_codebook
+from quantizer.exl3 import Codebook, parse_codebook, trellis_k
+
 from .linear import check_linear_inputs
 from .packed import EXL3Linear
 
@@ -81,7 +82,7 @@ def quantize(
     from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3
 
     cb = parse_codebook(codebook)
-    k = check_bitrate(K, cb)
+    k = trellis_k(K, cb)
     check_linear_inputs(weight, hessian, count)
     device = _cuda(device)
     qa = _quant_args(k, cb, seed, device, apply_out_scales)
@@ -106,7 +107,7 @@ def quantize_batch(
     from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3_batch
 
     cb = parse_codebook(codebook)
-    k = check_bitrate(K, cb)
+    k = trellis_k(K, cb)
     if not weights or len({tuple(w.shape) for w in weights}) != 1:
         raise ValueError("quantize_batch needs one or more same-shape weights")
     device = _cuda(device)

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-BLOCK = 128
+from quantizer.exl3 import HADAMARD_BLOCK as BLOCK
 
 
 @lru_cache(maxsize=None)

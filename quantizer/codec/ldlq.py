@@ -3,7 +3,7 @@
 With H = (I + L) D (I + L)^T, L strictly block-lower (16x16 blocks, zero diagonal blocks), quantizing the
 (in, out) weight strip by strip from the last input row up, each strip aimed at
 W[strip] + L[later, strip]^T (W - Q)[later], leaves a proxy error tr(E^T H E) made of D-weighted
-per-strip errors only (internals 2.2 step 3).
+per-strip errors only (docs/exl3-format.md, how exllamav3 quantizes one linear, step 3).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .codebook import Codebook, codebook_values
+from quantizer.exl3 import Codebook, codebook_values
+
 from .trellis import TILE, matrix_to_tiles, tiles_to_matrix
 from .viterbi import EncoderMode, encode_tiles
 

@@ -1,4 +1,4 @@
-"""CPU linear quantizer: exllamav3's `quantize_exl3` algorithm (internals 2.2) on top of our own encoder.
+"""CPU linear quantizer: exllamav3's `quantize_exl3` algorithm (docs/exl3-format.md) on top of our own encoder.
 
 Steps: finalize H (average, damp), random input/output signs, 128-block Hadamard on both sides with
 channel-scale regularisation, a global-scale search on sampled tiles, LDLQ, a refit of the per-channel
@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .codebook import Codebook, check_bitrate, parse_codebook
+from quantizer.exl3 import Codebook, parse_codebook, trellis_k
+
 from .decode import dequantize
 from .hadamard import BLOCK, rotate_cols, rotate_rows
 from .ldlq import block_ldl, finalize_hessian, ldlq
@@ -166,7 +167,7 @@ def quantize_linears(
     once for the whole batch (on a pooled sample, see scale.py).
     """
     cb = parse_codebook(codebook)
-    k_bits = check_bitrate(K, cb)
+    k_bits = trellis_k(K, cb)
     if mode not in ENCODER_MODES:
         raise ValueError(f"unknown encoder mode {mode!r}; use one of {', '.join(ENCODER_MODES)}")
     weights = list(weights)

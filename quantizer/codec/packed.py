@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .codebook import Codebook, check_bitrate, parse_codebook
+from quantizer.exl3 import Codebook, k_from_trellis, parse_codebook, trellis_k
+
 from .trellis import TILE, words_per_tile
 
 
@@ -34,7 +35,7 @@ class EXL3Linear:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "codebook", parse_codebook(self.codebook))
-        object.__setattr__(self, "K", check_bitrate(self.K, self.codebook))
+        object.__setattr__(self, "K", trellis_k(self.K, self.codebook))
         t = self.trellis
         words = words_per_tile(self.K)
         if t.dtype != torch.int16 or t.dim() != 3 or t.shape[-1] != words:
@@ -61,7 +62,7 @@ class EXL3Linear:
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], key: str) -> EXL3Linear:
-        """Parse `<key>.trellis/.suh/.svh` (+ `.mul1` or `.mcg`); K comes from trellis.shape[-1] / 16."""
+        """Parse `<key>.trellis/.suh/.svh` (+ `.mul1` or `.mcg`); K comes from the trellis shape."""
         missing = [f"{key}.{n}" for n in ("trellis", "suh", "svh") if f"{key}.{n}" not in tensors]
         if missing:
             raise ValueError(f"not EXL3 storage: {', '.join(missing)} missing")
@@ -69,11 +70,10 @@ class EXL3Linear:
         if len(markers) > 1:
             raise ValueError(f"{key} carries both .mul1 and .mcg markers; a tensor has one codebook")
         trellis = tensors[f"{key}.trellis"]
-        k = trellis.shape[-1] / 16
         return cls(
             trellis=trellis,
             suh=tensors[f"{key}.suh"],
             svh=tensors[f"{key}.svh"],
             codebook=markers[0] if markers else Codebook.INST3,
-            K=int(k) if k.is_integer() else k,
+            K=k_from_trellis(trellis.shape),
         )

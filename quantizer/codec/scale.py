@@ -1,4 +1,5 @@
-"""Global-scale search: the factor g the rotated weights are multiplied by before LDLQ (internals 2.2 step 2).
+"""Global-scale search: the factor g the rotated weights are multiplied by before LDLQ (docs/exl3-format.md, how exllamav3
+quantizes one linear, step 2).
 
 exllamav3 test-quantizes sampled tiles (a wrapped diagonal three tiles wide, plus the tiles of extreme
 RMS where outlier channels show) at g on a coarse grid 0.1..1.9, then on a fine grid around the best,
@@ -17,7 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .codebook import Codebook, codebook_values
+from quantizer.exl3 import Codebook, codebook_values
+
 from .trellis import matrix_to_tiles
 from .viterbi import encode_tiles
 

@@ -2,7 +2,7 @@
 
 A 16x16 tile is a ring of R = 256*K bits. Position p appends D(p) bits (K, or KA/KA+1 alternating for
 half rates K = KA + 0.5), and its 16-bit state is the window of ring bits that ends where its own bits end
-(internals 2.6 steps 1-3). The ring is stored MSB-first in 32-bit words, each word as two little-endian
+(docs/exl3-format.md, the decode, steps 1-3). The ring is stored MSB-first in 32-bit words, each word as two little-endian
 int16: word i = u16[2i] | u16[2i+1] << 16. Positions map to tile elements in tensor-core order (step 5).
 """
 
@@ -13,7 +13,7 @@ from itertools import accumulate
 
 import torch
 
-from .codebook import check_bitrate
+from quantizer.exl3 import trellis_k
 
 TILE = 16
 TILE_POSITIONS = TILE * TILE
@@ -24,7 +24,7 @@ _CHUNK_TILES = 8192
 @lru_cache(maxsize=None)
 def step_bits(K: float) -> tuple[int, ...]:
     """D(p): bits position p adds to the ring; half rates alternate KA (even p) and KA+1 (odd p)."""
-    k = check_bitrate(K)
+    k = trellis_k(K)
     ka = int(k)
     return tuple(ka + (p & 1) * int(k != ka) for p in range(TILE_POSITIONS))
 

@@ -25,8 +25,9 @@ from typing import Literal
 
 import torch
 
+from quantizer.exl3 import NUM_STATES, Codebook, codebook_values, parse_codebook, trellis_k
+
 from . import native
-from .codebook import NUM_STATES, Codebook, check_bitrate, codebook_values, parse_codebook
 from .trellis import TILE_POSITIONS, step_bits
 
 EncoderMode = Literal["exact", "fast"]
@@ -196,7 +197,7 @@ def encode_tiles(
     uses torch.get_num_threads() threads.
     """
     cb = parse_codebook(codebook)
-    k = check_bitrate(K, cb)
+    k = trellis_k(K, cb)
     if mode not in ENCODER_MODES:
         raise ValueError(f"unknown encoder mode {mode!r}; use one of {', '.join(ENCODER_MODES)}")
     if tiles.dim() != 2 or tiles.shape[1] != TILE_POSITIONS:

@@ -35,13 +35,13 @@ from quantizer.checkpoint.safetensors_file import read_header
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
+from quantizer.model.targets import targets
 from quantizer.pack.writer import PackSettings, write_pack
 from quantizer.plan.allocate import AllocationSettings, allocate
 from quantizer.plan.exl3_baseline import exl3_plan
 from quantizer.plan.plan import Plan, make_plan
 from quantizer.plan.profiles import EXLLAMAV3, LOADERS, MIXEDK
 from quantizer.plan.sensitivity import sensitivity
-from quantizer.plan.targets import targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.ppl.compare import Comparison, compare
 from quantizer.ppl.pack_source import PackSource

@@ -6,29 +6,19 @@ Prints a per-rank table and a verdict; exit 0 when it fits, 1 when it does not, 
 from __future__ import annotations
 
 import argparse
-import re
 
+from quantizer.arguments import add_model_arguments, add_plan_arguments, load_model_config, tokens
 from quantizer.errors import UserError
 from quantizer.fit.hardware import load_hardware
-from quantizer.fit.memory import TOPOLOGIES, FitReport, fit
+from quantizer.fit.memory import TOPOLOGIES, fit
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES
+from quantizer.fit.render import render
 from quantizer.fit.stored import stored_from_pack, stored_from_plan
-from quantizer.plan.cli import add_model_arguments, add_plan_arguments, load_model_config
 from quantizer.plan.plan import Plan, check_plan
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.uniform import uniform_plan
 from quantizer.plots import plot_path, save_figure
-from quantizer.report import table
 
-_TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
-
-
-def tokens(text: str) -> int:
-    """`1048576`, `1M` (= 1,048,576) or `128K` (= 131,072)."""
-    m = _TOKENS.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r}: a token count such as 131072, 128K or 1M")
-    return int(float(m[1]) * {"": 1, "k": 1 << 10, "m": 1 << 20}[m[2].lower()])
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -94,27 +84,3 @@ def run(args: argparse.Namespace) -> int:
 
 def _uniform(cfg, args, bpw: float):
     return uniform_plan(cfg, bpw, args.codebook, args.head_bits, args.drafter_bits)
-
-
-def render(r: FitReport, explain: bool = False) -> str:
-    guard = "reserve" if any("replaces the guard" in t.name for t in r.terms) else "guard"
-    headers = ["rank", "visible", "weights", "KV pool", "SWA rings", "prefill", "runtime", "OS", guard,
-               "Engram cache", "free", "max context"]
-    rows = [[m.rank] + [f"{v:,.2f}" for v in (
-        m.visible_gib, m.weights_gib, m.kv_pool_gib, m.swa_rings_gib, m.prefill_gib, m.runtime_gib,
-        m.os_gib, m.guard_gib, m.engram_cache_gib, m.free_gib)] + [f"{m.max_context:,}"] for m in r.ranks]
-    lines = [
-        f"{r.source}: {r.arch} on {r.sparks} Spark{'s' if r.sparks > 1 else ''}, engine {r.engine}, "
-        f"split {r.split}, Engram {r.engram}, drafter {r.drafter}, vision {r.vision}; "
-        f"{r.context:,} tokens x {r.streams} stream(s) at {r.kv_bytes_per_token:,.0f} B/token (GiB)",
-        table(headers, rows),
-        "",
-        ("FITS: " if r.fits else "DOES NOT FIT: ") + r.verdict,
-    ]
-    if explain:
-        classes = sorted({c for m in r.ranks for c in m.weights_by_class_gib})
-        lines += ["", "weights by class (GiB):",
-                  table(["class"] + [f"rank {m.rank}" for m in r.ranks],
-                        [[c] + [f"{m.weights_by_class_gib.get(c, 0.0):,.3f}" for m in r.ranks] for c in classes])]
-        lines += ["", "terms:"] + [f"  {t.name}: {t.value}\n      source: {t.source}" for t in r.terms]
-    return "\n".join(lines)

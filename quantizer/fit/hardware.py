@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantizer.checkpoint.config import V4, ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import V4, ModelConfig
 from quantizer.shipped import shipped
 
 GIB = 1 << 30

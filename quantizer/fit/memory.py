@@ -14,11 +14,12 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.fit.hardware import GIB, Hardware, kv_bytes_per_token, load_hardware, swa_ring_bytes
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES, Options, rank_weights
 from quantizer.fit.stored import StoredTensor
-from quantizer.model.config import ModelConfig
+from quantizer.model.targets import targets
 
 TOPOLOGIES = (1, 2, 4)
 
@@ -226,49 +227,93 @@ def _smallest_topology(cfg, stored, s: Scenario, hw: Hardware) -> int | None:
     return None
 
 
-BPW_STEP = 0.05
-BPW_FLOOR = 1.0
+BPW_FLOOR = 1.0  # fit's --bpw search starts here
+FIT_TOLERANCE_BPW = 0.001
+FIT_PROBES = 12
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """Where a search for the most bits that fit ended."""
+
+    bpw: float  # the highest bpw found to fit, or the lowest accepted one when none fits
+    free_gib: float  # the worst rank's free memory there; negative when nothing fits
+    lowest: float  # the lowest bpw the pack builder accepted
+
+    @property
+    def fits(self) -> bool:
+        return self.free_gib >= 0
+
+
+def highest_fitting_bpw(cfg: ModelConfig, stored_at: Callable[[float], list[StoredTensor]], lo: float, hi: float,
+                        s: Scenario, hw: Hardware) -> Boundary:
+    """The largest bpw in [lo, hi] (to FIT_TOLERANCE_BPW) whose pack `stored_at(bpw)` fits `s`.
+
+    The worst rank's free memory falls almost linearly with bpw, by about the budgeted weights'
+    bytes per bpw over the ranks (tensor-parallel split), so Newton steps from the lowest rate,
+    aimed just inside the root and corrected by the secant through the probes, end in two to four
+    probes (a probe plans, lists the stored tensors and runs the memory model: ~2 s at full size).
+    `stored_at` may raise UserError below its own lowest rate; `lo` is raised to the first bpw it
+    accepts (UserError when none in [lo, hi] is)."""
+    def free(bpw: float) -> float:
+        return min(r.free_gib for r in evaluate(cfg, stored_at(bpw), s, hw))
+
+    lowest = lowest_accepted(stored_at, lo, hi)
+    fit_bpw, fit_free = lowest, free(lowest)
+    if fit_free < 0:
+        return Boundary(lowest, fit_free, lowest)
+    slope = sum(t.numel for t in targets(cfg) if t.budgeted) / (8 * s.sparks * GIB)  # GiB per bpw
+    miss_bpw, miss_free = None, 0.0
+    for _ in range(FIT_PROBES):
+        upper = hi if miss_bpw is None else miss_bpw
+        if fit_bpw >= hi or fit_free < slope * FIT_TOLERANCE_BPW or upper - fit_bpw <= FIT_TOLERANCE_BPW:
+            break
+        guess = fit_bpw + fit_free / slope - FIT_TOLERANCE_BPW / 2
+        if not fit_bpw < guess < upper:
+            guess = hi if miss_bpw is None else (fit_bpw + miss_bpw) / 2
+        f = free(guess)
+        if f >= 0:
+            fit_bpw, fit_free = guess, f
+        else:
+            miss_bpw, miss_free = guess, f
+        if miss_bpw is not None:
+            slope = max((fit_free - miss_free) / (miss_bpw - fit_bpw), 1e-9)
+    return Boundary(fit_bpw, fit_free, lowest)
+
+
+def lowest_accepted(build_at: Callable[[float], object], lo: float, hi: float) -> float:
+    """The lowest bpw in [lo, hi] (to FIT_TOLERANCE_BPW) that `build_at` accepts; build_at raises
+    UserError below it (its floors alone exceed the budget)."""
+    try:
+        build_at(lo)
+        return lo
+    except UserError:
+        pass
+    try:
+        build_at(hi)
+    except UserError as e:
+        raise UserError(f"no plan between {lo:.3f} and {hi:.3f} bpw: {e}") from None
+    while hi - lo > FIT_TOLERANCE_BPW:
+        mid = (lo + hi) / 2
+        try:
+            build_at(mid)
+            hi = mid
+        except UserError:
+            lo = mid
+    return hi
 
 
 def _highest_bpw(cfg, s: Scenario, hw: Hardware, stored_at_bpw, bpw: float) -> float | None:
-    """The highest bpw on a 0.05 grid from 1.0 that fits: regula falsi on the worst rank's free
-    memory (nearly linear in bpw), falling back to bisection when a step does not halve the bracket.
-    Grid points below what a plan can take (its floors leave no routed budget) are skipped."""
-    def at(i: int) -> float:
-        return round(BPW_FLOOR + i * BPW_STEP, 2)
-
-    def worst_free(i: int) -> float | None:
-        try:
-            stored = stored_at_bpw(at(i))
-        except UserError:
-            return None
-        return min(r.free_gib for r in evaluate(cfg, stored, s, hw))
-
-    lo, hi = 0, math.ceil((bpw - BPW_FLOOR) / BPW_STEP - 1e-9)
-    f_lo = worst_free(lo)
-    while f_lo is None and lo < hi:
-        lo += 1
-        f_lo = worst_free(lo)
-    if f_lo is None or f_lo < 0:
+    """The most bits that fit below `bpw`, rounded down to 0.01 so it can be typed (kept exact when
+    that would fall below the lowest bpw a plan takes); None when not even the lowest fits."""
+    try:
+        b = highest_fitting_bpw(cfg, stored_at_bpw, BPW_FLOOR, bpw, s, hw)
+    except UserError:
         return None
-    f_hi = worst_free(hi)
-    if f_hi is not None and f_hi >= 0:
-        return at(hi)
-    interpolate = True
-    while hi - lo > 1:
-        width = hi - lo
-        if interpolate:
-            guess = lo + math.floor(width * f_lo / (f_lo - f_hi))
-        else:
-            guess = (lo + hi) // 2
-        guess = min(max(guess, lo + 1), hi - 1)
-        f = worst_free(guess)
-        if f >= 0:
-            lo, f_lo = guess, f
-        else:
-            hi, f_hi = guess, f
-        interpolate = hi - lo <= width // 2
-    return at(lo)
+    if not b.fits:
+        return None
+    typed = math.floor(b.bpw * 100 + 1e-9) / 100
+    return typed if typed >= b.lowest else b.bpw
 
 
 def fit_table(
@@ -362,7 +407,7 @@ def explain_terms(cfg: ModelConfig, s: Scenario, hw: Hardware) -> list[Explained
              f"{e.prefill_fixed_gib:g} GiB + {e.prefill_bytes_per_context_token:,.0f} B per context token",
              e.prefill_source),
         Explained("weights", f"split {s.split}, drafter {s.drafter}, vision {s.vision}",
-             "ref/packs-and-gb10.md 3.3; EXL3 splits on 128-wide blocks (jayleaton FOUR_SPARKS.md)"),
+             "docs/gb10-memory.md (tensor parallel); EXL3 splits on 128-wide blocks (jayleaton FOUR_SPARKS.md)"),
     ]
     if cfg.engram_layer_ids:
         src = {"nvme": hw.engram_cache_rows_per_table.source, "scales": hw.engram_scales_source,

@@ -1,4 +1,4 @@
-"""Which rank holds which bytes (ref/packs-and-gb10.md 3.3).
+"""Which rank holds which bytes (docs/gb10-memory.md, tensor parallel).
 
 Replicated on every rank: fused Q-A and KV projections, router, compressor, indexer, norms, mHC,
 Engram's q/k weights. Split by columns (output features): attention Q-B (by heads), WO-A (by
@@ -20,12 +20,13 @@ from collections import defaultdict
 from itertools import accumulate
 from dataclasses import dataclass
 
+from quantizer.checkpoint.config import ModelConfig
+from quantizer.exl3 import HADAMARD_BLOCK
 from quantizer.fit.stored import EXL3, NATIVE, StoredTensor, exl3_key
-from quantizer.model.config import ModelConfig
 from quantizer.model.tensor_classes import (
     ATTENTION, DRAFTER, ENGRAM_RESIDENT, ENGRAM_TABLE, HEAD, ROUTED_EXPERT, SHARED_EXPERT, VISION, classify,
 )
-from quantizer.plan.targets import EXL3_ALIGN, classified_layout, target_map
+from quantizer.model.targets import classified_layout, target_map
 
 SPLITS = ("tp", "ep")
 ENGRAM_MODES = ("nvme", "scales", "resident")
@@ -70,7 +71,7 @@ def distribute(units: int, ranks: int) -> list[int]:
 def block_split(features: int, ranks: int) -> list[int]:
     """Features per rank when a dimension is cut on 128-wide blocks (2304/4 -> 640,640,512,512);
     a ragged last block comes off the last ranks."""
-    sizes = [b * EXL3_ALIGN for b in distribute(-(-features // EXL3_ALIGN), ranks)]
+    sizes = [b * HADAMARD_BLOCK for b in distribute(-(-features // HADAMARD_BLOCK), ranks)]
     excess = sum(sizes) - features
     for r in reversed(range(ranks)):
         cut = min(excess, sizes[r])

@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
+from quantizer.exl3 import EXL3_LEAVES, k_from_trellis, leaf_layout
+from quantizer.model.targets import classified_layout, stored_parts, target_map
 from quantizer.plan.plan import Plan, aliased_keys, check_plan
-from quantizer.plan.sizes import EXL3_LEAVES, k_from_trellis, leaf_layout
-from quantizer.plan.targets import classified_layout, stored_parts, target_map
 
 EXL3 = "exl3"
 NATIVE = "native"

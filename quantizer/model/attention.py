@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from quantizer.checkpoint.config import V4, ModelConfig
 from quantizer.errors import UserError
 from quantizer.model.compression import (
     V4Compressor,
@@ -34,7 +35,6 @@ from quantizer.model.compression import (
     visibility_mask,
     visible_counts,
 )
-from quantizer.model.config import V4, ModelConfig
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.linear import NativeLinear, RMSNorm, rms_normalize
 from quantizer.model.rope import apply_rope

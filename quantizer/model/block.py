@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quantizer.checkpoint.config import V41, ModelConfig
 from quantizer.model.attention import Attention
-from quantizer.model.config import V41, ModelConfig
 from quantizer.model.engram import Engram, EngramHasher
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.linear import RMSNorm

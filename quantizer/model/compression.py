@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantizer.model.config import ModelConfig
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.linear import NativeLinear, RMSNorm
 from quantizer.model.rope import RopeTable, apply_rope

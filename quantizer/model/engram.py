@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.linear import NativeLinear
 

@@ -8,7 +8,7 @@ Masked-out keys that a chunked dense implementation still multiplies do not coun
 
 from __future__ import annotations
 
-from quantizer.model.config import V4, ModelConfig
+from quantizer.checkpoint.config import V4, ModelConfig
 
 
 def layer_flops(cfg: ModelConfig, layer: int, length: int, all_experts: bool = False) -> float:

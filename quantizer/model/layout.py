@@ -1,6 +1,6 @@
 """Every tensor a native checkpoint of a given config holds: name, shape, storage dtype.
 
-This is the architecture reference (ref/deepseek-v41-architecture.md sections 2-3) as code. It
+This is the tensor inventory of docs/deepseek-v4-layout.md as code. It
 reproduces the real V4.1-Flash inventory (96,085 tensors, 510,286,023,000 payload bytes) and
 V4-Flash-0731's (72,317 tensors), and it is what `make-tiny` writes, what `inspect` checks a
 checkpoint against, and what `fit` sizes when there is no checkpoint at hand.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quantizer.checkpoint.config import V4, V41, ModelConfig
 from quantizer.checkpoint.safetensors_file import ELEMENT_BYTES
-from quantizer.model.config import V4, V41, ModelConfig
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from quantizer.model.config import ModelConfig
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.model.linear import rms_normalize
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantizer.model.config import V41, ModelConfig
+from quantizer.checkpoint.config import V41, ModelConfig
 from quantizer.model.hooks import ForwardHooks, RoutingEvent
 from quantizer.model.linear import NativeLinear
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantizer.model.config import ModelConfig
+from quantizer.checkpoint.config import ModelConfig
 
 
 def default_inv_freq(dim: int, base: float) -> torch.Tensor:

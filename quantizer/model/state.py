@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantizer.model.config import ModelConfig
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.model.rope import RopeTables
 
 # Elements of one query chunk's attention scores (fp32); bounds attention memory per chunk.

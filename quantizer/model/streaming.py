@@ -23,10 +23,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from quantizer.checkpoint.config import V41, ModelConfig
 from quantizer.checkpoint.dequant import dequantize
 from quantizer.checkpoint.safetensors_file import TORCH_DTYPES, TensorEntry
 from quantizer.model.block import Block
-from quantizer.model.config import V41, ModelConfig
 from quantizer.model.engram import RowReader, token_map_for
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.layout import native_layout

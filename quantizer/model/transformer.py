@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quantizer.checkpoint.config import V4, V41, ModelConfig
 from quantizer.model.block import Block
-from quantizer.model.config import V4, V41, ModelConfig
 from quantizer.model.engram import EngramHasher, token_map_for
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.linear import NativeLinear, RMSNorm

@@ -25,7 +25,7 @@ import math
 
 from quantizer import __version__
 from quantizer.checkpoint.safetensors_file import TORCH_DTYPES
-from quantizer.codec.codebook import Codebook
+from quantizer.exl3 import Codebook, k_from_trellis, trellis_k
 from quantizer.pack.shards import PackTensor
 
 EXLLAMAV3_TARGET = "1.6.5"
@@ -82,9 +82,8 @@ def tensor_storage(tensors: list[PackTensor], codebook: Codebook) -> dict:
             "dtype": str(TORCH_DTYPES[t.source.dtype]),
         }
         if t.name.endswith(".trellis"):
-            k = t.source.shape[-1] / 16
             module["quant_format"] = "exl3"
-            module["bits_per_weight"] = int(k) if k.is_integer() else k
+            module["bits_per_weight"] = trellis_k(k_from_trellis(t.source.shape), codebook)
             if codebook.marker is not None:
                 module[f"{codebook.value}_multiplier"] = codebook.marker
     return storage

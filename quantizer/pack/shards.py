@@ -31,9 +31,9 @@ from quantizer.checkpoint.safetensors_file import (
     PAD_PREFIX, PlannedTensor, TensorEntry, read_header, write_safetensors,
 )
 from quantizer.errors import UserError
+from quantizer.exl3 import PACK_ALIGN
 from quantizer.model.tensor_classes import ENGRAM_TABLE, VISION
 
-ALIGN = 64
 SHARD_METADATA = {"format": "pt"}
 COPY_CHUNK = 1 << 30
 FICLONE = 0x40049409  # ioctl: share all of one file's extents with another (btrfs, XFS, ...)
@@ -92,7 +92,7 @@ def reusable_sources(tensors: list[PackTensor]) -> dict[Path, list[PackTensor]]:
             continue
         header = read_header(path).tensors
         real = {n: e for n, e in header.items() if not n.startswith(PAD_PREFIX)}
-        if set(real) == {t.name for t in members} and all(e.offset % ALIGN == 0 for e in real.values()):
+        if set(real) == {t.name for t in members} and all(e.offset % PACK_ALIGN == 0 for e in real.values()):
             out[path] = members
     return out
 
@@ -150,7 +150,7 @@ def _split(members: list[PackTensor], cap: int) -> list[list[PackTensor]]:
 
 def _footprint(t: PackTensor) -> int:
     """Bytes in the file including the worst-case alignment pad."""
-    return t.nbytes + ALIGN
+    return t.nbytes + PACK_ALIGN
 
 
 def write_shard(path: Path, shard: ShardPlan, progress=None) -> str:
@@ -167,7 +167,7 @@ def write_shard(path: Path, shard: ShardPlan, progress=None) -> str:
         filling,
         [PlannedTensor(t.name, t.source.dtype, t.source.shape, None) for t in shard.tensors],
         metadata=SHARD_METADATA,
-        align=ALIGN,
+        align=PACK_ALIGN,
     )
     placed = read_header(filling).tensors
     fd = os.open(filling, os.O_WRONLY)

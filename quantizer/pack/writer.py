@@ -26,18 +26,17 @@ from tqdm import tqdm
 from quantizer import __version__
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
-from quantizer.codec.codebook import parse_codebook
 from quantizer.errors import UserError
+from quantizer.exl3 import UNQUANTIZED, leaf_layout, parse_codebook
 from quantizer.fit import fit_table, stored_from_pack
 from quantizer.model.layout import TensorSpec
+from quantizer.model.targets import targets
 from quantizer.model.tensor_classes import classify
 from quantizer.pack.exl3_config import EXLLAMAV3_TARGET, pack_config, quantization_config, tensor_storage
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, ShardRecord, TensorRecord, sha256_file
 from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, reusable_sources, write_shards
 from quantizer.plan.plan import Plan, achieved_bpw, expert_of
 from quantizer.plan.profiles import load_profile
-from quantizer.plan.sizes import UNQUANTIZED, exl3_leaves
-from quantizer.plan.targets import targets
 from quantizer.quantize.linears import StoredLinear, stored_linears
 from quantizer.quantize.results import ResultStore
 from quantizer.report import size_text
@@ -142,7 +141,8 @@ def _pack_tensors(ck: Checkpoint, plan: Plan, linears: list[StoredLinear], store
         if name not in replaced:
             tensors.append(PackTensor(name, entry, NATIVE, classify(name).cls))
     for s in linears:
-        for spec in exl3_leaves(s.key, s.in_features, s.out_features, s.K, plan.codebook):
+        for suffix, shape, dtype, _ in leaf_layout(s.in_features, s.out_features, s.K, plan.codebook):
+            spec = TensorSpec(s.key + suffix, shape, dtype)
             entry = results.get(spec.name)
             if entry is None or entry.shape != spec.shape or entry.dtype != spec.dtype:
                 found = "missing" if entry is None else f"{entry.dtype}{list(entry.shape)}"

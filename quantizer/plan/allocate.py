@@ -28,21 +28,17 @@ refused where it does not (exllamav3).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.fit.hardware import GIB, Hardware, load_hardware
-from quantizer.fit.memory import FitReport, Scenario, evaluate, fit
-from quantizer.fit.stored import stored_from_plan
-from quantizer.model.config import ModelConfig
+from quantizer.exl3 import check_k, rate_grid
+from quantizer.model.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, target_map, targets
 from quantizer.plan.plan import Plan, expert_of, make_plan
 from quantizer.plan.profiles import EXLLAMAV3, load_profile
 from quantizer.plan.sensitivity import AliasOption, Sensitivity
-from quantizer.plan.sizes import check_k, rate_grid
-from quantizer.plan.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, target_map, targets
 from quantizer.plan.uniform import drafter_k
 
 FLOORED = (ATTN, INDEX, SHARED, ENGRAM)
@@ -50,8 +46,6 @@ DEFAULT_FLOOR = 3.0  # measured on the small model (noise injection): lower KL t
 ALIAS_BELOW = 0.02  # alias candidates: routed share under 2% of the layer's mean (~dead experts)
 ALIAS_CAP_SHARE = 1 / 16  # at most this share of a layer's experts aliased (24 of 384)
 ALIAS_ROUNDS = 6
-FIT_TOLERANCE_BPW = 0.001
-FIT_PROBES = 12
 
 
 @dataclass(frozen=True)
@@ -323,99 +317,3 @@ def allocate(cfg: ModelConfig, sens: Sensitivity, bpw: float,
     """The plan whose budgeted bits come to at most `bpw` (exllamav3 accounting) at the least cost."""
     alloc = Allocator(cfg, sens, settings)
     return alloc.plan(bpw * alloc.total_numel, target_bpw=bpw)
-
-
-@dataclass(frozen=True)
-class FitTarget:
-    sparks: int
-    context: int
-    streams: int = 1
-    engine: str | None = None
-
-    def describe(self) -> str:
-        return (f"{self.sparks} Spark{'s' if self.sparks > 1 else ''} at {self.context:,} tokens x {self.streams} "
-                f"stream{'s' if self.streams > 1 else ''}")
-
-
-def allocate_to_fit(cfg: ModelConfig, sens: Sensitivity, target: FitTarget,
-                    settings: AllocationSettings = AllocationSettings(),
-                    hardware: Hardware | None = None) -> tuple[Plan, FitReport]:
-    """The largest budget whose plan fits `target`, and that plan's fit report."""
-    alloc = Allocator(cfg, sens, settings)
-    n = alloc.total_numel
-    return largest_fitting_plan(cfg, lambda b: alloc.plan(b * n, target_bpw=b), alloc.min_bits / n,
-                                alloc.max_bits / n, target, hardware)
-
-
-def largest_fitting_plan(cfg: ModelConfig, plan_at: Callable[[float], Plan], lo: float, hi: float,
-                         target: FitTarget, hardware: Hardware | None = None) -> tuple[Plan, FitReport]:
-    """The largest bpw in [lo, hi] (to FIT_TOLERANCE_BPW) whose plan fits `target`, with its report.
-
-    The worst rank's free memory falls almost linearly with bpw, by about the budgeted weights'
-    bytes per bpw over the ranks (tensor-parallel split), so Newton steps from the lowest rate,
-    aimed just inside the root and corrected by the secant through the probes, end in two to four
-    probes (a probe plans, lists the stored tensors and runs the memory model: ~2 s at full size).
-    `plan_at` may raise UserError below its own lowest rate; `lo` is raised to the first bpw it
-    accepts. UserError when even that does not fit, with the shortfall."""
-    hw = hardware or load_hardware()
-    scenario = Scenario(target.sparks, target.context, target.streams, target.engine or hw.default_engine)
-    plans: dict[float, Plan] = {}
-    stored: dict[float, list] = {}
-
-    def plan(bpw: float) -> Plan:
-        if bpw not in plans:
-            plans[bpw] = plan_at(bpw)
-        return plans[bpw]
-
-    def free(bpw: float) -> float:
-        stored[bpw] = stored_from_plan(cfg, plan(bpw))
-        return min(r.free_gib for r in evaluate(cfg, stored[bpw], scenario, hw))
-
-    lo = _lowest_accepted(plan, lo, hi)
-    fit_bpw, fit_free = lo, free(lo)
-    if fit_free < 0:
-        raise UserError(f"does not fit {target.describe()} ({scenario.engine}) even at the lowest rates "
-                        f"({plans[lo].achieved_bpw:.3f} bpw): the worst rank is short by {-fit_free:.2f} GiB; "
-                        "use more Sparks, a shorter --context or fewer --streams")
-    slope = sum(t.numel for t in targets(cfg) if t.budgeted) / (8 * target.sparks * GIB)  # GiB per bpw
-    miss_bpw, miss_free = None, 0.0
-    for _ in range(FIT_PROBES):
-        upper = hi if miss_bpw is None else miss_bpw
-        if fit_bpw >= hi or fit_free < slope * FIT_TOLERANCE_BPW or upper - fit_bpw <= FIT_TOLERANCE_BPW:
-            break
-        guess = fit_bpw + fit_free / slope - FIT_TOLERANCE_BPW / 2
-        if not fit_bpw < guess < upper:
-            guess = hi if miss_bpw is None else (fit_bpw + miss_bpw) / 2
-        f = free(guess)
-        if f >= 0:
-            fit_bpw, fit_free = guess, f
-        else:
-            miss_bpw, miss_free = guess, f
-        if miss_bpw is not None:
-            slope = max((fit_free - miss_free) / (miss_bpw - fit_bpw), 1e-9)
-    report = fit(cfg, stored[fit_bpw], target.sparks, target.context, target.streams, scenario.engine,
-                 hardware=hw, source=plans[fit_bpw].made_by)
-    return plans[fit_bpw], report
-
-
-def _lowest_accepted(plan_at: Callable[[float], Plan], lo: float, hi: float) -> float:
-    """The lowest bpw in [lo, hi] (to FIT_TOLERANCE_BPW) that `plan_at` accepts; plan_at raises
-    UserError below it (its floors alone exceed the budget)."""
-    try:
-        plan_at(lo)
-        return lo
-    except UserError:
-        pass
-    try:
-        plan_at(hi)
-    except UserError as e:
-        raise UserError(f"no plan between {lo:.3f} and {hi:.3f} bpw: {e}") from None
-    while hi - lo > FIT_TOLERANCE_BPW:
-        mid = (lo + hi) / 2
-        try:
-            plan_at(mid)
-            hi = mid
-        except UserError:
-            lo = mid
-    return hi
-

@@ -15,31 +15,31 @@ import argparse
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from quantizer.arguments import add_model_arguments, add_plan_arguments, load_model_config, tokens
 from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
 from quantizer.calibrate.summary import CalibrationSummary
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
+from quantizer.exl3 import rate_grid
 from quantizer.fit.memory import TOPOLOGIES, fit
+from quantizer.fit.render import render as render_fit
 from quantizer.fit.stored import stored_from_plan
-from quantizer.model.config import ModelConfig
-from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings, FitTarget, largest_fitting_plan
+from quantizer.fit.target import FitTarget, largest_fitting_plan
+from quantizer.model.targets import GROUPS, ROUTED, targets
+from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings
 from quantizer.plan.exl3_baseline import HQ
 from quantizer.plan.methods import EXL3, METHODS, OURS, UNIFORM, planner
 from quantizer.plan.plan import TOTAL, TOTAL_RESIDENT, Plan, check_plan
 from quantizer.plan.profiles import EXLLAMAV3, LOADERS, load_profile
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
-from quantizer.plan.sizes import CODEBOOKS, rate_grid
-from quantizer.plan.targets import GROUPS, ROUTED, targets
 from quantizer.plots import plot_path, save_figure
 from quantizer.quantize.rates import plan_estimate
 from quantizer.report import gib, table
-from quantizer.shipped import model_config_path
 
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from quantizer.fit.cli import tokens  # fit's CLI imports this module: import it late
-
     p = sub.add_parser("plan", help="choose K for every EXL3 tensor: at a bpw, or the most that fits N Sparks")
     add_model_arguments(p)
     p.add_argument("--bpw", type=float, help="target bits per weight over the budgeted tensors")
@@ -77,47 +77,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-SRC_HELP = "native checkpoint directory (its config.json is read)"
-
-
-def add_model_arguments(p: argparse.ArgumentParser, src_help: str = SRC_HELP) -> None:
-    p.add_argument("src", nargs="?", help=src_help)
-    p.add_argument("--model-config", help="a config.json, or a shipped shape such as deepseek-v4.1-flash")
-
-
-def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--codebook", choices=CODEBOOKS, default="mul1")
-    p.add_argument("--head-bits", type=_bits, default=6.0, help="K of the LM head (or native)")
-    p.add_argument("--drafter-bits", type=_bits, default=None, help="K of the DSpark drafter (default native)")
-
-
-def _bits(text: str) -> float | None:
-    if text.lower() == "native":
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a K such as 4 or 2.5, or native")
-
-
-def load_model_config(src: str | None, model_config: str | None) -> ModelConfig:
-    """The model shape from a checkpoint directory, a config.json path, or a shipped name."""
-    if bool(src) == bool(model_config):
-        raise UserError("give a checkpoint directory or --model-config (one of them)")
-    if src:
-        return ModelConfig.from_file(Path(src) / "config.json")
-    path = Path(model_config)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists():
-        name = model_config if model_config.endswith(".json") else model_config + ".json"
-        path = model_config_path(name)
-        if not path.exists():
-            raise UserError(f"--model-config {model_config}: no such file and no shipped shape of that name "
-                            f"(shipped: {', '.join(p.stem for p in path.parent.glob('*.json'))})")
-    return ModelConfig.from_file(path)
-
-
 def run(args: argparse.Namespace) -> int:
     if args.plot_against and not args.plot:
         raise UserError("--plot-against draws into --plot FILE.png: give --plot too")
@@ -143,8 +102,6 @@ def run(args: argparse.Namespace) -> int:
     print(render(cfg, plan))
     print(plan_estimate(cfg, plan).line())
     if report:
-        from quantizer.fit.cli import render as render_fit
-
         print("\n" + render_fit(report))
     if args.out:
         plan.save(args.out)

@@ -1,8 +1,8 @@
 """exllamav3 1.6.5's own allocator, `create_q_strategy`, as a baseline plan; runs on the CPU.
 
 exllamav3 compiles its CUDA extension when imported. Where CUDA is absent we register a stand-in
-`exllamav3.ext` module first, whose `exllamav3_ext` raises on any use (ref/exllamav3-internals.md
-5): the allocator only builds the module tree and walks it. Where CUDA is present exllamav3 is
+`exllamav3.ext` module first, whose `exllamav3_ext` raises on any use (docs/exl3-format.md,
+allocator): the allocator only builds the module tree and walks it. Where CUDA is present exllamav3 is
 imported as it is, so a later GPU stage in the same process gets the real extension.
 
 exllamav3 1.6.5 knows V4 (`DeepseekV4ForCausalLM`) but not V4.1, so the model it plans is a V4
@@ -40,16 +40,16 @@ from collections import defaultdict
 from importlib import metadata
 from pathlib import Path
 
+from quantizer.checkpoint.config import V4, ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import V4, ModelConfig
+from quantizer.exl3 import rate_grid
+from quantizer.model.targets import DRAFT, ENGRAM, HEAD_GROUP, target_map, targets
 from quantizer.plan.plan import Plan, achieved_bpw, make_plan
 from quantizer.plan.profiles import EXLLAMAV3
-from quantizer.plan.sizes import rate_grid
-from quantizer.plan.targets import DRAFT, ENGRAM, HEAD_GROUP, target_map, targets
 from quantizer.plan.uniform import drafter_k, rate_floor
 
 EXLLAMAV3_VERSION = "1.6.5"
-HQ = 1  # exllamav3's -hq 1, what DSV4 conversions use (ref/exllamav3-internals.md 3.1)
+HQ = 1  # exllamav3's -hq 1, what DSV4 conversions use (docs/exl3-format.md, allocator)
 MATCH_TOLERANCE = 1e-3  # bits of exllamav3's input searched to this precision
 MTP_BITS = 4  # exllamav3's default; unused (no MTP component is built)
 _MODELS: dict[str, tuple] = {}

@@ -1,7 +1,7 @@
 """The three ways to choose K: ours (allocate.py), uniform (uniform.py), exl3 (exllamav3's allocator).
 
 `planner` turns a method into `bpw -> Plan` plus the lowest bpw worth asking for, the form both a
-plan at a given bpw and the search for the most bits that fit N Sparks (largest_fitting_plan) take;
+plan at a given bpw and fit's search for the most bits that fit N Sparks (fit/target.py) take;
 `quantizer plan` and `quantizer build` share it.
 """
 
@@ -11,13 +11,13 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from quantizer.calibrate.summary import CalibrationSummary
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
+from quantizer.exl3 import rate_grid
 from quantizer.plan.allocate import AllocationSettings, Allocator
 from quantizer.plan.exl3_baseline import HQ, exl3_plan
 from quantizer.plan.plan import Plan
 from quantizer.plan.sensitivity import sensitivity
-from quantizer.plan.sizes import rate_grid
 from quantizer.plan.uniform import uniform_plan
 
 OURS, UNIFORM, EXL3 = "ours", "uniform", "exl3"

@@ -16,12 +16,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
+from quantizer.exl3 import CODEBOOKS, UNQUANTIZED, budget_bpw, check_k, exl3_bytes
+from quantizer.model.targets import DRAFT, ROUTED, classified_layout, stored_parts, target_map, targets
 from quantizer.model.tensor_classes import ENGRAM_TABLE
 from quantizer.plan.profiles import EXLLAMAV3, StoredLinear, load_profile, violations
-from quantizer.plan.sizes import CODEBOOKS, UNQUANTIZED, budget_bpw, check_k, exl3_bytes
-from quantizer.plan.targets import DRAFT, ROUTED, classified_layout, stored_parts, target_map, targets
 from quantizer.workdir import read_json, write_json_atomic
 
 FORMAT = "quantizer-plan"

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from quantizer.errors import UserError
-from quantizer.plan.sizes import UNQUANTIZED
-from quantizer.plan.targets import DRAFT, ROUTED, Target
+from quantizer.exl3 import UNQUANTIZED
+from quantizer.model.targets import DRAFT, ROUTED, Target
 from quantizer.shipped import shipped
 
 EXLLAMAV3 = "exllamav3"

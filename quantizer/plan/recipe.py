@@ -1,4 +1,4 @@
-"""exllamav3's `recipe.yaml` (ref/exllamav3-internals.md 3.2), read into a Plan and written from one.
+"""exllamav3's `recipe.yaml` (docs/exl3-format.md, recipes), read into a Plan and written from one.
 
     target_bpw: 2.9
     head_bits: 6
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import yaml
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
+from quantizer.exl3 import check_k
+from quantizer.model.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, Target, targets
 from quantizer.plan.plan import Plan, make_plan
 from quantizer.plan.profiles import EXLLAMAV3
-from quantizer.plan.sizes import check_k
-from quantizer.plan.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, Target, targets
 
 NATIVE = "native"
 DRAFTER_PREFIX = "mtp."

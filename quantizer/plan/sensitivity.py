@@ -5,10 +5,10 @@
 proxy_t(K) is the relative output error of tensor t at rate K (exllamav3's proxy_err,
 tr(E H E^T) / tr(W H W^T)): measured values where the caller has them (e.g. from encoding each
 tensor at each candidate K), otherwise the rate-distortion model: exllamav3's measured Gaussian
-distortion per K (ref/exllamav3-internals.md 2.7; K 7 interpolated) times the tensor's ldlq_factor
+distortion per K (docs/exl3-format.md, distortion; K 7 interpolated) times the tensor's ldlq_factor
 (how much LDLQ on its Hessian beats plain rounding). For a tensor measured at only some rates, the
 other rates follow the model's shape through the measured points (the field's K4/K3 ratio is
-~0.25 per bit, ref/peers-and-anchors.md 3.2, so one measurement plus the model's slope suffices).
+~0.25 per bit, docs/field-evidence.md, so one measurement plus the model's slope suffices).
 
 importance_t is the relative error energy that a unit relative error of t causes in the residual
 streams (the hc streams a site writes into), so that tensors of every layer compare on one scale:
@@ -58,7 +58,7 @@ token counts suggest. The shares still price cold-expert aliases (below), where 
 Cold-expert aliases cost importance(w2 of the cold expert) x the aliasing error calibration
 measured (||E_cold(x) - E_warm(x)||^2 / ||E_cold(x)||^2 over the cold expert's tokens), bent the
 same way around its w2's reference proxy: an aliasing error of ~1 is far above any rate's, so only
-experts of almost no importance are aliased (the field's advice: ref/peers-and-anchors.md 3.3).
+experts of almost no importance are aliased (the field's advice: docs/field-evidence.md).
 """
 
 from __future__ import annotations
@@ -69,31 +69,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from quantizer.calibrate.summary import MEASURED_KL, CalibrationSummary, LayerStats, TensorStats, kl_unit
+from quantizer.calibrate.summary import (
+    MEASURED_KL, REFERENCE_RATE, CalibrationSummary, LayerStats, TensorStats, kl_unit,
+)
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
-from quantizer.plan.sizes import rate_grid
-from quantizer.plan.targets import ENGRAM, ROUTED, SHARED, targets
+from quantizer.exl3 import model_proxy, rate_grid
+from quantizer.model.targets import ENGRAM, ROUTED, SHARED, targets
 
-# ref/exllamav3-internals.md 2.7: relative MSE of mul1 on i.i.d. Gaussian tiles (no LDLQ).
-MUL1_MSE = {1.0: 0.277, 1.5: 0.137, 2.0: 0.068, 2.5: 0.035, 3.0: 0.0176, 3.5: 0.0090,
-            4.0: 0.0046, 5.0: 0.0013, 6.0: 0.0004, 8.0: 0.0001}
-# Same table, other codebooks: mcg measured 1.088x (K2) and 1.022x (K4) of mul1, 3INST 1.043x (K4).
-CODEBOOK_MSE_FACTOR = {"mul1": 1.0, "mcg": float(np.sqrt(1.088 * 1.022)), "3inst": 1.043}
 PROXY_FLOOR = 1e-12  # measured proxies are clamped here before taking logs
 EXPONENT = 1.5  # see the module docstring
-REFERENCE_RATE = 3.0
 ENGRAM_GAIN = 1.0
 
 _HERMITE_X, _HERMITE_W = np.polynomial.hermite_e.hermegauss(48)
 _HERMITE_W = _HERMITE_W / _HERMITE_W.sum()
-
-
-def model_proxy(rates: tuple[float, ...] | np.ndarray, codebook: str = "mul1") -> np.ndarray:
-    """Relative MSE of the codebook at each rate: the measured table, log-linear between its points."""
-    ks = np.array(sorted(MUL1_MSE))
-    log_mse = np.log([MUL1_MSE[k] for k in ks])
-    return np.exp(np.interp(np.asarray(rates, dtype=float), ks, log_mse)) * CODEBOOK_MSE_FACTOR[codebook]
 
 
 def silu_gate_factor(sigma: np.ndarray) -> np.ndarray:
@@ -306,7 +295,7 @@ SYNTHETIC_ROWS, SYNTHETIC_COLS = 384, 2048  # the size of the field's V4.1 routi
 
 def synthetic_summary(cfg: ModelConfig, seed: int = 0) -> CalibrationSummary:
     """A plausible summary for any shape, from what the field measured on V4.1-Flash
-    (ref/peers-and-anchors.md 3.2): Zipf-like routing (n_eff from about half the experts early to
+    (docs/field-evidence.md, routing): Zipf-like routing (n_eff from about half the experts early to
     a sixth late), dead experts (< 64 of 786k tokens) rare early and up to 26 of 384 in the last
     layers, site gains taken from the ledger's write gains: ~6 in the first third, ~1 in the
     middle, 0.05-0.2 in the last layers. Energies and LDLQ factors are jittered around plain

@@ -11,12 +11,12 @@ native unless drafter_bits is given (quantizing it costs draft acceptance).
 
 from __future__ import annotations
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
+from quantizer.exl3 import check_k, rate_grid
+from quantizer.model.targets import DRAFT, HEAD_GROUP, ROUTED, targets
 from quantizer.plan.plan import Plan, make_plan
 from quantizer.plan.profiles import EXLLAMAV3
-from quantizer.plan.sizes import check_k, rate_grid
-from quantizer.plan.targets import DRAFT, HEAD_GROUP, ROUTED, targets
 
 MIN_FLOOR = 4.0
 

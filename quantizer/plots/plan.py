@@ -13,9 +13,9 @@ import math
 import textwrap
 from collections import defaultdict
 
-from quantizer.model.config import ModelConfig
+from quantizer.checkpoint.config import ModelConfig
+from quantizer.model.targets import targets
 from quantizer.plan.plan import Plan
-from quantizer.plan.targets import targets
 from quantizer.plots import new_figure
 
 LABEL_CELLS_UP_TO = 64  # layers; wider grids are too narrow to print K in each cell

@@ -14,9 +14,9 @@ from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear, dequantize
 from quantizer.errors import UserError
+from quantizer.exl3 import EXL3_LEAVES
 from quantizer.model.streaming import CheckpointSource
 from quantizer.pack.manifest import Manifest
-from quantizer.plan.sizes import EXL3_LEAVES
 
 
 def require_built_from(pack: Checkpoint, source: Checkpoint) -> None:

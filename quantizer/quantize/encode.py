@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from quantizer.codec import EXL3Linear, quantize_linear
-from quantizer.plan.sizes import UNQUANTIZED
+from quantizer.exl3 import UNQUANTIZED
 from quantizer.quantize.linears import StoredLinear, tensor_seed
 from quantizer.quantize.settings import QuantizeSettings
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from quantizer.model.config import ModelConfig
+from quantizer.checkpoint.config import ModelConfig
+from quantizer.exl3 import UNQUANTIZED
+from quantizer.model.targets import DRAFT, ROUTED, Target, stored_parts, targets
 from quantizer.plan.plan import Plan, aliased_keys
-from quantizer.plan.sizes import UNQUANTIZED
-from quantizer.plan.targets import DRAFT, ROUTED, Target, stored_parts, targets
 from quantizer.quantize.results import Unit
 
 GPU_BATCH_BYTES = 4 << 30  # fp32 weights of one batched unit on the GPU

@@ -14,10 +14,10 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
+from quantizer.exl3 import UNQUANTIZED
 from quantizer.plan.plan import Plan
-from quantizer.plan.sizes import UNQUANTIZED
 from quantizer.quantize.linears import StoredLinear, stored_linears
 from quantizer.shipped import shipped
 

@@ -16,6 +16,7 @@ import torch
 
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, TensorEntry, planned, read_header, write_safetensors
 from quantizer.errors import UserError
+from quantizer.exl3 import PACK_ALIGN
 
 RESULTS_DIR = "quantized"
 SUFFIX = ".safetensors"
@@ -59,7 +60,8 @@ class ResultStore:
 
     def save(self, unit: Unit, tensors: dict[str, torch.Tensor], proxy_err: dict[str, float | None]) -> None:
         metadata = {"keys": json.dumps(list(unit.keys)), "K": f"{unit.K:g}", "proxy_err": json.dumps(proxy_err)}
-        write_safetensors(self.path(unit), [planned(n, t) for n, t in tensors.items()], metadata=metadata, align=64)
+        write_safetensors(self.path(unit), [planned(n, t) for n, t in tensors.items()], metadata=metadata,
+                          align=PACK_ALIGN)
 
     def entries(self) -> dict[str, TensorEntry]:
         """Every stored tensor of every finished unit, by name."""

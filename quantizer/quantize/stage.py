@@ -27,8 +27,8 @@ from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import current
 from quantizer.errors import UserError
+from quantizer.exl3 import exl3_bytes
 from quantizer.plan.plan import Plan
-from quantizer.plan.sizes import exl3_bytes
 from quantizer.quantize.encode import EncodedUnit, encode_unit
 from quantizer.quantize.job import JobSpec, job_differences
 from quantizer.quantize.linears import StoredLinear, stored_linears, work_units

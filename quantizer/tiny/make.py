@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from quantizer.checkpoint.native_writer import ValueFn, write_native_checkpoint
+from quantizer.checkpoint.config import V4, ModelConfig
 from quantizer.errors import UserError
-from quantizer.model.config import V4, ModelConfig
 from quantizer.model.layout import TensorSpec
 from quantizer.shipped import model_config_path
 from quantizer.textdata import shipped_tokenizer_path
+from quantizer.tiny.native_writer import ValueFn, write_native_checkpoint
 
 TINY_CONFIGS = {"v41": "tiny-v41.json", "v4": "tiny-v4.json"}
 FULL_CONFIGS = {"v41": "deepseek-v4.1-flash.json", "v4": "deepseek-v4-flash-0731.json"}

@@ -17,17 +17,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, SafetensorsHeader, TensorEntry, read_header
 from quantizer.checkpoint.source import ENGRAM_TABLE, INDEX_NAME
-from quantizer.codec.codebook import Codebook, parse_codebook
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
+from quantizer.exl3 import PACK_ALIGN, UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
+from quantizer.model.targets import target_map
 from quantizer.pack.manifest import NATIVE, Manifest, sha256_file
 from quantizer.plan.profiles import StoredLinear, load_profile, violations
-from quantizer.plan.sizes import UNQUANTIZED
-from quantizer.plan.targets import target_map
 
-ALIGN = 64
 EXL3_SCALES = ("suh", "svh")
 
 
@@ -103,11 +101,11 @@ def _check_shards(pack: Path, manifest: Manifest, report: VerifyReport) -> dict[
             report.fault(shard.file, _without_path(str(e), path))
             continue
         headers[shard.file] = header
-        misaligned = [e.name for e in _real(header) if e.offset % ALIGN]
+        misaligned = [e.name for e in _real(header) if e.offset % PACK_ALIGN]
         if misaligned:
-            report.fault(shard.file, f"{len(misaligned)} tensor(s) not {ALIGN}-byte aligned, e.g. {misaligned[0]}")
+            report.fault(shard.file, f"{len(misaligned)} tensor(s) not {PACK_ALIGN}-byte aligned, e.g. {misaligned[0]}")
         elif size == shard.bytes:
-            report.ok(shard.file, f"{size:,} bytes, {len(_real(header))} tensors, header in bounds, {ALIGN}-byte aligned")
+            report.ok(shard.file, f"{size:,} bytes, {len(_real(header))} tensors, header in bounds, {PACK_ALIGN}-byte aligned")
     return headers
 
 
@@ -200,7 +198,7 @@ def _exl3_problem(key: str, K, codebook: Codebook, entries: dict[str, TensorEntr
         return None  # reported as a missing tensor already
     if trellis.dtype != "I16" or len(trellis.shape) != 3:
         return f"trellis is {trellis.dtype}{list(trellis.shape)}, not I16 (in/16, out/16, 16K)"
-    stored_k = trellis.shape[2] / 16
+    stored_k = k_from_trellis(trellis.shape)
     if stored_k != float(K):
         return f"trellis holds K={stored_k:g} but the manifest says K={K}"
     for scale, dim in zip(EXL3_SCALES, (trellis.shape[0] * 16, trellis.shape[1] * 16)):
@@ -313,7 +311,7 @@ def _held(key: str, entries: dict[str, TensorEntry]) -> tuple[float | None, str 
     if trellis is not None and len(trellis.shape) == 3:
         marker = next((cb.value for cb in (Codebook.MUL1, Codebook.MCG) if f"{key}.{cb.value}" in entries),
                       Codebook.INST3.value)
-        return trellis.shape[2] / 16, marker
+        return k_from_trellis(trellis.shape), marker
     weight = entries.get(f"{key}.weight")
     if weight is not None and weight.dtype == "F16" and f"{key}.scale" not in entries:
         return UNQUANTIZED, None

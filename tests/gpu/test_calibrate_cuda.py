@@ -11,7 +11,7 @@ import torch
 from quantizer.calibrate import CalibrationSettings, HessianStore, calibrate
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec.ldlq import finalize_hessian
-from quantizer.plan.targets import DRAFT, targets
+from quantizer.model.targets import DRAFT, targets
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

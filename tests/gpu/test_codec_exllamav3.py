@@ -20,8 +20,6 @@ pytest.importorskip("exllamav3")
 from safetensors.torch import save_file  # noqa: E402
 
 from quantizer.codec import (  # noqa: E402
-    Codebook,
-    codebook_values,
     decode_rotated,
     dequantize,
     encode_tiles,
@@ -30,6 +28,7 @@ from quantizer.codec import (  # noqa: E402
     unpack_trellis,
 )
 from quantizer.codec import exllamav3_adapter as exl3  # noqa: E402
+from quantizer.exl3 import Codebook, codebook_values  # noqa: E402
 
 RATES = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8)
 CASES = [(cb, k) for cb in ("mul1", "mcg", "3inst") for k in RATES if cb == "mul1" or float(k).is_integer()]

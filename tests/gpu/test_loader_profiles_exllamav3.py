@@ -31,8 +31,8 @@ from safetensors.torch import save_file
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
+from quantizer.model.targets import targets
 from quantizer.plan.plan import Plan, achieved_bpw, make_plan
-from quantizer.plan.targets import targets
 from quantizer.ppl.compare import compare
 from quantizer.ppl.pack_source import PackSource
 from quantizer.ppl.perplexity import RowPredictions, row_predictions

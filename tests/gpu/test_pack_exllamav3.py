@@ -22,9 +22,9 @@ from quantizer.build.build import BuildRequest, build
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear, decode_rotated, dequantize
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
+from quantizer.model.targets import targets
 from quantizer.pack.manifest import MANIFEST_NAME
 from quantizer.plan.plan import make_plan
-from quantizer.plan.targets import targets
 from quantizer.ppl.pack_source import PackSource
 from quantizer.quantize.settings import QuantizeSettings
 

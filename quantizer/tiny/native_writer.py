@@ -16,11 +16,11 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.dequant import quantize_fp8_blocks, quantize_mxfp4
 from quantizer.checkpoint.safetensors_file import PlannedTensor, planned, write_safetensors
 from quantizer.checkpoint.source import INDEX_NAME
 from quantizer.errors import UserError
-from quantizer.model.config import ModelConfig
 from quantizer.model.layout import TensorSpec, native_layout
 from quantizer.model.tensor_classes import ENGRAM_RESIDENT, ENGRAM_TABLE, classify
 

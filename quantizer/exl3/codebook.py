@@ -1,6 +1,6 @@
-"""EXL3 codebooks: the fp16 value of each 16-bit trellis state, and the bitrates EXL3 can store.
+"""EXL3 codebooks: the fp16 value of each 16-bit trellis state, and the marker that names one in a pack.
 
-A codebook is a fixed function of the state (internals 2.6 step 4), so it is tabulated once: 65,536
+A codebook is a fixed function of the state (docs/exl3-format.md, codebooks), so it is tabulated once: 65,536
 fp16 values per codebook. The table is built with exact integer and float64 arithmetic and rounded to
 fp16 once, which is what the CUDA kernels compute (one fp16 rounding per value).
 """
@@ -13,6 +13,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from quantizer.errors import UserError
+
 NUM_STATES = 1 << 16
 
 # Stored next to the trellis as an int32 scalar; only the presence of the key selects the codebook.
@@ -20,9 +22,6 @@ MUL1_MULTIPLIER = 0x83DCD12D
 MCG_MULTIPLIER = 0xCBAC1FED
 _INST3_MULTIPLIER = 89226354
 _INST3_ADDEND = 64248484
-
-INTEGER_BITRATES = (1, 2, 3, 4, 5, 6, 7, 8)
-HALF_BITRATES = (1.5, 2.5, 3.5)
 
 
 class Codebook(str, enum.Enum):
@@ -38,29 +37,15 @@ class Codebook(str, enum.Enum):
         return {Codebook.MUL1: MUL1_MULTIPLIER, Codebook.MCG: MCG_MULTIPLIER}.get(self)
 
 
+CODEBOOKS = tuple(c.value for c in Codebook)
+
+
 def parse_codebook(codebook: Codebook | str) -> Codebook:
     """Accept a Codebook or its name; anything else is a clear error."""
     try:
         return Codebook(codebook)
     except ValueError:
-        names = ", ".join(c.value for c in Codebook)
-        raise ValueError(f"unknown EXL3 codebook {codebook!r}; use one of {names}") from None
-
-
-def check_bitrate(K: float, codebook: Codebook | str = Codebook.MUL1) -> float:
-    """Return K as int (1..8) or float (1.5, 2.5, 3.5); half rates exist only with mul1, as in exllamav3."""
-    cb = parse_codebook(codebook)
-    try:
-        k = float(K)
-    except (TypeError, ValueError):
-        raise ValueError(f"bitrate K={K!r} is not a number; use 1..8 or 1.5, 2.5, 3.5") from None
-    if k.is_integer() and int(k) in INTEGER_BITRATES:
-        return int(k)
-    if k in HALF_BITRATES:
-        if cb is not Codebook.MUL1:
-            raise ValueError(f"bitrate K={k} needs the mul1 codebook (got {cb.value}); half rates are mul1-only")
-        return k
-    raise ValueError(f"bitrate K={K!r} is not an EXL3 rate; use 1..8 or 1.5, 2.5, 3.5")
+        raise UserError(f"unknown EXL3 codebook {codebook!r}; use one of {', '.join(CODEBOOKS)}") from None
 
 
 def _fp16_bits(bits: int) -> float:

@@ -7,7 +7,7 @@ on it: the trunk's routed and shared experts, attention with its compressor (`at
 and Engram's `wkv` (docs/loader-profiles.md: every Linear exllamav3's DeepSeek-V4 attention block
 quantizes).
 The head (`head_bits`), the DSpark drafter (`mtp_bits`) and vision sit outside the budget
-(ref/exllamav3-internals.md 2.4, 3.1). Everything that is not a target keeps its native storage.
+(docs/exl3-format.md, bits per weight). Everything that is not a target keeps its native storage.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
-from quantizer.model.config import ModelConfig
+from quantizer.checkpoint.config import ModelConfig
+from quantizer.exl3 import HADAMARD_BLOCK, UNQUANTIZED
 from quantizer.model.layout import TensorSpec, native_layout
 from quantizer.model.tensor_classes import (
     ATTENTION, COMPRESSOR, DRAFTER, ENGRAM_RESIDENT, HEAD, INDEXER, ROUTED_EXPERT, SHARED_EXPERT, classify,
 )
-from quantizer.plan.sizes import UNQUANTIZED
 
 # Target groups: the unit of floors in a uniform plan and of patterns in a recipe.
 ROUTED = "routed"
@@ -34,7 +34,6 @@ DRAFT = "drafter"
 GROUPS = (ROUTED, SHARED, ATTN, INDEX, ENGRAM, HEAD_GROUP, DRAFT)
 BUDGETED_GROUPS = (ROUTED, SHARED, ATTN, INDEX, ENGRAM)
 
-EXL3_ALIGN = 128  # EXL3 rotates 128-wide Hadamard blocks: in and out features must be multiples
 ATTENTION_PROJECTIONS = ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")
 COMPRESSOR_PROJECTIONS = ("compressor.wkv", "compressor.wgate")  # read the attention input, as wq_a does
 INDEXER_PROJECTIONS = ("wq_b", "wk") + COMPRESSOR_PROJECTIONS  # under attn.indexer.
@@ -124,7 +123,7 @@ def _target(spec: TensorSpec, scale_bytes: int) -> Target | None:
     if found is None or len(spec.shape) != 2:
         return None
     inp, out = weight_features(spec)
-    if inp % EXL3_ALIGN or out % EXL3_ALIGN:
+    if inp % HADAMARD_BLOCK or out % HADAMARD_BLOCK:
         return None
     group, proj = found
     c = classify(spec.name)

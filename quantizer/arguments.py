@@ -1,0 +1,67 @@
+"""Command-line arguments several commands share: a model shape (a checkpoint or --model-config),
+the plan options (--codebook, --head-bits, --drafter-bits) and token counts such as 1M.
+
+Command modules (`<stage>/cli.py`) import this, never each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from quantizer.checkpoint.config import ModelConfig
+from quantizer.errors import UserError
+from quantizer.exl3 import CODEBOOKS
+from quantizer.shipped import model_config_path
+
+_TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+
+
+def tokens(text: str) -> int:
+    """`1048576`, `1M` (= 1,048,576) or `128K` (= 131,072)."""
+    m = _TOKENS.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: a token count such as 131072, 128K or 1M")
+    return int(float(m[1]) * {"": 1, "k": 1 << 10, "m": 1 << 20}[m[2].lower()])
+
+
+SRC_HELP = "native checkpoint directory (its config.json is read)"
+
+
+def add_model_arguments(p: argparse.ArgumentParser, src_help: str = SRC_HELP) -> None:
+    p.add_argument("src", nargs="?", help=src_help)
+    p.add_argument("--model-config", help="a config.json, or a shipped shape such as deepseek-v4.1-flash")
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--codebook", choices=CODEBOOKS, default="mul1")
+    p.add_argument("--head-bits", type=_bits, default=6.0, help="K of the LM head (or native)")
+    p.add_argument("--drafter-bits", type=_bits, default=None, help="K of the DSpark drafter (default native)")
+
+
+def _bits(text: str) -> float | None:
+    if text.lower() == "native":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a K such as 4 or 2.5, or native")
+
+
+def load_model_config(src: str | None, model_config: str | None) -> ModelConfig:
+    """The model shape from a checkpoint directory, a config.json path, or a shipped name."""
+    if bool(src) == bool(model_config):
+        raise UserError("give a checkpoint directory or --model-config (one of them)")
+    if src:
+        return ModelConfig.from_file(Path(src) / "config.json")
+    path = Path(model_config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        name = model_config if model_config.endswith(".json") else model_config + ".json"
+        path = model_config_path(name)
+        if not path.exists():
+            raise UserError(f"--model-config {model_config}: no such file and no shipped shape of that name "
+                            f"(shipped: {', '.join(p.stem for p in path.parent.glob('*.json'))})")
+    return ModelConfig.from_file(path)

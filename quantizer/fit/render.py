@@ -1,0 +1,30 @@
+"""The fit report as the per-rank table `quantizer fit`, `plan --sparks` and `build` print."""
+
+from __future__ import annotations
+
+from quantizer.fit.memory import FitReport
+from quantizer.report import table
+
+
+def render(r: FitReport, explain: bool = False) -> str:
+    guard = "reserve" if any("replaces the guard" in t.name for t in r.terms) else "guard"
+    headers = ["rank", "visible", "weights", "KV pool", "SWA rings", "prefill", "runtime", "OS", guard,
+               "Engram cache", "free", "max context"]
+    rows = [[m.rank] + [f"{v:,.2f}" for v in (
+        m.visible_gib, m.weights_gib, m.kv_pool_gib, m.swa_rings_gib, m.prefill_gib, m.runtime_gib,
+        m.os_gib, m.guard_gib, m.engram_cache_gib, m.free_gib)] + [f"{m.max_context:,}"] for m in r.ranks]
+    lines = [
+        f"{r.source}: {r.arch} on {r.sparks} Spark{'s' if r.sparks > 1 else ''}, engine {r.engine}, "
+        f"split {r.split}, Engram {r.engram}, drafter {r.drafter}, vision {r.vision}; "
+        f"{r.context:,} tokens x {r.streams} stream(s) at {r.kv_bytes_per_token:,.0f} B/token (GiB)",
+        table(headers, rows),
+        "",
+        ("FITS: " if r.fits else "DOES NOT FIT: ") + r.verdict,
+    ]
+    if explain:
+        classes = sorted({c for m in r.ranks for c in m.weights_by_class_gib})
+        lines += ["", "weights by class (GiB):",
+                  table(["class"] + [f"rank {m.rank}" for m in r.ranks],
+                        [[c] + [f"{m.weights_by_class_gib.get(c, 0.0):,.3f}" for m in r.ranks] for c in classes])]
+        lines += ["", "terms:"] + [f"  {t.name}: {t.value}\n      source: {t.source}" for t in r.terms]
+    return "\n".join(lines)
