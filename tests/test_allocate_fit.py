@@ -57,7 +57,7 @@ def test_two_sparks_at_1m_plans_in_seconds_and_fits(v41, tmp_path, capsys):
     assert report.fits and min(r.free_gib for r in report.ranks) < 0.01 * 550e9 / 8 / 2 / (1 << 30)
     header = (tmp_path / "r.yaml").read_text()
     assert "Budget: the most bits that fit 2 Sparks at 1,048,576 tokens" in header
-    assert "--sparks 2 --context 1048576 --synthetic --seed 0 --loader stock" in header
+    assert "--sparks 2 --context 1048576 --synthetic --seed 0 --loader exllamav3" in header
     assert plan_from_recipe(v41, read_recipe(tmp_path / "r.yaml")).k == plan.k
     assert main(["fit", "--model-config", "deepseek-v4.1-flash", "--plan", str(tmp_path / "p.json"),
                  "--sparks", "2", "--context", "1M"]) == 0
@@ -102,7 +102,7 @@ def test_plan_cli_methods_on_a_small_model(tmp_path, capsys):
     small = str(model_config_path("small-v41.json"))
     summary = with_cold_experts(synthetic_summary(ModelConfig.from_file(small))).save(tmp_path / "cold.json")
     for loader, extra, per_layer in (("mixedk", [], "routed experts by layer (mean K): L0 "),
-                                     ("stock", ["--alias"], "routed experts by layer: L0")):
+                                     ("mixedk", ["--alias"], "routed experts by layer (mean K): L0 ")):
         assert main(["plan", "--model-config", small, "--bpw", "2.9", "--calibration", str(summary),
                      "--loader", loader, *extra,
                      "--out", str(tmp_path / "p.json"), "--recipe-out", str(tmp_path / "r.yaml")]) == 0
@@ -117,8 +117,10 @@ def test_plan_cli_methods_on_a_small_model(tmp_path, capsys):
     assert "--calibration" in capsys.readouterr().err
     assert main(["plan", "--model-config", small, "--synthetic"]) == 2
     assert "--bpw B, or --sparks N" in capsys.readouterr().err
-    assert main(["plan", "--model-config", small, "--bpw", "2.9", "--method", "exl3", "--loader", "mixedk"]) == 2
-    assert "apply to --method ours" in capsys.readouterr().err
+    assert main(["plan", "--model-config", small, "--bpw", "2.9", "--method", "exl3", "--alias"]) == 2
+    assert "--alias applies to --method ours" in capsys.readouterr().err
+    assert main(["plan", "--model-config", small, "--bpw", "2.9", "--calibration", str(summary), "--alias"]) == 2
+    assert "the exllamav3 loader reads every expert's own tensors" in capsys.readouterr().err
     # a --bpw plan checked against a topology: exit 1 when it does not fit
     assert main(["plan", "--model-config", small, "--bpw", "2.9", "--synthetic", "--sparks", "1",
                  "--context", "1M", "--streams", "16"]) == 0

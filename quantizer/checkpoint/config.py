@@ -270,7 +270,7 @@ class _Values:
         self.values, self.source = values, source
 
     def _get(self, key: str, default, ok, kind: str):
-        if key not in self.values:
+        if key not in self.values or (self.values[key] is None and default is None):  # null: an optional key unset
             if default is self.REQUIRED:
                 raise UserError(f"{self.source}: missing required key {key!r}")
             return default
