@@ -19,13 +19,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
+from quantizer.model.targets import ROUTED, targets
+from quantizer.plan.plan import make_plan
 from quantizer.quantize.results import RESULTS_DIR
 from quantizer.shipped import shipped
 
 SMALL = str(shipped("small_model"))
-# 4 rows in 2 chunks of 2: each rank runs one chunk through every layer.
-ARGS = ["build", SMALL, "--bpw", "2.5", "--calib-rows", "4", "--calib-cols", "128", "--row-chunk", "2"]
+# 4 rows in 2 chunks of 2: each rank runs one chunk through every layer. The plan quantizes the routed
+# experts of layers 0-2 and one attention linear (10 units, 1.2 M weights): the CPU codec's time,
+# not the distribution's, is what a whole-model plan would add.
+QUANTIZED_LAYERS = (0, 1, 2)
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 TIMEOUT_S = 600
 LAUNCHER = """
@@ -42,7 +47,7 @@ pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not i
 
 
 def torchrun(tmp: Path, args: list[str], rank1_extra: str = "", wait: bool = True):
-    """`torchrun --nproc-per-node 2 launcher ARGS` on this host; rank 1 gets `rank1_extra` appended."""
+    """`torchrun --nproc-per-node 2 launcher build_args` on this host; rank 1 gets `rank1_extra` appended."""
     launcher = tmp / "launch.py"
     launcher.write_text(LAUNCHER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
@@ -72,24 +77,34 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def build_args(tmp_path_factory):
+    cfg = Checkpoint.open(SMALL).config
+    k = {t.key: (2.0 if t.group == ROUTED and t.layer in QUANTIZED_LAYERS else None) for t in targets(cfg)}
+    k["layers.0.attn.wq_a"] = 3.0
+    plan = tmp_path_factory.mktemp("plan") / "plan.json"
+    make_plan(cfg, k).save(plan)
+    return ["build", SMALL, "--plan", str(plan), "--calib-rows", "4", "--calib-cols", "128", "--row-chunk", "2"]
+
+
+@pytest.fixture(scope="module")
+def reference(build_args, tmp_path_factory):
     root = tmp_path_factory.mktemp("one")
     with one_thread():
-        assert main(ARGS + ["--out", str(root / "pack")]) == 0
+        assert main(build_args + ["--out", str(root / "pack")]) == 0
     return pack_files(root / "pack")
 
 
-def test_two_ranks_build_the_pack_one_process_builds(reference, tmp_path):
-    code, out = torchrun(tmp_path, ARGS + ["--out", str(tmp_path / "pack")])
+def test_two_ranks_build_the_pack_one_process_builds(build_args, reference, tmp_path):
+    code, out = torchrun(tmp_path, build_args + ["--out", str(tmp_path / "pack")])
     assert code == 0, out
     assert out.count("verify: clean") == 1  # rank 0 alone packs, verifies and reports
     assert pack_files(tmp_path / "pack") == reference
 
 
-def test_a_rank_killed_mid_quantize_leaves_work_one_process_finishes_into_the_same_pack(reference, tmp_path):
+def test_a_rank_killed_mid_quantize_leaves_work_one_process_finishes_into_the_same_pack(build_args, reference, tmp_path):
     work = tmp_path / "pack.work"
     results = work / "quantize" / RESULTS_DIR
-    proc = torchrun(tmp_path, ARGS + ["--out", str(tmp_path / "pack")], wait=False)
+    proc = torchrun(tmp_path, build_args + ["--out", str(tmp_path / "pack")], wait=False)
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while len(list(results.glob("*.safetensors"))) < 4:
@@ -105,13 +120,13 @@ def test_a_rank_killed_mid_quantize_leaves_work_one_process_finishes_into_the_sa
     assert not (tmp_path / "pack").exists()
     done = len(list(results.glob("*.safetensors")))
     with one_thread():
-        assert main(ARGS + ["--out", str(tmp_path / "pack")]) == 0
+        assert main(build_args + ["--out", str(tmp_path / "pack")]) == 0
     assert len(list(results.glob("*.safetensors"))) > done
     assert pack_files(tmp_path / "pack") == reference
 
 
-def test_ranks_that_disagree_on_a_setting_are_refused_naming_it(tmp_path):
-    code, out = torchrun(tmp_path, ARGS + ["--out", str(tmp_path / "pack")], rank1_extra="--seed 1")
+def test_ranks_that_disagree_on_a_setting_are_refused_naming_it(build_args, tmp_path):
+    code, out = torchrun(tmp_path, build_args + ["--out", str(tmp_path / "pack")], rank1_extra="--seed 1")
     assert code != 0
     errors = [line for line in out.splitlines() if ": error: " in line]
     assert len(errors) == 2 and all("rank 1 disagrees with rank 0 on quantize.seed: 1 vs 0" in line
@@ -120,8 +135,8 @@ def test_ranks_that_disagree_on_a_setting_are_refused_naming_it(tmp_path):
     assert not (tmp_path / "pack.work" / "calibration").exists()
 
 
-def test_ranks_that_do_not_share_the_work_directory_are_refused(tmp_path):
-    args = ARGS + ["--out", str(tmp_path / "pack")]
+def test_ranks_that_do_not_share_the_work_directory_are_refused(build_args, tmp_path):
+    args = build_args + ["--out", str(tmp_path / "pack")]
     code, out = torchrun(tmp_path, args, rank1_extra=f"--work {tmp_path / 'elsewhere'}")
     assert code != 0
     assert "rank 1 (host " in out and "does not see the file rank 0 wrote there" in out, out
