@@ -157,7 +157,7 @@ def test_real_shape_is_vectorised(v41):
     start = time.perf_counter()
     sens = sensitivity(v41, summary)
     elapsed = time.perf_counter() - start
-    assert sens.proxy.shape == (46_410, 11) and sens.cost.shape == (46_410, 11)
+    assert sens.proxy.shape == (46_421, 11) and sens.cost.shape == (46_421, 11)  # 11 compressor and indexer.wk targets
     assert sum(1 for k in sens.keys if ".ffn.experts." in k) == 46_080
     assert np.all(np.isfinite(sens.cost)) and np.all(sens.importance >= 0)
     assert elapsed < 2.0, f"sensitivity of the real shape took {elapsed:.2f} s"
