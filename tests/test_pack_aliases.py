@@ -10,6 +10,7 @@ from quantizer.cli import main
 from quantizer.model.targets import targets
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.plan.plan import make_plan
+from quantizer.plan.profiles import MIXEDK
 
 COLD, WARM = "layers.0.ffn.experts.7", "layers.0.ffn.experts.2"
 
@@ -17,7 +18,7 @@ COLD, WARM = "layers.0.ffn.experts.7", "layers.0.ffn.experts.2"
 def test_an_aliased_expert_stores_nothing_and_verifies(tiny_v41, tmp_path, capsys):
     cfg = Checkpoint.open(tiny_v41).config
     k = {t.key: (16.0 if t.key.startswith("layers.0.ffn.experts.") else None) for t in targets(cfg)}
-    make_plan(cfg, k, aliases={COLD: WARM}).save(tmp_path / "plan.json")
+    make_plan(cfg, k, loader=MIXEDK, aliases={COLD: WARM}).save(tmp_path / "plan.json")  # aliases need mixedk
     pack = tmp_path / "pack"
     assert main(["build", str(tiny_v41), "--plan", str(tmp_path / "plan.json"), "--out", str(pack), "--no-calibrate"]) == 0
 
@@ -25,7 +26,7 @@ def test_an_aliased_expert_stores_nothing_and_verifies(tiny_v41, tmp_path, capsy
     assert not [n for n in m.tensors if n.startswith(COLD + ".")]
     assert m.aliases == {f"{COLD}.{p}": f"{WARM}.{p}" for p in ("w1", "w2", "w3")}
     assert m.sources[f"{COLD}.w2.weight"] == {"alias": f"{WARM}.w2"} == m.sources[f"{COLD}.w2.scale"]
-    assert m.loader_features == ["expert-aliases"]
+    assert m.loader_features == ["per-expert-K", "expert-aliases"] and m.plan["loader"] == MIXEDK
     assert m.quantization["k_histogram"] == {"16": 21}
     assert main(["verify", str(pack)]) == 0
     assert "OK    aliases: 3 aliased linears point at stored ones" in capsys.readouterr().out
