@@ -9,18 +9,26 @@ bundled small model's shapes, 128x256 and 512x128 (out x in) with a Hessian, aga
 matrices' tiles through encode_tiles alone. Wall and CPU time are both shown: on a shared machine the CPU
 time is the steadier of the two. Also times the decoder on a V4.1 expert-sized tensor.
 
-    python bench/codec_cpu.py [--tiles 256] [--mode fast] [--no-torch]
+Against another kernel source (--against OLD.cpp, e.g. `git show REV:quantizer/codec/viterbi_kernel.cpp`):
+both compiled with the same flags, tiles/s of each at K = 2, 2.5, 3, 4, 6 on one thread and on all, the
+ratio, and whether their states are identical.
+
+    python bench/codec_cpu.py [--tiles 256] [--mode fast] [--no-torch] [--against OLD.cpp]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from quantizer.codec import EXL3Linear, dequantize, encode_tiles, native, quantize_linear, quantize_linears
+from quantizer.codec.trellis import step_bits
 from quantizer.codec.viterbi import _EXACT_SEAM_WINDOW, FAST_SEAM_WINDOW, _encode_torch
 from quantizer.exl3 import Codebook, codebook_values
 
@@ -62,6 +70,31 @@ def bench_encoder(n_tiles: int, with_torch: bool) -> None:
             print(f"{K:>3} {mode:>5} {path:>5} {rate:>9.1f} {cpu_rate:>9.1f} {mse:>9.5f} {mse / EXLLAMAV3_MSE[K]:>8.3f} "
                   f"{cpu_rate / exact[1]:>8.2f}x {vs_torch} {mse / exact[2]:>6.3f}")
     print("(speed ratios use CPU time; 'vs torch' = compiled kernel over the torch search, same mode)")
+
+
+def _compiled(source: Path, out: Path) -> native.Kernel:
+    subprocess.run([native._compiler(), *native._FLAGS, "-o", str(out), str(source)], check=True)
+    return native.Kernel(out)
+
+
+def bench_against(source: Path, n_tiles: int) -> None:
+    tiles = torch.randn(n_tiles, 256, generator=torch.Generator().manual_seed(0))
+    values = codebook_values("mul1").float().contiguous()
+    with tempfile.TemporaryDirectory() as tmp:
+        kernels = {"this": _compiled(native.SOURCE, Path(tmp) / "this.so"),
+                   "other": _compiled(source, Path(tmp) / "other.so")}
+        print(f"\nkernel against {source}: {n_tiles} N(0,1) tiles, mul1, fast seam, tiles/s (CPU time)")
+        print(f"{'K':>4} {'threads':>7} {'this':>9} {'other':>9} {'ratio':>7} {'same states':>12}")
+        for K in (2, 2.5, 3, 4, 6):
+            for threads in sorted({1, torch.get_num_threads()}):
+                runs = {}
+                for name, kernel in kernels.items():
+                    kernel.encode_tiles(tiles[:2], values, step_bits(K), FAST_SEAM_WINDOW, threads)
+                    runs[name] = _timed(lambda: kernel.encode_tiles(tiles, values, step_bits(K), FAST_SEAM_WINDOW,
+                                                                    threads))
+                (mine, _, cpu_mine), (theirs, _, cpu_theirs) = runs["this"], runs["other"]
+                print(f"{K:>4g} {threads:>7} {n_tiles / cpu_mine:>9.1f} {n_tiles / cpu_theirs:>9.1f} "
+                      f"{cpu_theirs / cpu_mine:>6.2f}x {str(torch.equal(mine, theirs)):>12}")
 
 
 def _layer(out_f: int, in_f: int, seed: int):
@@ -113,8 +146,11 @@ def main() -> None:
     parser.add_argument("--tiles", type=int, default=256, help="tiles per encoder run (default 256)")
     parser.add_argument("--mode", choices=("exact", "fast"), default="fast", help="encoder mode of the quantizer runs")
     parser.add_argument("--no-torch", action="store_true", help="skip the (slow) pure-torch encoder runs")
+    parser.add_argument("--against", type=Path, help="another viterbi_kernel.cpp to compare the kernel with")
     args = parser.parse_args()
     print(f"load average before the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.against:
+        bench_against(args.against, args.tiles)
     bench_encoder(args.tiles, not args.no_torch)
     bench_linear(args.mode)
     bench_decode()

@@ -1,9 +1,9 @@
 """`quantizer build` on the CPU: the tiny V4.1 checkpoint at a uniform 2.5 bpw, quantized by our codec
 (fast encoder), packed under a small shard cap so the layout rules show, and verified.
 
-The uniform plan quantizes every budgeted target (routed experts at K 1.5/2, attention, indexer,
-shared experts and Engram wkv at the K 4 floor) and the head at K 6; the drafter, norms, router,
-mHC, compressors and Engram tables stay native. Fused `wo_a` is stored as exllamav3's two slices.
+The uniform plan quantizes every budgeted target (routed experts at K 1.5, attention with its
+compressors, indexer, shared experts and Engram wkv at the K 4 floor) and the head at K 6; the drafter,
+norms, router, mHC and Engram tables stay native. Fused `wo_a` is stored as exllamav3's two slices.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def test_configs_announce_exl3_with_integer_bits_and_keep_the_source_quantizatio
     assert entry["stored_tensors"]["layers.0.attn.wo_a.slice.1.trellis"]["shape"] == [16, 8, 64]
     assert storage["layers.3.ffn.experts.5.w2"]["bits_per_weight"] in (1.5, 2)
     assert manifest.quantization["bits"] == q["bits"]
-    assert manifest.quantization["k_histogram"] == {"1.5": 216, "2": 24, "4": 96, "6": 1}
+    assert manifest.quantization["k_histogram"] == {"1.5": 240, "4": 104, "6": 1}  # compressors at the K 4 floor
     for name, text in SIDE_FILES.items():
         assert (pack / name).read_text() == text
 

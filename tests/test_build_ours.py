@@ -50,7 +50,8 @@ def test_a_rerun_resumes_without_encoding_again(built, capsys):
 @pytest.mark.parametrize("extra,message", [
     (["--bpw", "2.5", "--no-calibrate"], "--method ours allocates from a calibration"),
     (["--bpw", "2.5", "--context", "64K"], "add --sparks"),
-    (["--bpw", "2.5", "--method", "uniform", "--loader", "mixedk"], "--loader mixedk and --alias apply"),
+    (["--bpw", "2.5", "--method", "uniform", "--loader", "mixedk", "--codebook", "mcg"],
+     "layers.0.attn.wq_a: codebook mcg; this loader takes mul1"),
     (["--bpw", "2.5", "--tokens", "ids.txt"], "--tokens takes a .npy or .safetensors file"),
     (["--bpw", "0.5"], "--bpw 0.5 is too low"),  # refused before calibration, not after
 ])

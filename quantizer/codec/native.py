@@ -1,7 +1,7 @@
 """The compiled trellis encoder (viterbi_kernel.cpp): built on first use, cached per machine, called by ctypes.
 
-It runs the exact node-based search of viterbi.py fused into one SIMD loop per position, about 10x faster
-per core than the torch search, and returns the same states bit for bit. It is plain C++ (no torch
+It runs the exact node-based search of viterbi.py fused into one SIMD loop per position, 3.5-7x faster
+per core than the torch search on an AVX2 CPU (bench/codec_cpu.py), and returns the same states bit for bit. It is plain C++ (no torch
 headers, no ninja), so the one-time build takes seconds with the system compiler ($CXX, else c++); when
 there is none, or the build fails, the encoder falls back to pure torch after one warning.
 QUANTIZER_NATIVE=0 turns the kernel off.
@@ -101,6 +101,6 @@ def kernel() -> Kernel | None:
         return Kernel(target)
     except Exception as exc:  # noqa: BLE001 - whatever stops the build, the torch encoder still works
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        warnings.warn(f"EXL3 C++ trellis encoder unavailable ({reason}); using the pure-torch encoder, about "
-                      "10x slower on a CPU", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"EXL3 C++ trellis encoder unavailable ({reason}); using the pure-torch encoder, several "
+                      "times slower on a CPU", RuntimeWarning, stacklevel=2)
         return None

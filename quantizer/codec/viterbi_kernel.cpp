@@ -1,7 +1,7 @@
 // Exact tail-biting Viterbi for EXL3 trellis tiles: the node-based search of viterbi.py, fused.
 //
 // The torch search makes one pass over memory per elementwise op and position (squared error, plus the
-// entry cost, node minimum); here one loop computes, per group of 16 output nodes, the minimum over their
+// entry cost, node minimum); here one loop computes, per vector of output nodes, the minimum over their
 // 2^D(p+1) candidate states and records which one won, with everything in cache and in SIMD registers.
 // Arithmetic is the torch path's, op for op: ((v - w) * (v - w)) + entry in float32 with no FMA
 // contraction (built with -ffp-contract=off), and ties go to the lowest candidate as torch.argmin does,
@@ -23,10 +23,18 @@ namespace {
 
 constexpr int kPositions = 256;
 constexpr int kStateBits = 16;
+// One vector is one SIMD register of the build's CPU: a wider GCC vector than the hardware has is split
+// into halves that spill through the stack at every op (on AVX2, 16 lanes ran ~8x slower than 8).
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
+#elif defined(__AVX__)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 4;  // SSE, NEON
+#endif
 constexpr int kPad = kLanes;  // entry costs are read a whole vector at a time, up to kLanes past the last node
 
-// GCC vector extensions: 16 float lanes, lowered to AVX-512, AVX2, SSE or NEON by -march=native.
+// GCC vector extensions: kLanes float lanes, lowered to AVX-512, AVX2, SSE or NEON by -march=native.
 typedef float vfloat __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vint __attribute__((vector_size(4 * kLanes)));
 typedef uint8_t vbyte __attribute__((vector_size(kLanes)));
@@ -39,11 +47,11 @@ inline vfloat load(const float* p) {
 
 inline vfloat broadcast(float x) { return __builtin_shuffle(vfloat{x}, vint{}); }
 
-// Entry costs of 16 consecutive candidate states whose first one leaves node *entry: entry[s >> D],
-// each node repeated 2^D times (one node for all 16 when D >= 4).
+// Entry costs of kLanes consecutive candidate states whose first one leaves node *entry: entry[s >> D],
+// each node repeated 2^D times (one node for the whole vector when 2^D >= kLanes).
 template <int D>
 inline vfloat entry_lanes(const float* entry) {
-  if constexpr (D >= 4) {
+  if constexpr ((1 << D) >= kLanes) {
     return broadcast(*entry);
   } else {
     vint spread;
@@ -55,7 +63,7 @@ inline vfloat entry_lanes(const float* entry) {
 // One position with D new bits, followed by one with DN: for every node n after it (the low 16 - DN bits
 // of the state), out[n] = min over top < 2^DN of entry[s >> D] + (value(s) - w)^2, s = top << (16 - DN) | n,
 // and dec[n] = the winning top (the lowest on ties). `values` is blocked for DN: the 2^DN candidates of
-// 16 consecutive nodes are 2^DN consecutive vectors. With many candidates per node each minimum is a long
+// kLanes consecutive nodes are 2^DN consecutive vectors. With many candidates per node each minimum is a long
 // dependency chain, so several node groups are interleaved to keep the SIMD units busy.
 template <int D, int DN>
 void step(const float* values, const float* entry, float w, float* out, uint8_t* dec) {
