@@ -3,7 +3,7 @@
 Writes a native checkpoint with the real shapes (hidden 5120, expert width 2304, attention, Engram,
 one drafter block, vision) but --layers trunk layers of --experts routed experts, random weights
 made on the GPU in the native formats (FP8 + E8M0, MXFP4 experts, BF16). The Engram table keeps its
-256-wide rows with far fewer of them (a small hash vocabulary). Then runs `quantizer.build.build`,
+256-wide rows with far fewer of them (a small hash vocabulary). Then runs `quantizer.pipeline.build`,
 the call `quantizer build` makes (calibrate -> plan -> quantize -> pack -> verify), and prints per
 stage: time, weights/s, peak GPU memory, peak host RAM and disk.
 
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from quantize_gpu import direct  # noqa: E402
-from quantizer.build.build import BuildRequest, build  # noqa: E402
+from quantizer.pipeline.build import BuildRequest, build  # noqa: E402
 from quantizer.calibrate.needs import calibration_needs  # noqa: E402
 from quantizer.calibrate.settings import CalibrationSettings  # noqa: E402
 from quantizer.calibrate.storage import HessianStore  # noqa: E402
@@ -248,7 +248,7 @@ def rehearse(args, root: Path) -> dict:
     ck = Checkpoint.open(src)
     tokens = torch.randint(0, ck.config.vocab_size, (args.rows, args.cols),
                            generator=torch.Generator().manual_seed(args.seed))
-    build_module = importlib.import_module("quantizer.build.build")  # the module: the package exports build()
+    build_module = importlib.import_module("quantizer.pipeline.build")  # the module: the package exports build()
     originals = {}
     for fn, name in (("calibrate", "calibrate"), ("choose_plan", "plan"), ("quantize", "quantize"),
                      ("write_pack", "pack"), ("verify_pack", "verify")):

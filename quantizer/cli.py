@@ -33,7 +33,7 @@ COMMANDS = (
     "quantizer.ppl.cli",
     "quantizer.plan.cli",
     "quantizer.fit.cli",
-    "quantizer.build.cli",
+    "quantizer.pipeline.cli",
     "quantizer.verify.cli",
     "quantizer.demo.cli",
 )

@@ -18,7 +18,7 @@ from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_bytes, read_h
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import main
 from quantizer.codec import EXL3Linear, dequantize
-from quantizer.build.build import PLAN_FILE
+from quantizer.pipeline.build import PLAN_FILE
 from quantizer.fit.memory import fit
 from quantizer.fit.stored import stored_from_pack, stored_from_plan
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quantizer.build.preflight import claim
+from quantizer.pipeline.preflight import claim
 from quantizer.checkpoint import fingerprint as fingerprint_module
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint

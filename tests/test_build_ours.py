@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from quantizer.build.build import PLAN_FILE, RECIPE_FILE
+from quantizer.pipeline.build import PLAN_FILE, RECIPE_FILE
 from quantizer.cli import main
 from quantizer.pack.manifest import MANIFEST_NAME
 from quantizer.plan.plan import Plan

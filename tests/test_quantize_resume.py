@@ -17,7 +17,7 @@ from quantizer.cli import main
 from quantizer.model.targets import targets
 from quantizer.plan.plan import make_plan
 from quantizer.workdir import JOB_NAME
-from quantizer.build.build import QUANTIZE_DIR
+from quantizer.pipeline.build import QUANTIZE_DIR
 from quantizer.quantize.results import RESULTS_DIR
 from quantizer.tiny.make import make_tiny
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantizer.build.build import BuildRequest, build
+from quantizer.pipeline.build import BuildRequest, build
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear, decode_rotated, dequantize
 from quantizer.model.streaming import CheckpointSource, LayerStreamer

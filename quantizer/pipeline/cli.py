@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from quantizer.arguments import tokens
-from quantizer.build.build import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
+from quantizer.pipeline.build import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import current

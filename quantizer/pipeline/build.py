@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from quantizer.build.preflight import check_places, check_space, claim, disk_needs
+from quantizer.pipeline.preflight import check_places, check_space, claim, disk_needs
 from quantizer.calibrate.needs import calibration_needs
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.stage import calibrate, tokens_digest
