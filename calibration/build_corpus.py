@@ -43,7 +43,7 @@ from quantizer.textdata.shipped_sets import SET_FILES
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PYTHON_VERSION = "3.11.7"
-EXLLAMAV3_WHEEL = REPO.parent / "shared" / "device" / "exllamav3-1.6.5-py3-none-any.whl"
+WHEEL_ENV = "EXLLAMAV3_WHEEL"  # the exllamav3 1.6.5 wheel (PyPI: exllamav3-1.6.5-py3-none-any.whl)
 CAL_DATA = "exllamav3/conversion/standard_cal_data/"
 
 SALT = "quantizer-corpus-v1"
@@ -185,9 +185,10 @@ def wiki_documents(raw: str) -> list[Document]:
     return docs
 
 
-def read_exllamav3(wheel: Path) -> tuple[dict[str, bytes], str]:
-    if not wheel.is_file():
-        sys.exit(f"build_corpus.py: {wheel} not found; pass --exllamav3-wheel")
+def read_exllamav3(wheel: Path | None) -> tuple[dict[str, bytes], str]:
+    if wheel is None or not wheel.is_file():
+        sys.exit(f"build_corpus.py: exllamav3 wheel {wheel or '(none given)'} not found; pass --exllamav3-wheel "
+                 f"or set ${WHEEL_ENV}")
     with zipfile.ZipFile(wheel) as zf:
         files = {name: zf.read(CAL_DATA + name) for name in sorted(EXLLAMAV3_FILES)}
     return files, sha256(wheel.read_bytes())
@@ -340,7 +341,8 @@ def check(provenance: dict, out: Path) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--exllamav3-wheel", type=Path, default=EXLLAMAV3_WHEEL)
+    parser.add_argument("--exllamav3-wheel", type=Path, default=os.environ.get(WHEEL_ENV),
+                        help=f"the exllamav3 1.6.5 wheel (default: ${WHEEL_ENV})")
     parser.add_argument("--out", type=Path, default=HERE)
     parser.add_argument("--check", action="store_true", help="rebuild in memory and compare with provenance.json")
     args = parser.parse_args()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -86,8 +87,8 @@ def test_provenance_records_the_files_as_they_are():
 
 
 @pytest.mark.skipif(
-    sys.version_info[:3] != (3, 11, 7) or not (REPO.parent / "shared/device/exllamav3-1.6.5-py3-none-any.whl").is_file(),
-    reason="the sets are rebuilt from CPython 3.11.7's standard library and the exllamav3 1.6.5 wheel",
+    sys.version_info[:3] != (3, 11, 7) or not Path(os.environ.get("EXLLAMAV3_WHEEL", "-")).is_file(),
+    reason="the sets are rebuilt from CPython 3.11.7's standard library and the exllamav3 1.6.5 wheel ($EXLLAMAV3_WHEEL)",
 )
 def test_corpus_rebuilds_identically():
     done = subprocess.run([sys.executable, str(CALIBRATION / "build_corpus.py"), "--check"], capture_output=True, text=True)
