@@ -134,3 +134,13 @@ def test_plan_cli_writes_plan_and_recipe(tmp_path, capsys):
     assert main(["fit", "--model-config", str(TINY), "--plan", str(tmp_path / "p.json"), "--sparks", "1"]) == 0
     assert main(["fit", "--model-config", str(TINY), "--recipe", str(tmp_path / "r.yaml"), "--sparks", "1"]) == 0
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1", "9"])
+@pytest.mark.parametrize("command", [["plan", "--model-config", "deepseek-v4.1-flash", "--bpw"],
+                                     ["fit", "--model-config", "deepseek-v4.1-flash", "--bpw"],
+                                     ["demo", "--sizes"]])
+def test_a_bpw_that_is_no_rate_exits_2_before_any_work(capsys, command, value):
+    assert main([*command, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{command[-1]} {float(value):g}: must be a number above 0 and at most 8" in err and "Traceback" not in err

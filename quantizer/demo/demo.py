@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from quantizer.arguments import check_bpw
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.stage import calibrate
 from quantizer.calibrate.storage import HessianStore
@@ -75,6 +76,8 @@ class DemoSettings:
     def __post_init__(self) -> None:
         if not self.sizes or not self.methods or not self.loaders:
             raise UserError("give at least one size, one method and one loader")
+        for size in self.sizes:
+            check_bpw(size, flag="--sizes")
         unknown = [name for name in self.loaders if name not in LOADERS]
         if unknown:
             raise UserError(f"unknown loader(s) {', '.join(unknown)}; choose from {', '.join(LOADERS)}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from quantizer.arguments import add_model_arguments, add_plan_arguments, load_model_config, tokens
+from quantizer.arguments import add_model_arguments, add_plan_arguments, check_bpw, load_model_config, tokens
 from quantizer.errors import UserError
 from quantizer.fit.hardware import load_hardware
 from quantizer.fit.memory import TOPOLOGIES, fit
@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             plan, source = Plan.load(args.plan), args.plan
             check_plan(cfg, plan)
         elif args.bpw is not None:
+            check_bpw(args.bpw, args.codebook)
             plan, source = _uniform(cfg, args, args.bpw), f"uniform plan at {args.bpw:g} bpw"
             stored_at_bpw = lambda b: stored_from_plan(cfg, _uniform(cfg, args, b))  # noqa: E731
         else:

@@ -14,7 +14,6 @@ the ranks (quantizer/distributed.py); rank 0 plans, packs and verifies, the othe
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from contextlib import ExitStack
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from quantizer.pipeline.preflight import check_places, check_space, claim, disk_needs
+from quantizer.arguments import check_bpw
 from quantizer.calibrate.needs import calibration_needs
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.stage import calibrate, tokens_digest
@@ -40,6 +39,7 @@ from quantizer.fit.target import FitTarget, largest_fitting_plan
 from quantizer.inventory.inventory import require_consistent
 from quantizer.pack.manifest import Manifest
 from quantizer.pack.writer import PackSettings, check_new_pack_dir, write_pack
+from quantizer.pipeline.preflight import check_places, check_space, claim, disk_needs
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS, UNIFORM, planner
 from quantizer.plan.plan import Plan
@@ -137,10 +137,8 @@ def check_request(req: BuildRequest) -> None:
         raise UserError(f"--method {req.method!r}; choose from {', '.join(METHODS)}")
     if req.plan is None and req.method == OURS and req.calibration_rows is None:
         raise UserError("--method ours allocates from a calibration; drop --no-calibrate, or use --method uniform")
-    highest = rate_grid(req.allocation.codebook)[-1]
-    if req.bpw is not None and not (math.isfinite(req.bpw) and 0 < req.bpw <= highest):
-        raise UserError(f"--bpw {req.bpw:g}: must be a number above 0 and at most {highest:g} "
-                        "(the highest EXL3 rate)")
+    if req.bpw is not None:
+        check_bpw(req.bpw, req.allocation.codebook)
 
 
 def request_record(ck: Checkpoint, req: BuildRequest) -> dict:

@@ -15,7 +15,7 @@ import argparse
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from quantizer.arguments import add_model_arguments, add_plan_arguments, load_model_config, tokens
+from quantizer.arguments import add_model_arguments, add_plan_arguments, check_bpw, load_model_config, tokens
 from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
@@ -88,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     method = args.method or (OURS if args.calibration or args.synthetic else UNIFORM)
     if args.bpw is None and args.sparks is None:
         raise UserError("give --bpw B, or --sparks N to plan the most that fits N Sparks")
+    if args.bpw is not None:
+        check_bpw(args.bpw, args.codebook)
     plan_at, lo = _planner(cfg, args, method)
     target = FitTarget(args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
                        args.streams, args.engine) if args.sparks else None
