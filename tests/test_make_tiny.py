@@ -52,3 +52,20 @@ def test_v4_drafter_names_and_tokenizer_are_what_exllamav3_reads(tiny_v4, tiny_v
     assert not any(n.endswith(("markov_w1", "markov_w2")) for n in names)
     assert (tiny_v4 / "tokenizer.json").read_bytes() == shipped_tokenizer_path().read_bytes()
     assert not (tiny_v41 / "tokenizer.json").exists()  # its Engram hash runs on raw ids
+
+
+def test_a_users_partial_directory_is_kept_and_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    mine = tmp_path / "ck.partial"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    out = make_tiny(tmp_path / "ck", "v4")
+    assert (mine / "notes.txt").read_text() == "mine" and (out / "config.json").exists()
+    assert oct(out.stat().st_mode & 0o777) == "0o755"
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("quantizer.tiny.native_writer.write_safetensors", full_disk)
+    with pytest.raises(OSError):
+        make_tiny(tmp_path / "other", "v4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck.partial"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -42,9 +43,22 @@ def write_native_checkpoint(
         raise UserError(f"{out}: directory exists and is not empty; choose a new output directory")
     cfg = ModelConfig.from_dict(raw_config)
     shards = assign_shards(native_layout(cfg), backbone_shards)
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # A partial directory of this run's own: a concurrent run, or a user's `<out>.partial`, is not touched.
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would become the checkpoint's
+    try:
+        _write_into(tmp, raw_config, cfg, shards, values, extra_files)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_into(tmp: Path, raw_config: dict, cfg: ModelConfig, shards: list[list[TensorSpec]],
+                values: ValueFn | None, extra_files: dict[str, Path] | None) -> None:
     weight_map: dict[str, str] = {}
     total = 0
     for i, group in enumerate(tqdm(shards, desc="shards", unit="shard", disable=len(shards) < 8)):
@@ -59,10 +73,6 @@ def write_native_checkpoint(
     (tmp / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
     for name, src in (extra_files or {}).items():
         shutil.copyfile(src, tmp / name)
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
-    return out
 
 
 def assign_shards(specs: list[TensorSpec], backbone_shards: int) -> list[list[TensorSpec]]:
