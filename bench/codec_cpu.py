@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--no-torch", action="store_true", help="skip the (slow) pure-torch encoder runs")
     parser.add_argument("--against", type=Path, help="another viterbi_kernel.cpp to compare the kernel with")
     args = parser.parse_args()
+    if args.against and not args.against.is_file():
+        parser.error(f"--against {args.against}: no such file")
     print(f"load average before the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.against:
         bench_against(args.against, args.tiles)

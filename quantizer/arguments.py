@@ -7,13 +7,12 @@ Command modules (`<stage>/cli.py`) import this, never each other.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 from pathlib import Path
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.exl3 import CODEBOOKS, rate_grid
+from quantizer.exl3 import CODEBOOKS
 from quantizer.shipped import model_config_path
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
@@ -25,13 +24,6 @@ def tokens(text: str) -> int:
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r}: a token count such as 131072, 128K or 1M")
     return int(float(m[1]) * {"": 1, "k": 1 << 10, "m": 1 << 20}[m[2].lower()])
-
-
-def check_bpw(value: float, codebook: str = "mul1", flag: str = "--bpw") -> None:
-    """UserError unless `value` bits per weight is a finite number above 0 and at most the highest EXL3 rate."""
-    highest = rate_grid(codebook)[-1]
-    if not (math.isfinite(value) and 0 < value <= highest):
-        raise UserError(f"{flag} {value:g}: must be a number above 0 and at most {highest:g} (the highest EXL3 rate)")
 
 
 SRC_HELP = "native checkpoint directory (its config.json is read)"

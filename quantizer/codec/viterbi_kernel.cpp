@@ -24,7 +24,7 @@ namespace {
 constexpr int kPositions = 256;
 constexpr int kStateBits = 16;
 // One vector is one SIMD register of the build's CPU: a wider GCC vector than the hardware has is split
-// into halves that spill through the stack at every op (on AVX2, 16 lanes ran ~8x slower than 8).
+// into halves that spill through the stack at every op (on AVX2, 16 lanes ran 7-16x slower than 8).
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 #elif defined(__AVX__)

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-from quantizer.arguments import check_bpw
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.stage import calibrate
 from quantizer.calibrate.storage import HessianStore
 from quantizer.checkpoint.safetensors_file import read_header
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
+from quantizer.exl3 import check_bpw
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.model.targets import targets
 from quantizer.pack.writer import PackSettings, write_pack
@@ -77,7 +77,7 @@ class DemoSettings:
         if not self.sizes or not self.methods or not self.loaders:
             raise UserError("give at least one size, one method and one loader")
         for size in self.sizes:
-            check_bpw(size, flag="--sizes")
+            check_bpw(size, "mul1", "--sizes")
         unknown = [name for name in self.loaders if name not in LOADERS]
         if unknown:
             raise UserError(f"unknown loader(s) {', '.join(unknown)}; choose from {', '.join(LOADERS)}")

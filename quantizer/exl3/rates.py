@@ -8,6 +8,8 @@ UserError: a K reaches here from a plan, a recipe or a flag.
 
 from __future__ import annotations
 
+import math
+
 from quantizer.errors import UserError
 from quantizer.exl3.codebook import Codebook, parse_codebook
 
@@ -52,3 +54,10 @@ def check_k(k: float, codebook: Codebook | str, integer_only: bool, what: str) -
         return float(trellis_k(k, codebook))
     except UserError as e:
         raise UserError(f"{what}: {e}") from None
+
+
+def check_bpw(bpw: float, codebook: Codebook | str, what: str = "--bpw") -> None:
+    """A UserError naming `what` unless `bpw` is a finite number above 0 and at most the highest rate."""
+    highest = rate_grid(codebook)[-1]
+    if not (math.isfinite(bpw) and 0 < bpw <= highest):
+        raise UserError(f"{what} {bpw:g}: must be a number above 0 and at most {highest:g} (the highest EXL3 rate)")

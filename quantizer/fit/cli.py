@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import argparse
 
-from quantizer.arguments import add_model_arguments, add_plan_arguments, check_bpw, load_model_config, tokens
+from quantizer.arguments import add_model_arguments, add_plan_arguments, load_model_config, tokens
 from quantizer.errors import UserError
+from quantizer.exl3 import check_bpw
 from quantizer.fit.hardware import load_hardware
 from quantizer.fit.memory import TOPOLOGIES, fit
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from quantizer.arguments import check_bpw
 from quantizer.calibrate.needs import calibration_needs
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.stage import calibrate, tokens_digest
@@ -33,7 +32,7 @@ from quantizer.checkpoint.fingerprint import layout_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import code_fingerprint, current
 from quantizer.errors import UserError
-from quantizer.exl3 import rate_grid
+from quantizer.exl3 import check_bpw, rate_grid
 from quantizer.fit.memory import FitReport
 from quantizer.fit.target import FitTarget, largest_fitting_plan
 from quantizer.inventory.inventory import require_consistent

@@ -15,12 +15,12 @@ import argparse
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from quantizer.arguments import add_model_arguments, add_plan_arguments, check_bpw, load_model_config, tokens
+from quantizer.arguments import add_model_arguments, add_plan_arguments, load_model_config, tokens
 from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.exl3 import rate_grid
+from quantizer.exl3 import check_bpw, rate_grid
 from quantizer.fit.memory import TOPOLOGIES, fit
 from quantizer.fit.render import render as render_fit
 from quantizer.fit.stored import stored_from_plan
