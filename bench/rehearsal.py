@@ -56,7 +56,8 @@ from quantizer.model.engram import engram_primes  # noqa: E402
 from quantizer.model.layout import native_layout  # noqa: E402
 from quantizer.plan.plan import TOTAL, expected_bytes  # noqa: E402
 from quantizer.plan.uniform import uniform_plan  # noqa: E402
-from quantizer.quantize.linears import stored_linears, work_units  # noqa: E402
+from quantizer.plan.spec import pack_spec  # noqa: E402
+from quantizer.quantize.linears import work_units  # noqa: E402
 from quantizer.quantize.rates import EncodeRate, RateTable, estimate  # noqa: E402
 from quantizer.quantize.settings import QuantizeSettings  # noqa: E402
 from quantizer.quantize.stage import WeightReader  # noqa: E402
@@ -166,7 +167,7 @@ def _kind(unit) -> str:
 
 def direct_rates(ck: Checkpoint, plan, work: Path, sample: int) -> tuple[dict[str, float], list[EncodeRate]]:
     """weights/s of quantize_exl3_batch on the first unit of every unit kind (see the module docstring)."""
-    linears = {s.key: s for s in stored_linears(ck.config, plan)}
+    linears = {s.key: s for s in pack_spec(ck.config, plan).encoded}
     store = HessianStore(work, ck)
     reader = WeightReader(ck, "cuda")
     rates, table_rows = {}, []
@@ -196,14 +197,14 @@ def real_needs(bpw: float, run_table: RateTable, stage_over_direct: float, run: 
     direct rates over the stage ratio, calibration and pack scaled from this run, and the disk."""
     cfg = ModelConfig.from_file(model_config_path(REAL))
     plan = uniform_plan(cfg, bpw)
-    quantize_s = estimate(stored_linears(cfg, plan), run_table).seconds / stage_over_direct
+    quantize_s = estimate(pack_spec(cfg, plan).encoded, run_table).seconds / stage_over_direct
     scale = (cfg.num_layers / run["layers"]) * (REAL_ROWS * REAL_COLS) / run["tokens"] * (
         cfg.n_routed_experts / run["experts"])  # the all-expert pass over every token dominates calibration
     calibrate_s = run["stages"]["calibrate"]["seconds"] * scale
     pack_bytes = expected_bytes(cfg, plan)[TOTAL]
     tail_s = (run["stages"]["pack"]["seconds"] + run["stages"]["verify"]["seconds"]) * pack_bytes / run["pack_bytes"]
     needs = calibration_needs(cfg, REAL_ROWS, REAL_COLS, CalibrationSettings(device="cuda"))
-    results = sum(exl3_bytes(s.in_features, s.out_features, s.K, plan.codebook) for s in stored_linears(cfg, plan)
+    results = sum(exl3_bytes(s.in_features, s.out_features, s.K, plan.codebook) for s in pack_spec(cfg, plan).encoded
                   if s.K != 16)
     hours = {g: (calibrate_s / g + quantize_s / g + tail_s) / 3600 for g in GPU_COUNTS}
     return {
@@ -261,7 +262,7 @@ def rehearse(args, root: Path) -> dict:
     finally:
         for fn, original in originals.items():
             setattr(build_module, fn, original)
-    linears = stored_linears(ck.config, result.plan)
+    linears = pack_spec(ck.config, result.plan).encoded
     encoded = [s for s in linears if s.K != 16]
     stages = meter.stages
     stages["quantize"].weights = sum(s.numel for s in encoded)

@@ -16,7 +16,8 @@ from quantizer.plan.allocate import (
     DEFAULT_FLOOR, AllocationSettings, Allocator, InfeasibleBudget, allocate, marginal_allocation,
 )
 from quantizer.model.targets import ATTN, DRAFT, ENGRAM, INDEX, ROUTED, SHARED, targets
-from quantizer.plan.plan import Plan, aliased_keys, check_plan
+from quantizer.plan.plan import Plan, check_plan
+from quantizer.plan.spec import aliased_keys
 from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
 from quantizer.plan.recipe import plan_from_recipe, read_recipe, write_recipe
 from quantizer.plan.sensitivity import Sensitivity, sensitivity, synthetic_summary

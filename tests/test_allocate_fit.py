@@ -14,7 +14,6 @@ from quantizer.cli import main
 from quantizer.errors import UserError
 from quantizer.exl3 import rate_grid
 from quantizer.fit.memory import fit
-from quantizer.fit.stored import stored_from_plan
 from quantizer.fit.target import FitTarget, largest_fitting_plan
 from quantizer.model.targets import targets
 from quantizer.plan.allocate import AllocationSettings, allocate
@@ -25,6 +24,7 @@ from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
+from quantizer.plan.spec import pack_spec
 from test_allocate import with_cold_experts  # tests/ is on sys.path (pytest prepend import mode)
 
 MILLION = 1 << 20
@@ -53,7 +53,7 @@ def test_two_sparks_at_1m_plans_in_seconds_and_fits(v41, tmp_path, capsys):
     plan = Plan.load(tmp_path / "p.json")
     # the most that fits: a whole 0.01 bpw more would not
     assert 2.5 < plan.achieved_bpw < 3.3
-    report = fit(v41, stored_from_plan(v41, plan), 2, MILLION)
+    report = fit(v41, pack_spec(v41, plan).tensors, 2, MILLION)
     assert report.fits and min(r.free_gib for r in report.ranks) < 0.01 * 550e9 / 8 / 2 / (1 << 30)
     header = (tmp_path / "r.yaml").read_text()
     assert "Budget: the most bits that fit 2 Sparks at 1,048,576 tokens" in header

@@ -20,9 +20,10 @@ from quantizer.cli import main
 from quantizer.codec import EXL3Linear, dequantize
 from quantizer.pipeline.build import PLAN_FILE
 from quantizer.fit.memory import fit
-from quantizer.fit.stored import stored_from_pack, stored_from_plan
+from quantizer.fit.stored import stored_from_pack
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.plan.plan import Plan, make_plan
+from quantizer.plan.spec import pack_spec
 
 CAP = 4 << 20
 BPW = "2.5"
@@ -162,6 +163,6 @@ def test_the_plan_predicts_the_packs_bytes_and_fit_exactly(built):
     totals = Manifest.load(pack).totals
     assert {c: plan.expected_bytes.get(c) for c in totals} == {c: t["bytes"] for c, t in totals.items()}
     for sparks in (1, 2):
-        before = fit(cfg, stored_from_plan(cfg, plan), sparks, 4096)
+        before = fit(cfg, pack_spec(cfg, plan).tensors, sparks, 4096)
         after = fit(cfg, stored_from_pack(pack)[1], sparks, 4096)
         assert [r.weights_gib for r in before.ranks] == [r.weights_gib for r in after.ranks]

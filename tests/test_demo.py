@@ -12,6 +12,8 @@ from PIL import Image
 
 from quantizer.cli import main
 from quantizer.plots import DPI, save_figure
+from quantizer.shipped import shipped
+from quantizer.textdata import shipped_text_path
 
 KEYS = {"bpw", "method", "achieved_bpw", "bytes", "ppl", "kl", "kl_stderr", "top1", "top1_stderr", "nll_delta",
         "nll_delta_stderr", "loader", "verified", "fits_1_spark", "weights_gib"}
@@ -63,6 +65,34 @@ def test_plot_draws_kl_and_top1_with_error_bars_per_method(run):
             assert list(line.get_xdata()) == [r["achieved_bpw"]] and list(line.get_ydata()) == [scale * r[key]]
             (low, high), = [seg[:, 1] for seg in bars.get_segments()]
             assert high - low == pytest.approx(2 * scale * r[key + "_stderr"]) and r[key + "_stderr"] > 0
+
+
+def test_a_demo_row_is_what_quantizer_build_writes(run, rows, tmp_path):
+    """The demo's packs rebuilt by `quantizer build` in a fresh work directory, in the demo's order
+    (uniform, then ours allocating on the errors measured so far): the same shards, the same KL."""
+    demo_packs = run[2].parent / "packs"
+    src, work = shipped("small_model"), tmp_path / "work"
+    common = ["build", str(src), "--bpw", "2.5", "--loader", "exllamav3", "--calib-rows", "16", "--calib-cols", "512",
+              "--device", "cpu", "--encoder", "fast", "--work", str(work)]
+    assert main(common + ["--method", "uniform", "--out", str(tmp_path / "uniform")]) == 0
+    assert main(common + ["--method", "ours", "--measured-errors", "--out", str(tmp_path / "ours")]) == 0
+    for method in ("uniform", "ours"):
+        assert _shards(tmp_path / method) == _shards(demo_packs / f"2.5-{method}-exllamav3"), method
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["ppl", str(tmp_path / "ours"), "--against", str(src), "--text", str(shipped_text_path("heldout")),
+                     "--rows", "4", "--cols", "512", "--json"]) == 0
+    assert json.loads(out.getvalue())["kl"] == pytest.approx(rows["ours"]["kl"], rel=1e-9)
+
+
+def _shards(pack) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(pack.glob("*.safetensors"))}
+
+
+def test_measured_errors_need_our_allocator(capsys):
+    assert main(["build", str(shipped("small_model")), "--bpw", "2.5", "--method", "uniform", "--measured-errors",
+                 "--out", "never-written"]) == 2
+    assert "--measured-errors feeds our allocator; it needs --method ours" in capsys.readouterr().err
 
 
 def test_unknown_method_and_empty_evaluation_are_user_errors(capsys):

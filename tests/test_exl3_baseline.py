@@ -15,7 +15,8 @@ from quantizer.model.targets import ATTN, ENGRAM, INDEX, ROUTED, targets
 from quantizer.plan import exl3_baseline
 from quantizer.plan.allocate import AllocationSettings, allocate
 from quantizer.plan.exl3_baseline import exl3_plan, exl3_strategy, v4_twin_config
-from quantizer.plan.plan import Plan, achieved_bpw, aliased_keys, check_plan
+from quantizer.plan.plan import Plan, achieved_bpw, check_plan
+from quantizer.plan.spec import aliased_keys
 from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
 from quantizer.shipped import model_config_path

@@ -14,12 +14,12 @@ from quantizer.errors import UserError
 from quantizer.fit.hardware import Term, derived_kv_bytes_per_token, load_hardware, swa_ring_bytes
 from quantizer.fit.memory import fit, fit_table
 from quantizer.fit.placement import Options, block_split, rank_weights
-from quantizer.fit.stored import stored_from_plan
 from quantizer.fit.target import FitTarget, largest_fitting_plan
 from quantizer.model.targets import targets
 from quantizer.plan.plan import make_plan
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
+from quantizer.plan.spec import pack_spec
 
 GIB = 1 << 30
 
@@ -36,7 +36,7 @@ def pack(v41):
 
     def at(bpw: float):
         if bpw not in cache:
-            cache[bpw] = stored_from_plan(v41, uniform_plan(v41, bpw))
+            cache[bpw] = pack_spec(v41, uniform_plan(v41, bpw)).tensors
         return cache[bpw]
 
     return at
@@ -159,7 +159,7 @@ def _tiny_spark():
 
 def test_highest_bpw_is_the_boundary():
     tiny, small = _tiny_spark()
-    stored_at = lambda b: stored_from_plan(tiny, uniform_plan(tiny, b))  # noqa: E731
+    stored_at = lambda b: pack_spec(tiny, uniform_plan(tiny, b)).tensors  # noqa: E731
     r = fit(tiny, stored_at(5.0), 1, 64, 1, "native", hardware=small, stored_at_bpw=stored_at, bpw=5.0)
     best = r.would_fit["highest_bpw"]
     assert not r.fits and 2.5 < best < 5.0 and f"--bpw {best:g} fits 1 Spark" in r.verdict
@@ -170,7 +170,7 @@ def test_highest_bpw_is_the_boundary():
 def test_fit_suggests_what_plan_sparks_finds():
     # one search: fit's "--bpw B fits" and the largest plan `plan/build --sparks` choose end at one bpw
     tiny, small = _tiny_spark()
-    stored_at = lambda b: stored_from_plan(tiny, uniform_plan(tiny, b))  # noqa: E731
+    stored_at = lambda b: pack_spec(tiny, uniform_plan(tiny, b)).tensors  # noqa: E731
     best = fit(tiny, stored_at(5.0), 1, 64, 1, "native", hardware=small, stored_at_bpw=stored_at,
                bpw=5.0).would_fit["highest_bpw"]
     plan, report = largest_fitting_plan(tiny, lambda b: uniform_plan(tiny, b), 1.0, 5.0, FitTarget(1, 64, 1, "native"),
@@ -220,7 +220,7 @@ def test_v4_0731_shape_fits():
     # V4-Flash-0731 (155 GiB native): the same code sizes the V4 layout, its FP8 KV entries included
     v4 = ModelConfig.from_file(model_config_path("deepseek-v4-flash-0731.json"))
     plan = uniform_plan(v4, 2.5)
-    stored = stored_from_plan(v4, plan)
+    stored = pack_spec(v4, plan).tensors
     r = fit(v4, stored, 1, 65_536, 1, "native")
     assert r.kv_bytes_per_token == 3514.25 and r.fits
     assert r.ranks[0].weights_gib * GIB == plan.expected_bytes["total"]  # one rank holds it all
@@ -233,7 +233,7 @@ def test_wo_a_slices_split_by_group(v41):
     """A pack stores a quantized wo_a as o_groups slices; tensor parallelism gives each rank whole
     groups, so the slices' bytes divide by the ranks instead of repeating on each."""
     plan = make_plan(v41, {t.key: (4.0 if t.proj == "wo_a" else None) for t in targets(v41)})
-    slices = [t for t in stored_from_plan(v41, plan) if ".wo_a.slice." in t.name]
+    slices = [t for t in pack_spec(v41, plan).tensors if ".wo_a.slice." in t.name]
     assert len({t.name.split(".slice.")[1].split(".")[0] for t in slices}) == v41.o_groups
     (whole,) = rank_weights(v41, slices, Options(1)).totals
     for sparks in (2, 4):

@@ -14,11 +14,12 @@ from quantizer.cli import main
 from quantizer.errors import UserError
 from quantizer.exl3 import leaf_layout
 from quantizer.fit.memory import fit
-from quantizer.fit.stored import stored_from_pack, stored_from_plan
+from quantizer.fit.stored import stored_from_pack
 from quantizer.model.targets import classified_layout, stored_parts, target_map
 from quantizer.plan.plan import Plan
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
+from quantizer.plan.spec import pack_spec
 
 TINY = model_config_path("tiny-v41.json")
 
@@ -66,14 +67,14 @@ def test_pack_headers_give_the_plans_tensors(tiny_pack):
     assert any(n.startswith("__align_pad__.") for n in read_header(next(pack.glob("*.safetensors"))).tensors)
     pack_cfg, stored = stored_from_pack(pack)
     assert pack_cfg.num_layers == cfg.num_layers
-    want = sorted((t.name, t.nbytes, t.storage, t.K) for t in stored_from_plan(cfg, plan))
+    want = sorted((t.name, t.nbytes, t.storage, t.K) for t in pack_spec(cfg, plan).tensors)
     assert sorted((t.name, t.nbytes, t.storage, t.K) for t in stored) == want
     from_headers = {t.name[: -len(".trellis")].split(".slice.")[0]: t.K for t in stored if t.name.endswith(".trellis")}
     assert from_headers == {key: k for key, k in plan.k.items() if k is not None}
     assert len(set(from_headers.values())) >= 3  # K read from trellis.shape[-1] / 16, half rates included
     for sparks in (1, 2, 4):
         a = fit(pack_cfg, stored, sparks, 4096, 1, "vllm")
-        b = fit(cfg, stored_from_plan(cfg, plan), sparks, 4096, 1, "vllm")
+        b = fit(cfg, pack_spec(cfg, plan).tensors, sparks, 4096, 1, "vllm")
         assert [m.weights_gib for m in a.ranks] == [m.weights_gib for m in b.ranks]
 
 

@@ -13,7 +13,8 @@ from quantizer.errors import UserError
 from quantizer.model.targets import ROUTED, target_map, targets
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS, planner
-from quantizer.plan.plan import make_plan, plan_linears
+from quantizer.plan.plan import make_plan
+from quantizer.plan.spec import pack_spec
 from quantizer.plan.profiles import EXLLAMAV3, LOADERS, MIXEDK, load_profile, violations
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.sensitivity import synthetic_summary
@@ -34,7 +35,7 @@ def test_a_plan_from_every_method_keeps_its_profile(cfg, method, loader):
     for bpw in (2.5, 3.5):
         plan = plan_at(bpw)
         assert plan.loader == loader and plan.achieved_bpw <= bpw + 1e-9
-        assert violations(profile, plan_linears(cfg, plan), plan.aliases) == []
+        assert violations(profile, pack_spec(cfg, plan).linears, plan.aliases) == []
         if loader == EXLLAMAV3:
             routed = [t for t in targets(cfg) if t.group == ROUTED]
             for layer in {t.layer for t in routed}:

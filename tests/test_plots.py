@@ -5,7 +5,6 @@ cells are the numbers the command computed; and what a missing plots extra or a 
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 import numpy as np

@@ -19,7 +19,8 @@ from quantizer.plan.plan import make_plan
 from quantizer.plan.profiles import MIXEDK
 from quantizer.plan.uniform import uniform_plan
 from quantizer.quantize import QuantizeSettings, quantize
-from quantizer.quantize.linears import stored_linears, work_units
+from quantizer.plan.spec import pack_spec
+from quantizer.quantize.linears import work_units
 from quantizer.quantize.pipeline import run_pipeline
 from quantizer.quantize.rates import EncodeRate, RateTable, estimate, plan_estimate
 from quantizer.quantize.results import RESULTS_DIR
@@ -32,7 +33,7 @@ KEYS = {"layers.3.ffn.experts.1.w2": 2.5, "layers.3.ffn.experts.2.w2": 2.0, "lay
 def _hessians(ck):
     """A different SPD Hessian per stored key, made on demand as the calibration store does."""
     def hessian(key):
-        n = next(s for s in stored_linears(ck.config, _plan(ck)) if s.key == key).in_features
+        n = next(s for s in pack_spec(ck.config, _plan(ck)).encoded if s.key == key).in_features
         gen = torch.Generator().manual_seed(sum(map(ord, key)))
         x = torch.randn(64, n, generator=gen)
         return x.T @ x, 64
@@ -102,7 +103,7 @@ def test_a_failing_save_is_raised_and_nothing_more_is_encoded():
 
 def test_gpu_units_batch_the_wo_a_slices_of_a_layer(tiny_v41):
     cfg = Checkpoint.open(tiny_v41).config
-    cuda = work_units(stored_linears(cfg, uniform_plan(cfg, 2.5)), "cuda")
+    cuda = work_units(pack_spec(cfg, uniform_plan(cfg, 2.5)).encoded, "cuda")
     wo_a = [u for u in cuda if u.name.startswith("layers.2.attn.wo_a.")]
     assert [u.keys for u in wo_a] == [tuple(f"layers.2.attn.wo_a.slice.{g}" for g in range(cfg.o_groups))]
 
@@ -114,7 +115,7 @@ def _real():
 def test_gpu_hours_follow_the_measured_rate_of_each_k():
     cfg = _real()
     table = RateTable("test GPU", (EncodeRate(2.0, 5120, 2304, 20e6), EncodeRate(2.5, 5120, 2304, 10e6)))
-    linears = [s for s in stored_linears(cfg, uniform_plan(cfg, 2.5)) if s.target.group == ROUTED]
+    linears = [s for s in pack_spec(cfg, uniform_plan(cfg, 2.5)).encoded if s.target.group == ROUTED]
     at = {k: estimate([s for s in linears if s.K == k], table) for k in {s.K for s in linears}}
     for k, e in at.items():
         assert e.seconds == pytest.approx(e.weights / (20e6 if k == 2 else 10e6))

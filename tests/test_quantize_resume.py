@@ -1,5 +1,6 @@
 """Kill a build at any moment and rerun the same command: it continues, and the pack is byte-identical
-to an uninterrupted run's. A rerun with another source, plan or seed is refused, naming the difference."""
+to an uninterrupted run's. A rerun with another source or seed is refused, naming the difference;
+another plan shares the encodings it has in common with the first."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
@@ -126,17 +126,19 @@ def test_a_rerun_with_another_seed_or_source_is_refused(tiny_v41, tmp_path, caps
     assert "source fingerprint differs: sha256:" in err and " vs sha256:" in err
 
 
-@pytest.mark.parametrize("codebook", [None, "mcg"])
-def test_a_rerun_with_another_bpw_or_codebook_is_refused(tiny_v41, tmp_path, capsys, codebook):
-    out = tmp_path / "pack"
-    proc = _spawn(["build", str(tiny_v41), "--bpw", "2.5", "--out", str(out), "--method", "uniform", "--no-calibrate"])
-    _kill_when(proc, lambda: (tmp_path / "pack.work" / QUANTIZE_DIR / JOB_NAME).exists())
-    args = ["build", str(tiny_v41), "--out", str(out), "--method", "uniform", "--no-calibrate"]
-    args += ["--bpw", "2.5", "--codebook", codebook] if codebook else ["--bpw", "3"]
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    expected = "plan differs: codebook mul1 -> mcg" if codebook else "plan differs: layers.0.attn.wkv K 4 -> 5"
-    assert expected in err and not out.exists()
+def test_another_plan_in_the_same_work_directory_encodes_only_what_it_adds(tiny_v41, tmp_path):
+    """The quantize directory is a cache: a second plan reuses the encodings it shares with the first
+    (their files untouched), encodes only its own, and packs what a fresh directory would."""
+    first, second = _plan(tiny_v41, tmp_path / "a.json", encoded=False), _plan(tiny_v41, tmp_path / "b.json", encoded=True)
+    work = tmp_path / "shared.work"
+    assert main(_args(tiny_v41, first, tmp_path / "a", "--work", str(work))) == 0
+    results = work / QUANTIZE_DIR / RESULTS_DIR
+    kept = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
+    assert main(_args(tiny_v41, second, tmp_path / "b", "--work", str(work))) == 0
+    now = {p.name: p.stat().st_mtime_ns for p in results.iterdir()}
+    assert {name: now[name] for name in kept} == kept and len(now) == len(kept) + ENCODED_UNITS
+    assert main(_args(tiny_v41, second, tmp_path / "fresh")) == 0
+    assert _files(tmp_path / "b") == _files(tmp_path / "fresh")
 
 
 def test_a_second_build_in_the_same_work_directory_is_refused_while_the_first_runs(tiny_v41, tmp_path, capsys):

@@ -127,7 +127,19 @@ def test_a_dropped_source_tensor_fails_even_when_manifest_and_index_agree(copy, 
     _rewrite_shard(copy, manifest["tensors"][dropped]["shard"], align=64, drop=(dropped,))
     code, out = _verify(copy, capsys, "--full")
     assert code == 1 and f"FAULT {dropped}: source tensor (native) is not in the pack" in out
-    assert out.count("FAULT") == 1
+    assert f"FAULT {dropped}: missing (" in out  # and the pack spec of its K map has it
+    assert out.count("FAULT") == 2
+
+
+def test_a_tensor_dropped_from_shard_manifest_index_and_sources_is_caught_by_the_pack_spec(copy, capsys):
+    dropped = "layers.3.ffn.gate.bias_vl"
+    manifest = json.loads((copy / MANIFEST_NAME).read_text())
+    _rewrite_shard(copy, manifest["tensors"][dropped]["shard"], align=64, drop=(dropped,))
+    manifest = json.loads((copy / MANIFEST_NAME).read_text())
+    del manifest["sources"][dropped]
+    (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
+    code, out = _verify(copy, capsys)
+    assert code == 1 and f"FAULT {dropped}: missing (F32[" in out and out.count("FAULT") == 1
 
 
 def test_a_directory_without_a_manifest_is_unusable_input(tiny_v41, capsys):

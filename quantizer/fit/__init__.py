@@ -3,9 +3,9 @@
 from quantizer.fit.hardware import Hardware, load_hardware
 from quantizer.fit.memory import FitReport, RankMemory, fit, fit_table
 from quantizer.fit.placement import block_split
-from quantizer.fit.stored import StoredTensor, stored_from_pack, stored_from_plan
+from quantizer.fit.stored import StoredTensor, stored_from_pack
 
 __all__ = [
     "FitReport", "Hardware", "RankMemory", "StoredTensor", "block_split", "fit", "fit_table",
-    "load_hardware", "stored_from_pack", "stored_from_plan",
+    "load_hardware", "stored_from_pack",
 ]

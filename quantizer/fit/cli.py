@@ -14,11 +14,12 @@ from quantizer.fit.hardware import load_hardware
 from quantizer.fit.memory import TOPOLOGIES, fit
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES
 from quantizer.fit.render import render
-from quantizer.fit.stored import stored_from_pack, stored_from_plan
+from quantizer.fit.stored import stored_from_pack
 from quantizer.plan.plan import Plan, check_plan
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.uniform import uniform_plan
 from quantizer.plots import plot_path, save_figure
+from quantizer.plan.spec import pack_spec
 
 
 
@@ -66,10 +67,10 @@ def run(args: argparse.Namespace) -> int:
         elif args.bpw is not None:
             check_bpw(args.bpw, args.codebook)
             plan, source = _uniform(cfg, args, args.bpw), f"uniform plan at {args.bpw:g} bpw"
-            stored_at_bpw = lambda b: stored_from_plan(cfg, _uniform(cfg, args, b))  # noqa: E731
+            stored_at_bpw = lambda b: pack_spec(cfg, _uniform(cfg, args, b)).tensors  # noqa: E731
         else:
             raise UserError("with --model-config give --recipe R.yaml, --bpw B or --plan P.json")
-        stored = stored_from_plan(cfg, plan)
+        stored = pack_spec(cfg, plan).tensors
     report = fit(
         cfg, stored, args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
         args.streams, args.engine, split=args.split, engram=args.engram, drafter=args.drafter,

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.exl3 import HADAMARD_BLOCK
-from quantizer.fit.stored import EXL3, NATIVE, StoredTensor, exl3_key
+from quantizer.fit.stored import EXL3, StoredTensor, exl3_key
 from quantizer.model.tensor_classes import (
     ATTENTION, DRAFTER, ENGRAM_RESIDENT, ENGRAM_TABLE, HEAD, ROUTED_EXPERT, SHARED_EXPERT, VISION, classify,
 )
-from quantizer.model.targets import classified_layout, target_map
+from quantizer.model.targets import target_map
+from quantizer.plan.spec import native_tensors
 
 SPLITS = ("tp", "ep")
 ENGRAM_MODES = ("nvme", "scales", "resident")
@@ -152,8 +153,7 @@ def with_engram_tables(cfg: ModelConfig, stored: list[StoredTensor], engram: str
     resident (or their scale rows are), count them from the model's native layout."""
     if engram == "nvme" or not cfg.engram_layer_ids or any(_TABLE in t.name for t in stored):
         return stored
-    tables = [StoredTensor(s.name, s.nbytes, s.shape, NATIVE, None)
-              for s, cls in classified_layout(cfg) if cls == ENGRAM_TABLE]
+    tables = [t for t in native_tensors(cfg) if t.cls == ENGRAM_TABLE]
     return [*stored, *tables]
 
 

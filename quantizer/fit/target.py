@@ -13,8 +13,9 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.fit.hardware import Hardware, load_hardware
 from quantizer.fit.memory import FitReport, Scenario, fit, highest_fitting_bpw, lowest_accepted
-from quantizer.fit.stored import StoredTensor, stored_from_plan
+from quantizer.fit.stored import StoredTensor
 from quantizer.plan.plan import Plan
+from quantizer.plan.spec import pack_spec
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ def largest_fitting_plan(cfg: ModelConfig, plan_at: Callable[[float], Plan], lo:
 
     def stored_at(bpw: float) -> list[StoredTensor]:
         if bpw not in stored:
-            stored[bpw] = stored_from_plan(cfg, plan(bpw))
+            stored[bpw] = pack_spec(cfg, plan(bpw)).tensors
         return stored[bpw]
 
     found = highest_fitting_bpw(cfg, stored_at, lowest_accepted(plan, lo, hi), hi, scenario, hw)

@@ -27,7 +27,7 @@ from quantizer import __version__
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.errors import UserError
-from quantizer.exl3 import UNQUANTIZED, leaf_layout, parse_codebook
+from quantizer.exl3 import UNQUANTIZED, parse_codebook
 from quantizer.fit import fit_table, stored_from_pack
 from quantizer.model.layout import TensorSpec
 from quantizer.model.targets import targets
@@ -35,9 +35,10 @@ from quantizer.model.tensor_classes import classify
 from quantizer.pack.exl3_config import EXLLAMAV3_TARGET, pack_config, quantization_config, tensor_storage
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, ShardRecord, TensorRecord, sha256_file
 from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, reusable_sources, write_shards
-from quantizer.plan.plan import Plan, achieved_bpw, expert_of
+from quantizer.plan.plan import Plan, achieved_bpw
 from quantizer.plan.profiles import load_profile
-from quantizer.quantize.linears import StoredLinear, stored_linears
+from quantizer.plan.spec import REPLACED_LEAVES, PackSpec, StoredLinear, expert_of, pack_spec
+from quantizer.quantize.linears import plan_units
 from quantizer.quantize.results import ResultStore
 from quantizer.report import size_text
 from quantizer.workdir import require_free_space, write_json_atomic
@@ -49,9 +50,9 @@ WRITTEN_FILES = ("config.json", INDEX_NAME, "quantization_config.json", MANIFEST
 
 @dataclass(frozen=True)
 class PackSettings:
+    job_settings: dict  # the quantize stage's settings record (seed, device, encoder, ...): names the units
     shard_size: int = DEFAULT_SHARD_SIZE
     revision: str | None = None  # of a Hugging Face source, for the manifest
-    job_settings: dict | None = None  # the quantize stage's settings record (seed, device, encoder, ...)
 
 
 def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, settings: PackSettings,
@@ -75,8 +76,9 @@ def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, se
 
 
 def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settings: PackSettings) -> Manifest:
-    linears = stored_linears(ck.config, plan)
-    tensors, sources = _pack_tensors(ck, plan, linears, store)
+    spec = pack_spec(ck.config, plan)
+    linears = spec.encoded
+    tensors, sources = _pack_tensors(ck, plan, spec, store, settings.job_settings)
     shards = assign_shards(tensors, settings.shard_size, reusable_sources(tensors))
     size = sum(s.nbytes for s in shards)
     linkable = sum(s.nbytes for s in shards if s.reuse and os.stat(s.reuse).st_dev == os.stat(partial).st_dev)
@@ -114,13 +116,51 @@ def check_new_pack_dir(out: Path) -> None:
         raise UserError(f"{out}: already exists and is not empty; delete it or choose another --out")
 
 
-def _pack_tensors(ck: Checkpoint, plan: Plan, linears: list[StoredLinear], store: ResultStore):
-    """Every pack tensor with the bytes it copies, and what became of every source tensor."""
-    results = store.entries()
-    by_target: dict[str, list[StoredLinear]] = defaultdict(list)
-    for s in linears:
-        by_target[s.target.key].append(s)
-    replaced: dict[str, object] = {}
+def _pack_tensors(ck: Checkpoint, plan: Plan, spec: PackSpec, store: ResultStore, job: dict):
+    """Every pack tensor of the spec with the bytes it copies, and what became of every source tensor.
+    The checkpoint must hold exactly the tensors its config's layout has, and the cache a result of
+    the spec's shape and dtype for every encoded leaf, from units made under `job` (the quantize
+    settings' record)."""
+    _check_source(ck, spec)
+    results = store.entries(plan_units(spec, plan.codebook, job))
+    linears = {s.key: s for s in spec.encoded}
+    tensors: list[PackTensor] = []
+    for t in spec.tensors:
+        if t.linear is None:
+            tensors.append(PackTensor(t.name, ck.tensors[t.name], NATIVE, t.cls))
+            continue
+        entry = results.get(t.name)
+        if entry is None or tuple(entry.shape) != t.shape or entry.dtype != t.dtype:
+            found = "missing" if entry is None else f"{entry.dtype}{list(entry.shape)}"
+            raise UserError(f"{store.dir}: quantized result {t.name} is {found}, expected {t.dtype}{list(t.shape)}; "
+                            "rerun the quantize stage (build) with the same work directory")
+        tensors.append(PackTensor(t.name, entry, _k(linears[t.linear].K), t.cls))
+    return tensors, _sources(ck, plan, spec)
+
+
+def _check_source(ck: Checkpoint, spec: PackSpec) -> None:
+    """A tensor the layout does not know would be dropped, one it expects but the checkpoint lacks
+    (or holds in another shape) would make the pack differ from its plan: both stop the stage."""
+    layout = {t.name: t for t in spec.tensors if t.linear is None} | dict.fromkeys(spec.replaced)
+    extra = [name for name in ck.tensors if name not in layout]
+    if extra:
+        raise UserError(f"{ck.root}: {len(extra)} tensor(s) the model's layout does not have, e.g. {extra[0]} "
+                        "(a checkpoint of another model or revision?)")
+    for name, t in layout.items():
+        entry = ck.tensors.get(name)
+        if entry is None and t is not None:
+            raise UserError(f"{ck.root}: no tensor {name}, which the model's layout has (an incomplete checkpoint?)")
+        if t is not None and (tuple(entry.shape) != t.shape or entry.dtype != t.dtype):
+            raise UserError(f"{ck.root}: {name} is {entry.dtype}{list(entry.shape)}, the layout says "
+                            f"{t.dtype}{list(t.shape)}")
+
+
+def _sources(ck: Checkpoint, plan: Plan, spec: PackSpec) -> dict[str, object]:
+    """Per source tensor: passed through, or the alias, fp16 weight or EXL3 linears that replace it."""
+    by_target: dict[str, list[str]] = defaultdict(list)
+    for s in spec.encoded:
+        by_target[s.target.key].append(s.key)
+    fates: dict[str, object] = {}
     for t in targets(ck.config):
         k = plan.k[t.key]
         if k is None:
@@ -130,28 +170,9 @@ def _pack_tensors(ck: Checkpoint, plan: Plan, linears: list[StoredLinear], store
         elif k == UNQUANTIZED:
             fate = {"fp16": t.key}
         else:
-            fate = {"exl3": [s.key for s in by_target[t.key]]}
-        for leaf in (".weight", ".scale"):
-            if t.key + leaf in ck.tensors:
-                replaced[t.key + leaf] = fate
-    tensors: list[PackTensor] = []
-    sources: dict[str, object] = {}
-    for name, entry in ck.tensors.items():
-        sources[name] = replaced.get(name, NATIVE)
-        if name not in replaced:
-            tensors.append(PackTensor(name, entry, NATIVE, classify(name).cls))
-    for s in linears:
-        for suffix, shape, dtype, _ in leaf_layout(s.in_features, s.out_features, s.K, plan.codebook):
-            spec = TensorSpec(s.key + suffix, shape, dtype)
-            entry = results.get(spec.name)
-            if entry is None or entry.shape != spec.shape or entry.dtype != spec.dtype:
-                found = "missing" if entry is None else f"{entry.dtype}{list(entry.shape)}"
-                raise UserError(
-                    f"{store.dir}: quantized result {spec.name} is {found}, expected {spec.dtype}{list(spec.shape)}; "
-                    "rerun the quantize stage (build) with the same work directory"
-                )
-            tensors.append(PackTensor(spec.name, entry, _k(s.K), s.target.cls))
-    return tensors, sources
+            fate = {"exl3": by_target[t.key]}
+        fates.update({t.key + leaf: fate for leaf in REPLACED_LEAVES})
+    return {name: fates.get(name, NATIVE) for name in ck.tensors}
 
 
 def alias_of(plan: Plan, key: str) -> str | None:
@@ -186,7 +207,7 @@ def _write_index(pack: Path, shards: list[ShardPlan]) -> None:
 
 def _calibration(settings: PackSettings) -> dict | None:
     """{rows, cols} of the calibration the Hessians came from, or None for an uncalibrated pack."""
-    cal = (settings.job_settings or {}).get("calibration")
+    cal = settings.job_settings.get("calibration")
     return {"rows": cal["rows"], "cols": cal["cols"]} if cal else None
 
 
@@ -221,10 +242,12 @@ def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackS
             "exllamav3_target": EXLLAMAV3_TARGET, "exllamav3": _encoder_version(settings),
         },
         source={"path": str(ck.root), "revision": settings.revision, "arch": ck.config.arch,
-                "fingerprint": source_fingerprint(ck)},
+                "fingerprint": source_fingerprint(ck),
+                # the pack's config.json carries EXL3's quantization_config, not the source's FP8 grid
+                "weight_block_size": list(ck.config.fp8_block)},
         plan={"hash": plan.content_hash(), "loader": plan.loader, "codebook": plan.codebook,
               "head_bits": qcfg["head_bits"]},
-        settings=dict(settings.job_settings or {}),
+        settings=dict(settings.job_settings),
         quantization={"bits": qcfg["bits"], "bpw": qcfg["bpw"], "k_histogram": _histogram(linears)},
         shards=records,
         tensors=tensors,
@@ -244,7 +267,7 @@ def _fit(pack: Path) -> dict:
 
 def _encoder_version(settings: PackSettings) -> str | None:
     """The exllamav3 that encoded the pack (GPU runs), read from package metadata without importing it."""
-    if (settings.job_settings or {}).get("device") != "cuda":
+    if settings.job_settings.get("device") != "cuda":
         return None
     return metadata.version("exllamav3")
 

@@ -46,7 +46,7 @@ from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.quantize.rates import plan_estimate
 from quantizer.quantize.settings import QuantizeSettings
-from quantizer.quantize.stage import QuantizeResult, quantize
+from quantizer.quantize.stage import QuantizeResult, measured_proxies, quantize
 from quantizer.verify.verify import VerifyReport, verify_pack
 
 QUANTIZE_DIR = "quantize"
@@ -68,6 +68,7 @@ class BuildRequest:
     revision: str | None = None
     shard_size: int = PackSettings.shard_size
     quantize: QuantizeSettings = QuantizeSettings()
+    measured_errors: bool = False  # ours: allocate on the proxy errors the work directory's cache has measured
 
     @property
     def work_dir(self) -> Path:
@@ -113,7 +114,7 @@ def build(req: BuildRequest) -> BuildResult:
         settings = replace(req.quantize, calibration=store.record if store else None)
         quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None,
                              on_start=lambda: save_plan(ck.config, plan, req.work_dir))
-        pack = PackSettings(req.shard_size, req.revision, settings.record())
+        pack = PackSettings(settings.record(), req.shard_size, req.revision)
         manifest, verified = ranks.on_main(lambda: (
             write_pack(ck, plan, req.work_dir / QUANTIZE_DIR, req.out, pack, partial), verify_pack(req.out)))
         ranks.barrier()
@@ -138,6 +139,8 @@ def check_request(req: BuildRequest) -> None:
         raise UserError("--method ours allocates from a calibration; drop --no-calibrate, or use --method uniform")
     if req.bpw is not None:
         check_bpw(req.bpw, req.allocation.codebook)
+    if req.measured_errors and (req.method != OURS or req.plan is not None):
+        raise UserError("--measured-errors feeds our allocator; it needs --method ours and no --plan")
 
 
 def request_record(ck: Checkpoint, req: BuildRequest) -> dict:
@@ -151,6 +154,7 @@ def request_record(ck: Checkpoint, req: BuildRequest) -> dict:
         "target": None if req.target is None else asdict(req.target), "method": req.method,
         "allocation": asdict(req.allocation), "calibration": req.calibration.record(),
         "quantize": req.quantize.record(), "shard_size": req.shard_size, "revision": req.revision,
+        "measured_errors": req.measured_errors,
     }
 
 
@@ -177,7 +181,12 @@ def check_plannable(cfg: ModelConfig, req: BuildRequest) -> Plan:
 def choose_plan(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None
                 ) -> tuple[Plan, FitReport | None]:
     """The plan at req.bpw, or the largest that fits req.target, by req.method."""
-    plan_at, lowest = planner(cfg, req.method, req.allocation, summary)
+    measured = measured_proxies(req.work_dir / QUANTIZE_DIR, cfg) if req.measured_errors else None
+    if measured is not None:
+        pairs = sum(len(ks) for ks in measured.values())
+        print(f"plan: {pairs:,} measured proxy errors of {len(measured):,} targets from {req.work_dir / QUANTIZE_DIR}",
+              file=sys.stderr)
+    plan_at, lowest = planner(cfg, req.method, req.allocation, summary, measured=measured)
     if req.target is None:
         return plan_at(req.bpw), None
     highest = rate_grid(req.allocation.codebook)[-1]

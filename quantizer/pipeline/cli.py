@@ -62,7 +62,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="calibration rows pushed through a block together (default: 16384 tokens' worth); "
                         "under torchrun the chunks are what the ranks share")
     p.add_argument("--out", type=Path, required=True, help="pack directory to write (must not exist)")
-    p.add_argument("--work", type=Path, help="work directory (default: <out>.work); rerun to resume")
+    p.add_argument("--work", type=Path, help="work directory (default: <out>.work); rerun to resume, or share it "
+                                              "between builds of one source and settings: encodings are reused")
+    p.add_argument("--measured-errors", action="store_true",
+                   help="ours: allocate on the proxy errors measured by the encodings already in --work (earlier "
+                        "builds sharing it) instead of the model's estimate for those (tensor, K); costs a header read")
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu: our codec; cuda: exllamav3")
     p.add_argument("--encoder", choices=ENCODERS, default="fast", help="CPU encoder's Viterbi mode")
     p.add_argument("--seed", type=int, default=0, help="job seed; each linear's seed derives from it and its key")
@@ -96,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         calibration_rows=None if args.no_calibrate else _calibration_rows(args, ck),
         calibration=CalibrationSettings(device=args.device, row_chunk=args.row_chunk), work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
+        measured_errors=args.measured_errors,
     )
     result = build(req)
     if current().main:

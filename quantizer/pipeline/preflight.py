@@ -23,9 +23,8 @@ from typing import Iterator
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
-from quantizer.fit.stored import EXL3, stored_from_plan
 from quantizer.plan.plan import Plan
-from quantizer.exl3 import UNQUANTIZED
+from quantizer.plan.spec import pack_spec
 from quantizer.report import size_text
 from quantizer.workdir import claim_work_dir, existing_parent, free_bytes, job_lock
 
@@ -45,16 +44,12 @@ class DiskNeeds:
 
 
 def disk_needs(ck: Checkpoint, plan: Plan, calibration_disk: int, work: Path) -> DiskNeeds:
-    stored = stored_from_plan(ck.config, plan)
+    stored = pack_spec(ck.config, plan).tensors
     side = sum(f.stat().st_size for f in ck.root.iterdir() if f.is_file() and not f.name.endswith(".safetensors"))
     pack = sum(t.nbytes for t in stored) + TENSOR_OVERHEAD * len(stored) + JSON_BYTES + side
-    results = sum(t.nbytes for t in stored if t.storage == EXL3 or _fp16(plan, t.name))
+    results = sum(t.nbytes for t in stored if t.linear is not None)
     held = sum(p.stat().st_size for p in work.rglob("*") if p.is_file()) if work.is_dir() else 0
     return DiskNeeds(pack, max(0, calibration_disk + results + TENSOR_OVERHEAD * len(stored) - held))
-
-
-def _fp16(plan: Plan, name: str) -> bool:
-    return name.endswith(".weight") and plan.k.get(name[: -len(".weight")]) == UNQUANTIZED
 
 
 def check_places(out: Path, work: Path) -> None:

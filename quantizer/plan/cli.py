@@ -23,7 +23,6 @@ from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw, rate_grid
 from quantizer.fit.memory import TOPOLOGIES, fit
 from quantizer.fit.render import render as render_fit
-from quantizer.fit.stored import stored_from_plan
 from quantizer.fit.target import FitTarget, largest_fitting_plan
 from quantizer.model.targets import GROUPS, ROUTED, targets
 from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings
@@ -36,6 +35,7 @@ from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plots import plot_path, save_figure
 from quantizer.quantize.rates import plan_estimate
 from quantizer.report import gib, table
+from quantizer.plan.spec import pack_spec
 
 
 
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bpw is not None:
         plan = plan_at(args.bpw)
         if target:
-            report = fit(cfg, stored_from_plan(cfg, plan), target.sparks, target.context, target.streams,
+            report = fit(cfg, pack_spec(cfg, plan).tensors, target.sparks, target.context, target.streams,
                          target.engine, source=plan.made_by)
     else:
         plan, report = largest_fitting_plan(cfg, plan_at, lo, rate_grid(args.codebook)[-1], target)

@@ -12,16 +12,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.exl3 import CODEBOOKS, UNQUANTIZED, budget_bpw, check_k, exl3_bytes
-from quantizer.model.targets import DRAFT, ROUTED, classified_layout, stored_parts, target_map, targets
+from quantizer.exl3 import CODEBOOKS, budget_bpw, check_k
+from quantizer.model.targets import DRAFT, ROUTED, target_map, targets
 from quantizer.model.tensor_classes import ENGRAM_TABLE
-from quantizer.plan.profiles import EXLLAMAV3, StoredLinear, load_profile, violations
+from quantizer.plan.profiles import EXLLAMAV3, load_profile, violations
+from quantizer.plan.spec import aliased_keys, expert_of, pack_spec
 from quantizer.workdir import read_json, write_json_atomic
 
 FORMAT = "quantizer-plan"
@@ -129,32 +129,10 @@ def check_plan(cfg: ModelConfig, plan: Plan) -> None:
         if value is not None:
             check_k(value, plan.codebook, tmap[key].integer_only, key)
     _check_aliases(cfg, plan)
-    broken = violations(profile, plan_linears(cfg, plan), plan.aliases)
+    broken = violations(profile, pack_spec(cfg, plan).linears, plan.aliases)
     if broken:
         more = f" (and {len(broken) - 1} more)" if len(broken) > 1 else ""
         raise UserError(f"plan breaks the {profile.name} loader profile: {broken[0].line(profile)}{more}")
-
-
-def plan_linears(cfg: ModelConfig, plan: Plan) -> list[StoredLinear]:
-    """The linears a pack of `plan` stores, as its loader sees them (aliased experts store none)."""
-    tmap, cold = target_map(cfg), aliased_keys(plan)
-    out = []
-    for key, k in plan.k.items():
-        if key in cold:
-            continue
-        t = tmap[key]
-        codebook = plan.codebook if k is not None and k != UNQUANTIZED else None
-        out += [StoredLinear(stored, t, k, codebook) for stored, _ in stored_parts(cfg, t, k)]
-    return out
-
-
-def expert_of(key: str) -> str:
-    """`layers.3.ffn.experts.5.w1` -> `layers.3.ffn.experts.5` (the unit an alias replaces)."""
-    return key.rsplit(".", 1)[0]
-
-
-def aliased_keys(plan: Plan) -> set[str]:
-    return {key for key in plan.k if expert_of(key) in plan.aliases}
 
 
 def _check_aliases(cfg: ModelConfig, plan: Plan) -> None:
@@ -172,24 +150,9 @@ def _check_aliases(cfg: ModelConfig, plan: Plan) -> None:
 def expected_bytes(cfg: ModelConfig, plan: Plan) -> dict[str, int]:
     """Stored bytes per tensor class if the plan is packed, with totals (Engram tables included
     in `total`, left out of `total_without_engram_tables`, since they normally stay on NVMe)."""
-    tmap = target_map(cfg)
-    cold = aliased_keys(plan)
-    by_class: dict[str, int] = defaultdict(int)
-    for spec, cls in classified_layout(cfg):
-        key = spec.name.rsplit(".", 1)[0]
-        t = tmap.get(key)
-        if t is None or plan.k[key] is None:
-            by_class[cls] += spec.nbytes
-        elif key in cold:
-            continue
-        elif spec.name.endswith(".weight"):
-            by_class[cls] += sum(exl3_bytes(t.in_features, rows[1] - rows[0] if rows else t.out_features,
-                                            plan.k[key], plan.codebook)
-                                 for _, rows in stored_parts(cfg, t, plan.k[key]))
-        # a quantized target's native .scale grid is not stored
-    out = dict(sorted(by_class.items()))
-    out[TOTAL] = sum(by_class.values())
-    out[TOTAL_RESIDENT] = out[TOTAL] - by_class.get(ENGRAM_TABLE, 0)
+    out = pack_spec(cfg, plan).bytes_by_class()
+    out[TOTAL] = sum(out.values())
+    out[TOTAL_RESIDENT] = out[TOTAL] - out.get(ENGRAM_TABLE, 0)
     return out
 
 

@@ -23,6 +23,7 @@ from functools import lru_cache
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED
 from quantizer.model.targets import DRAFT, ROUTED, Target
+from quantizer.plan.spec import StoredLinear
 from quantizer.shipped import shipped
 
 EXLLAMAV3 = "exllamav3"
@@ -73,15 +74,6 @@ def load_profile(name: str) -> LoaderProfile:
 
 
 @dataclass(frozen=True)
-class StoredLinear:
-    """One linear as a loader sees it: the stored key (a wo_a slice has its own), its target, K and codebook."""
-    key: str
-    target: Target
-    k: float | None  # None: native storage
-    codebook: str | None  # None unless quantized
-
-
-@dataclass(frozen=True)
 class Violation:
     subject: str  # the stored key, or the layer's experts for a grouped rule
     rule: str
@@ -98,20 +90,20 @@ def violations(profile: LoaderProfile, linears: list[StoredLinear], aliases: dic
     """Every rule of `profile` that `linears` (aliased experts left out) and `aliases` break."""
     found: list[Violation] = []
     for s in linears:
-        if s.k is None or s.k == UNQUANTIZED:
-            if s.k == UNQUANTIZED and not profile.fp16_linears:
+        if s.K is None or s.K == UNQUANTIZED:
+            if s.K == UNQUANTIZED and not profile.fp16_linears:
                 found.append(Violation(s.key, "k_range", "fp16 linear (K 16), which this loader does not take"))
             continue
         if s.codebook not in profile.codebooks:
             found.append(Violation(s.key, "codebook", f"codebook {s.codebook}; this loader takes "
                                                       f"{' or '.join(profile.codebooks)}"))
-        if not profile.k_min <= s.k <= profile.k_max:
-            found.append(Violation(s.key, "k_range", f"K {s.k:g} outside {profile.k_min:g}..{profile.k_max:g}"))
-        if s.k != int(s.k):
+        if not profile.k_min <= s.K <= profile.k_max:
+            found.append(Violation(s.key, "k_range", f"K {s.K:g} outside {profile.k_min:g}..{profile.k_max:g}"))
+        if s.K != int(s.K):
             if profile.integer_only(s.target):
-                found.append(Violation(s.key, "integer_attention", f"half-integer K {s.k:g} on a DSV4 attention linear"))
+                found.append(Violation(s.key, "integer_attention", f"half-integer K {s.K:g} on a DSV4 attention linear"))
             elif s.codebook not in profile.half_rate_codebooks:
-                found.append(Violation(s.key, "half_rates", f"half-integer K {s.k:g} with codebook {s.codebook}"))
+                found.append(Violation(s.key, "half_rates", f"half-integer K {s.K:g} with codebook {s.codebook}"))
     experts = [s for s in linears if s.target.group in (ROUTED, DRAFT) and s.target.expert is not None]
     if not profile.per_expert_k:
         found += _one_k(experts, lambda s: (s.target.group, s.target.layer, s.target.proj), "one_k_per_projection")
@@ -133,10 +125,10 @@ def _one_k(linears: list[StoredLinear], unit, rule: str) -> list[Violation]:
     for s in linears:
         u = unit(s)
         f = first.setdefault(u, s)
-        if s.k != f.k and u not in bad:
+        if s.K != f.K and u not in bad:
             what = "gate (w1) and up (w3)" if rule == "gate_up_tied" else "experts of one projection"
-            bad[u] = Violation(_layer_of(s), rule, f"{what} must share one K: {f.key} has {_show(f.k)}, "
-                                                   f"{s.key} has {_show(s.k)}")
+            bad[u] = Violation(_layer_of(s), rule, f"{what} must share one K: {f.key} has {_show(f.K)}, "
+                                                   f"{s.key} has {_show(s.K)}")
     return list(bad.values())
 
 

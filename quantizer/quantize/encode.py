@@ -13,7 +13,8 @@ import torch
 
 from quantizer.codec import EXL3Linear, quantize_linear
 from quantizer.exl3 import UNQUANTIZED
-from quantizer.quantize.linears import StoredLinear, tensor_seed
+from quantizer.plan.spec import StoredLinear
+from quantizer.quantize.linears import tensor_seed
 from quantizer.quantize.settings import QuantizeSettings
 
 

@@ -1,10 +1,5 @@
-"""From plan targets to the linears exllamav3 stores, and the work units that encode them.
-
-A plan gives K per EXL3 key (the native weight name minus `.weight`). exllamav3's DSV4 attention
-loads the fused `wo_a` as `o_groups` row slices, each its own Linear (`<key>.slice.<g>`, rows
-g*o_lora_rank .. (g+1)*o_lora_rank of the fused weight, qmap `<attn>.o.<g>`), so a quantized `wo_a`
-is stored as those slices; every other target is stored under its own key. K 16 keeps a linear as an
-unquantized fp16 `<key>.weight` (fused, as exllamav3 reads `wo_a.weight` and slices it itself).
+"""The work units that encode a plan's stored linears (the pack spec's `encoded`, plan/spec.py),
+and the per-linear seeds.
 
 On CPU each stored linear is its own unit; on CUDA same-shape linears go through exllamav3's batch
 encoder together: the routed (or drafter) experts of one layer and projection per K, and the wo_a
@@ -14,50 +9,15 @@ slices of one layer, in chunks that bound the fp32 weights held on the GPU.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import json
+from dataclasses import replace
 
-from quantizer.checkpoint.config import ModelConfig
 from quantizer.exl3 import UNQUANTIZED
-from quantizer.model.targets import DRAFT, ROUTED, Target, stored_parts, targets
-from quantizer.plan.plan import Plan, aliased_keys
+from quantizer.model.targets import DRAFT, ROUTED
+from quantizer.plan.spec import PackSpec, StoredLinear
 from quantizer.quantize.results import Unit
 
 GPU_BATCH_BYTES = 4 << 30  # fp32 weights of one batched unit on the GPU
-
-
-@dataclass(frozen=True)
-class StoredLinear:
-    """One linear as exllamav3 stores it, and where its weight comes from in the source."""
-
-    key: str  # stored key: the target key, or `<wo_a key>.slice.<g>`
-    target: Target
-    K: float
-    rows: tuple[int, int] | None  # row range of the native [out, in] weight; None = all of it
-
-    @property
-    def in_features(self) -> int:
-        return self.target.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.rows[1] - self.rows[0] if self.rows else self.target.out_features
-
-    @property
-    def numel(self) -> int:
-        return self.in_features * self.out_features
-
-
-def stored_linears(cfg: ModelConfig, plan: Plan) -> list[StoredLinear]:
-    """Every linear the pack stores as EXL3 (or fp16, K 16), in native layout order; aliased experts
-    and native (K None) targets store none."""
-    cold = aliased_keys(plan)
-    out: list[StoredLinear] = []
-    for t in targets(cfg):
-        k = plan.k[t.key]
-        if k is None or t.key in cold:
-            continue
-        out += [StoredLinear(key, t, k, rows) for key, rows in stored_parts(cfg, t, k)]
-    return out
 
 
 def tensor_seed(job_seed: int, key: str) -> int:
@@ -65,6 +25,20 @@ def tensor_seed(job_seed: int, key: str) -> int:
     encodes identically whatever ran before it."""
     digest = hashlib.sha256(f"{job_seed}:{key}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def plan_units(spec: PackSpec, codebook: str, job: dict) -> list[Unit]:
+    """The work units of a pack spec's encoded linears under one job's settings (QuantizeSettings.record:
+    seed, device, encoder, calibration fingerprint, quantizer version), each with its digest."""
+    return [replace(u, digest=unit_digest(u, codebook, job)) for u in work_units(spec.encoded, job["device"])]
+
+
+def unit_digest(unit: Unit, codebook: str, job: dict) -> str:
+    """sha256 of what determines a unit's bytes: its linears (a stored key names the source rows), K,
+    codebook and the job's settings, the Hessians' fingerprint among them. The source weights are the
+    work directory's own (job.json refuses another source), so they are not hashed per unit."""
+    body = {"keys": list(unit.keys), "K": unit.K, "codebook": codebook, "job": job}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def work_units(linears: list[StoredLinear], device: str) -> list[Unit]:

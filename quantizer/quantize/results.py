@@ -1,9 +1,11 @@
-"""`WORK/quantized/`: one safetensors file per finished work unit, written atomically.
+"""`WORK/quantized/`: a cache of encodings, one safetensors file per finished work unit, written atomically.
 
-A unit is one EXL3 linear (CPU) or a batch of same-shape linears encoded together (GPU). Its file holds
-exactly the tensors exllamav3 stores for each of its linears; the file's metadata names the linears
-and their proxy errors. A file that exists is finished (it appears by rename); one that cannot be read
-back is deleted and its unit redone.
+A unit is one EXL3 linear (CPU) or a batch of same-shape linears encoded together (GPU). Its file is
+named by the unit and the digest of everything that determines its bytes (linears.py, unit_digest),
+so plans that share a (linear, K) share its file, and a file made under other settings is never
+mistaken for this one. It holds exactly the tensors exllamav3 stores for each of its linears; its
+metadata names the linears, their K and their measured proxy errors. A file that exists is finished
+(it appears by rename); one that cannot be read back is deleted and its unit redone.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from quantizer.exl3 import PACK_ALIGN
 
 RESULTS_DIR = "quantized"
 SUFFIX = ".safetensors"
+DIGEST_CHARS = 16  # of the unit digest in its file name
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Unit:
     keys: tuple[str, ...]
     K: float | int
     weights: int  # in*out summed over the keys: the progress measure
+    digest: str = ""  # of what determines the encoding (linears.unit_digest); names the unit's file
 
 
 class ResultStore:
@@ -43,7 +47,9 @@ class ResultStore:
             stale.unlink()
 
     def path(self, unit: Unit) -> Path:
-        return self.dir / (unit.name + SUFFIX)
+        if not unit.digest:
+            raise ValueError(f"unit {unit.name} has no digest; make units with linears.plan_units")
+        return self.dir / f"{unit.name}.{unit.digest[:DIGEST_CHARS]}{SUFFIX}"
 
     def done(self, unit: Unit) -> bool:
         path = self.path(unit)
@@ -63,15 +69,27 @@ class ResultStore:
         write_safetensors(self.path(unit), [planned(n, t) for n, t in tensors.items()], metadata=metadata,
                           align=PACK_ALIGN)
 
-    def entries(self) -> dict[str, TensorEntry]:
-        """Every stored tensor of every finished unit, by name."""
+    def entries(self, units: list[Unit]) -> dict[str, TensorEntry]:
+        """Every stored tensor of these units' files (those that exist), by name."""
         out: dict[str, TensorEntry] = {}
-        for path in sorted(self.dir.glob("*" + SUFFIX)):
+        for path in self._existing(units):
             out.update({n: e for n, e in read_header(path).tensors.items() if not n.startswith(PAD_PREFIX)})
         return out
 
-    def proxy_errors(self) -> dict[str, float | None]:
+    def proxy_errors(self, units: list[Unit]) -> dict[str, float | None]:
+        """Stored key -> measured proxy error of these units' linears (None for fp16 ones)."""
         out: dict[str, float | None] = {}
-        for path in sorted(self.dir.glob("*" + SUFFIX)):
+        for path in self._existing(units):
             out.update(json.loads(read_header(path).metadata.get("proxy_err", "{}")))
         return out
+
+    def measured(self) -> list[tuple[float, dict[str, float | None]]]:
+        """(K, stored key -> proxy error) of every encoding in the cache, whatever plan it was made for."""
+        out = []
+        for path in sorted(self.dir.glob("*" + SUFFIX)):
+            meta = read_header(path).metadata
+            out.append((float(meta["K"]), json.loads(meta.get("proxy_err", "{}"))))
+        return out
+
+    def _existing(self, units: list[Unit]) -> list[Path]:
+        return [p for p in map(self.path, units) if p.exists()]

@@ -1,11 +1,14 @@
-"""The quantize stage: every EXL3 linear of a plan encoded into the work directory, resumably.
+"""The quantize stage: every EXL3 linear of a plan encoded into the work directory's cache, resumably.
 
 Reads the checkpoint layer by layer, encodes on the CPU with our codec or on CUDA with exllamav3, and
 saves each unit atomically in WORK/quantized/. The three steps overlap (pipeline.py): the next unit's
 weights are dequantized and its Hessians loaded while this one encodes, and the last one is written
 behind it, so in memory are at most the unit encoding, one prepared unit and one being written.
 Kill it at any moment and rerun: finished units are kept, the rest are encoded with the same
-per-linear seeds, so the results (and the pack) are byte-identical to an uninterrupted run.
+per-linear seeds, so the results (and the pack) are byte-identical to an uninterrupted run. The
+directory is a cache of encodings (results.py): a unit's file is named by the digest of what determines
+it, so another plan in the same directory encodes only the (linear, K) pairs no earlier plan had, and
+reuses the rest byte for byte. job.json pins the source and the settings, not the plan.
 Under torchrun the units still to do are spread over the ranks (largest first onto the least loaded
 rank); each rank writes its own units into the shared directory, so a rerun with any number of ranks
 continues from whatever any of them finished.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,15 +27,18 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.exl3 import exl3_bytes
+from quantizer.model.targets import targets
 from quantizer.plan.plan import Plan
 from quantizer.quantize.encode import EncodedUnit, encode_unit
 from quantizer.quantize.job import JobSpec, job_differences
-from quantizer.quantize.linears import StoredLinear, stored_linears, work_units
+from quantizer.plan.spec import StoredLinear, pack_spec
+from quantizer.quantize.linears import plan_units
 from quantizer.quantize.pipeline import PREFETCH_UNITS, run_pipeline
 from quantizer.quantize.rates import RateTable, estimate
 from quantizer.quantize.results import ResultStore, Unit
@@ -52,7 +59,7 @@ BASE_RAM = 640 << 20
 class QuantizeResult:
     work: Path
     units: int
-    resumed_units: int  # finished before this run
+    resumed_units: int  # finished before this run (by this plan or another plan sharing the directory)
     seconds: float
     proxy_err: dict[str, float | None]  # stored key -> proxy error (None for fp16 linears)
 
@@ -78,8 +85,6 @@ def quantize(
     def accept() -> None:
         spec = JobSpec(
             source={"path": str(ck.root), "fingerprint": source_fingerprint(ck, work / FINGERPRINT_CACHE)},
-            plan={"hash": plan.content_hash(), "K": plan.k, "codebook": plan.codebook, "loader": plan.loader,
-                  "aliases": plan.aliases},
             settings=settings.record(),
         )
         open_job(work, asdict(spec), job_differences, "quantize job")
@@ -93,9 +98,10 @@ def quantize(
 
 
 def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hessian, depth: int) -> QuantizeResult:
-    linears = stored_linears(ck.config, plan)
+    spec = pack_spec(ck.config, plan)
+    linears = spec.encoded
     by_key = {s.key: s for s in linears}
-    units = work_units(linears, settings.device)
+    units = plan_units(spec, plan.codebook, settings.record())
     store = ResultStore(work)
     ranks = current()
     todo = ranks.on_main(lambda: _todo(store, units))
@@ -121,7 +127,24 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
             bar.update(unit.weights)
     ranks.barrier()  # every rank's units are in before the results are read
     seconds = time.monotonic() - start
-    return QuantizeResult(work, len(units), len(units) - len(todo), seconds, store.proxy_errors())
+    return QuantizeResult(work, len(units), len(units) - len(todo), seconds, store.proxy_errors(units))
+
+
+def measured_proxies(work: str | Path, cfg: ModelConfig) -> dict[str, dict[float, float]]:
+    """Target key -> K -> proxy error measured by the encodings already in the cache `work` (a wo_a's
+    slices averaged), for the budgeted targets: what the allocator can use instead of its model."""
+    store = ResultStore(Path(work))
+    per: dict[tuple[str, float], list[float]] = defaultdict(list)
+    for k, errors in store.measured():
+        for key, err in errors.items():
+            if err is not None:
+                per[key.split(".slice.")[0], k].append(err)
+    budgeted = {t.key for t in targets(cfg) if t.budgeted}
+    out: dict[str, dict[float, float]] = defaultdict(dict)
+    for (key, k), errs in per.items():
+        if key in budgeted:
+            out[key][k] = sum(errs) / len(errs)
+    return dict(out)
 
 
 def _todo(store: ResultStore, units: list[Unit]) -> list[Unit]:
@@ -216,7 +239,7 @@ def _needs_line(work, linears, units, todo, settings, ram: int, disk: int) -> st
         hours = estimate((by_key[k] for u in todo for k in u.keys), RateTable.load()).gpu_hours
         how += f" (~{hours:,.2f} GPU-hours at measured rates)"
     return (
-        f"quantize: {len(linears):,} linears in {len(units):,} units, {len(units) - len(todo):,} already done; "
+        f"quantize: {len(linears):,} linears in {len(units):,} units, {len(units) - len(todo):,} already in the cache; "
         f"{weights:,} weights to encode with {how}; needs ~{size_text(ram)} RAM and "
         f"~{size_text(disk)} disk in {work / 'quantized'}"
     )

@@ -3,7 +3,9 @@
 Every check yields a Finding; a FAULT names the shard or tensor and what is wrong. Header-level checks
 catch truncated, replaced, missing and extra shards, tensors beyond EOF, misalignment, an index that
 disagrees with the shards, dropped tensors and trellis shapes that disagree with the K the manifest
-claims. Then the loader check: the K and codebook each stored linear holds (read from the shards,
+claims. Then the layout check: the shards hold exactly the tensors of the pack spec (plan/spec.py)
+of the K map they carry, so a pack that is self-consistent but not what any plan makes is caught.
+Then the loader check: the K and codebook each stored linear holds (read from the shards,
 not the manifest) against the rules of a loader profile (plan/profiles.py), by default the one the
 pack was made for; a fault names the tensor, the rule and the engine code it comes from. --full adds
 the sha256 of every shard, which catches any flipped byte.
@@ -12,7 +14,7 @@ the sha256 of every shard, which catches any flipped byte.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -24,7 +26,9 @@ from quantizer.errors import UserError
 from quantizer.exl3 import PACK_ALIGN, UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
 from quantizer.model.targets import target_map
 from quantizer.pack.manifest import NATIVE, Manifest, sha256_file
-from quantizer.plan.profiles import StoredLinear, load_profile, violations
+from quantizer.plan.profiles import load_profile, violations
+from quantizer.plan.plan import Plan
+from quantizer.plan.spec import StoredLinear, expert_of, pack_spec
 
 EXL3_SCALES = ("suh", "svh")
 
@@ -78,7 +82,10 @@ def verify_pack(pack: str | Path, full: bool = False, loader: str | None = None)
     _check_aliases(manifest, report)
     _check_sources(manifest, report)
     _check_configs(pack, manifest, report)
-    _check_loader(pack, manifest, headers, profile, report)
+    cfg = _model_config(pack, manifest, report)
+    if cfg is not None:
+        _check_spec(cfg, manifest, headers, report)
+        _check_loader(cfg, manifest, headers, profile, report)
     if full:
         _check_hashes(pack, manifest, report)
     return report
@@ -276,14 +283,47 @@ def _check_configs(pack: Path, manifest: Manifest, report: VerifyReport) -> None
         report.ok("quantization_config.json", f"bits_per_weight of all {len(keys):,} EXL3 linears as in the manifest")
 
 
-def _check_loader(pack: Path, manifest: Manifest, headers: dict[str, SafetensorsHeader], profile,
-                  report: VerifyReport) -> None:
-    """Every rule of the loader profile, on the K and codebook the shards hold for each linear."""
+def _model_config(pack: Path, manifest: Manifest, report: VerifyReport) -> ModelConfig | None:
+    """The model's config, with the source's FP8 block grid (the manifest keeps it: the pack's own
+    quantization_config is EXL3's)."""
     try:
         cfg = ModelConfig.from_file(pack / "config.json")
+        block = manifest.source.get("weight_block_size")
+        return replace(cfg, fp8_block=tuple(block)) if block else cfg
     except UserError as e:
-        report.fault(f"loader {profile.name}", f"cannot read the model config ({e})")
-        return
+        report.fault("config.json", f"cannot read the model config ({e}); the layout and loader checks need it")
+        return None
+
+
+def _check_spec(cfg: ModelConfig, manifest: Manifest, headers: dict[str, SafetensorsHeader],
+                report: VerifyReport) -> None:
+    """The shards hold exactly the pack spec (plan/spec.py) of the K map they carry: every native
+    tensor of the model's layout in its shape and dtype, every stored linear's leaves, nothing else."""
+    entries = {name: e for h in headers.values() for name, e in h.tensors.items() if not name.startswith(PAD_PREFIX)}
+    k: dict[str, float | None] = {}
+    for key, t in target_map(cfg).items():
+        held = manifest.aliases.get(key, key)
+        first = held if f"{held}.trellis" in entries or f"{held}.weight" in entries else f"{held}.slice.0"
+        k[key] = _held(first, entries)[0]
+    aliases = {expert_of(cold): expert_of(warm) for cold, warm in manifest.aliases.items()}
+    plan = Plan(cfg.arch, manifest.plan["codebook"], manifest.plan["loader"], k, aliases=aliases)
+    want = {t.name: t for t in pack_spec(cfg, plan).tensors}
+    faults = [f"missing ({t.dtype}{list(t.shape)})" if n not in entries else None for n, t in want.items()]
+    problems = {n: f for n, f in zip(want, faults) if f}
+    problems |= {n: f"is {e.dtype}{list(e.shape)}, the layout says {want[n].dtype}{list(want[n].shape)}"
+                 for n, e in entries.items() if n in want and (tuple(e.shape) != want[n].shape or e.dtype != want[n].dtype)}
+    problems |= {n: "not a tensor of the model's layout at the K the pack holds" for n in entries if n not in want}
+    for name, what in sorted(problems.items())[:10]:
+        report.fault(name, what)
+    if len(problems) > 10:
+        report.fault("layout", f"{len(problems)} tensors differ from the pack spec in all")
+    if not problems:
+        report.ok("layout", f"the shards hold exactly the {len(want):,} tensors of the pack spec of the K map they carry")
+
+
+def _check_loader(cfg: ModelConfig, manifest: Manifest, headers: dict[str, SafetensorsHeader], profile,
+                  report: VerifyReport) -> None:
+    """Every rule of the loader profile, on the K and codebook the shards hold for each linear."""
     tmap = target_map(cfg)
     entries = {name: e for h in headers.values() for name, e in h.tensors.items()}
     linears = []

@@ -1,0 +1,133 @@
+"""The pack spec: the one place that decides which tensors a pack of a plan stores.
+
+From (model config, plan) it gives every linear the pack holds as its loader sees it (a quantized
+wo_a as its o_groups row slices, K 16 as one fused fp16 weight, an aliased cold expert nothing) and
+every tensor of the pack with its shape, dtype, bytes and tensor class: the leaves of each encoded
+linear (its native `.weight` and `.scale` replaced) and the native tensors passed through byte for
+byte. Plan sizes, the fit, the quantize stage, the pack writer and verify all read it, so the layout
+is decided once (docs/exl3-format.md, stored tensors; docs/deepseek-v4-layout.md).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from quantizer.checkpoint.config import ModelConfig
+from quantizer.exl3 import UNQUANTIZED, leaf_layout
+from quantizer.model.targets import Target, classified_layout, stored_parts, targets
+
+if TYPE_CHECKING:
+    from quantizer.plan.plan import Plan
+
+EXL3 = "exl3"
+NATIVE = "native"
+REPLACED_LEAVES = (".weight", ".scale")  # what an encoded linear replaces of its native tensors
+
+
+@dataclass(frozen=True, slots=True)
+class StoredLinear:
+    """One linear as the pack stores it and its loader reads it, and where its weight comes from."""
+
+    key: str  # stored key: the target key, or `<wo_a key>.slice.<g>`
+    target: Target
+    K: float | None  # None: native storage; 16: an unquantized fp16 weight
+    codebook: str | None  # None unless quantized (K not None and not 16)
+    rows: tuple[int, int] | None = None  # row range of the native [out, in] weight; None = all of it
+
+    @property
+    def in_features(self) -> int:
+        return self.target.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.rows[1] - self.rows[0] if self.rows else self.target.out_features
+
+    @property
+    def numel(self) -> int:
+        return self.in_features * self.out_features
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """One tensor of a pack (from a spec or read back from a pack's headers)."""
+
+    name: str
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    cls: str  # tensor class (model/tensor_classes.py)
+    storage: str  # EXL3 (a leaf of an EXL3 linear) or NATIVE (passed through, or an fp16 weight)
+    K: float | None  # trellis K of the EXL3 linear this leaf belongs to; None for native and fp16
+    linear: str | None  # stored key of the encoded linear it belongs to (EXL3 or fp16); None: passed through
+
+
+@dataclass(frozen=True)
+class PackSpec:
+    linears: tuple[StoredLinear, ...]  # every non-aliased target's stored linears, native ones included
+    tensors: tuple[StoredTensor, ...]  # the pack's tensors: passed-through natives, then encoded leaves
+    replaced: frozenset[str]  # native tensors the pack does not hold (encoded, or served by an alias)
+
+    @property
+    def encoded(self) -> list[StoredLinear]:
+        """The linears the quantize stage writes (EXL3 or fp16), in native layout order."""
+        return [s for s in self.linears if s.K is not None]
+
+    def bytes_by_class(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for t in self.tensors:
+            out[t.cls] += t.nbytes
+        return dict(sorted(out.items()))
+
+
+def pack_spec(cfg: ModelConfig, plan: "Plan") -> PackSpec:
+    """The exact tensors a pack of `plan` holds (the plan is taken as it is: check_plan checks it)."""
+    cold = aliased_keys(plan)
+    linears: list[StoredLinear] = []
+    leaves: list[StoredTensor] = []
+    replaced: set[str] = set()
+    for t in targets(cfg):
+        k = plan.k[t.key]
+        if k is None and t.key not in cold:
+            linears.append(StoredLinear(t.key, t, None, None))
+            continue
+        if k is not None:
+            replaced.update(t.key + leaf for leaf in REPLACED_LEAVES)
+        if t.key in cold:
+            continue
+        codebook = None if k == UNQUANTIZED else plan.codebook
+        for key, rows in stored_parts(cfg, t, k):
+            s = StoredLinear(key, t, k, codebook, rows)
+            linears.append(s)
+            for suffix, shape, dtype, nbytes in leaf_layout(s.in_features, s.out_features, k, plan.codebook):
+                exl3 = k != UNQUANTIZED
+                leaves.append(StoredTensor(key + suffix, nbytes, shape, dtype, t.cls, EXL3 if exl3 else NATIVE,
+                                           k if exl3 else None, key))
+    natives = [n for n in native_tensors(cfg) if n.name not in replaced]
+    return PackSpec(tuple(linears), tuple(natives + leaves), frozenset(replaced))
+
+
+def expert_of(key: str) -> str:
+    """`layers.3.ffn.experts.5.w1` -> `layers.3.ffn.experts.5` (the unit an alias replaces)."""
+    return key.rsplit(".", 1)[0]
+
+
+def aliased_keys(plan: "Plan") -> set[str]:
+    """Target keys of the aliased cold experts: they store nothing."""
+    return {key for key in plan.k if expert_of(key) in plan.aliases}
+
+
+_NATIVE: dict[str, tuple[StoredTensor, ...]] = {}
+
+
+def native_tensors(cfg: ModelConfig) -> tuple[StoredTensor, ...]:
+    """Every tensor of the native layout as stored unchanged, built once per model shape (the full
+    model has ~96k, and fit searches ask for many plans of one model)."""
+    shape_key = repr(cfg)
+    if shape_key not in _NATIVE:
+        _NATIVE.clear()
+        _NATIVE[shape_key] = tuple(StoredTensor(spec.name, spec.nbytes, tuple(spec.shape), spec.dtype, cls, NATIVE,
+                                                None, None)
+                                   for spec, cls in classified_layout(cfg))
+    return _NATIVE[shape_key]
