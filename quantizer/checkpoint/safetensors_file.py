@@ -27,6 +27,15 @@ ELEMENT_BYTES = {
     "I64": 8, "U64": 8, "F64": 8,
 }
 
+
+def tensor_nbytes(dtype: str, shape) -> int:
+    """Bytes of a dense tensor of this safetensors dtype and shape."""
+    n = ELEMENT_BYTES[dtype]
+    for d in shape:
+        n *= d
+    return n
+
+
 # How raw bytes are viewed in torch. E8M0 scales stay uint8 (exponent bytes) until dequantization.
 TORCH_DTYPES = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
@@ -189,10 +198,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        n = ELEMENT_BYTES[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
+        return tensor_nbytes(self.dtype, self.shape)
 
 
 def planned(name: str, tensor: torch.Tensor, dtype: str | None = None) -> PlannedTensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from quantizer.checkpoint.config import V4, V41, ModelConfig
-from quantizer.checkpoint.safetensors_file import ELEMENT_BYTES
+from quantizer.checkpoint.safetensors_file import tensor_nbytes
 
 
 @dataclass(frozen=True)
@@ -22,10 +22,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = ELEMENT_BYTES[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
+        return tensor_nbytes(self.dtype, self.shape)
 
     @property
     def params(self) -> int:
