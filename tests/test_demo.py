@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 
 import pytest
 from PIL import Image
@@ -22,15 +23,20 @@ KEYS = {"bpw", "method", "achieved_bpw", "bytes", "ppl", "kl", "kl_stderr", "top
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """One demo run: its JSON rows, and the --plot figure it drew with the PNG it saved."""
-    out = io.StringIO()
     work = tmp_path_factory.mktemp("demo")
     drawn = []
-    with contextlib.redirect_stdout(out), pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr("quantizer.demo.cli.save_figure", lambda fig, path: drawn.append(fig) or save_figure(fig, path))
+        found = _demo(work, "--plot", str(work / "quality.png"))
+    return found, drawn, work / "quality.png"
+
+
+def _demo(work, *extra) -> list[dict]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
         assert main(["demo", "--json", "--sizes", "2.5", "--methods", "uniform,ours", "--loader", "exllamav3",
-                     "--eval-rows", "4",
-                     "--work", str(work), "--plot", str(work / "quality.png")]) == 0
-    return json.loads(out.getvalue()), drawn, work / "quality.png"
+                     "--eval-rows", "4", "--work", str(work), *extra]) == 0
+    return json.loads(out.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +89,13 @@ def test_a_demo_row_is_what_quantizer_build_writes(run, rows, tmp_path):
         assert main(["ppl", str(tmp_path / "ours"), "--against", str(src), "--text", str(shipped_text_path("heldout")),
                      "--rows", "4", "--cols", "512", "--json"]) == 0
     assert json.loads(out.getvalue())["kl"] == pytest.approx(rows["ours"]["kl"], rel=1e-9)
+
+
+def test_a_rerun_in_the_same_work_directory_encodes_nothing_and_prints_the_same_rows(run, capfd):
+    capfd.readouterr()
+    assert _demo(run[2].parent) == run[0]
+    encoded = re.findall(r"([\d,]+) weights to encode", capfd.readouterr().err)
+    assert encoded and set(encoded) == {"0"}  # every build found all its units in the cache
 
 
 def _shards(pack) -> dict[str, bytes]:

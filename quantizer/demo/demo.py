@@ -7,12 +7,13 @@ They share one calibration and the quantize stage's cache of encodings: each (te
 needs is encoded once. Each size is anchored on exllamav3's own allocator (its plan's `bits`), and
 uniform K and our allocator (once per loader profile asked for: exllamav3, mixedk) get the same
 budget, so the packs of one size compare at equal bytes. The references are built first, for every
-size; our builds then allocate with `measured_errors` on, using the proxy errors of every encoding
-made before them (the references', then ours of the smaller sizes). Each pack is verified, fitted and
+size; our builds then allocate on the proxy errors the references' encodings measured (what
+`build --measured-errors` reads from a work directory that holds only those), so a rerun in the
+same work directory encodes nothing and plans the same. Each pack is verified, fitted and
 compared with the native model on held-out text (KL, top-1 agreement, paired NLL delta).
 
-Needs under 1 GiB of RAM, about 90 MB of disk in the work directory and about 9 minutes on 2 AVX2 cores
-(16 M weights through the encoder's C++ kernel; several times that on the pure-torch fallback).
+Needs under 1 GiB of RAM, about 90 MB of disk in the work directory and about 11 minutes on 2 AVX2 cores
+(17 M weights through the encoder's C++ kernel; several times that on the pure-torch fallback).
 """
 
 from __future__ import annotations
@@ -31,14 +32,18 @@ from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
-from quantizer.pipeline.build import BuildRequest, BuildResult, build
+from quantizer.pipeline.build import QUANTIZE_DIR, BuildRequest, BuildResult, build
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.plan import Plan
 from quantizer.plan.profiles import EXLLAMAV3, LOADERS
 from quantizer.ppl.compare import Comparison, compare
 from quantizer.ppl.pack_source import PackSource
 from quantizer.ppl.perplexity import row_predictions
+from quantizer.plan.spec import pack_spec
+from quantizer.quantize.linears import plan_units
+from quantizer.quantize.results import measured_encodings
 from quantizer.quantize.settings import QuantizeSettings
+from quantizer.quantize.stage import measured_proxies
 from quantizer.shipped import shipped
 from quantizer.textdata import model_rows, shipped_text_path
 
@@ -117,15 +122,14 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
     calibration = rows("calibration", settings.calib_rows)
     built: dict[tuple[float, str, str], BuildResult] = {}
 
-    def make(size: float, method: str, loader: str, bpw: float) -> None:
+    def make(size: float, method: str, loader: str, bpw: float, measured=None) -> None:
         out = work / "packs" / f"{size:g}-{method}-{loader}"
         _say(f"demo: build {out.name} at {bpw:.4g} bpw")
         shutil.rmtree(out, ignore_errors=True)  # a pack of an earlier demo run in this work directory
         built[size, method, loader] = build(BuildRequest(
             src=str(ck.root), out=out, bpw=bpw, method=method, allocation=AllocationSettings(loader=loader),
             calibration_rows=calibration, calibration=CalibrationSettings(device="cpu"), work=work / BUILD_DIR,
-            quantize=QuantizeSettings(seed=settings.seed, device="cpu", encoder="fast"),
-            measured_errors=method == OURS))
+            quantize=QuantizeSettings(seed=settings.seed, device="cpu", encoder="fast"), measured=measured))
 
     def budget(size: float) -> float:
         return built[size, EXL3, EXLLAMAV3].plan.achieved_bpw if EXL3 in methods else size
@@ -135,10 +139,11 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
             make(size, EXL3, EXLLAMAV3, size)
         if UNIFORM in methods:
             make(size, UNIFORM, EXLLAMAV3, budget(size))
+    measured = _measured(cfg, work / BUILD_DIR, list(built.values()))
     for size in settings.sizes:
         if OURS in methods:
             for loader in settings.loaders:
-                make(size, OURS, loader, budget(size))
+                make(size, OURS, loader, budget(size), measured)
 
     held = rows("heldout", settings.eval_rows)
     reference = list(row_predictions(_streamer(CheckpointSource(ck)), held))
@@ -149,6 +154,13 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
         out.append(_row(size, method, result.plan, result.manifest, c, not result.verify.faults))
     rows_sorted = sorted(out, key=lambda r: (r.bpw, METHODS.index(r.method), LOADERS.index(r.loader)))
     return DemoResult(rows_sorted, float(native_nll.mean().exp()), native_nll.numel(), time.monotonic() - start)
+
+
+def _measured(cfg, work: Path, references: list[BuildResult]) -> dict[str, dict[float, float]]:
+    """The proxy errors the reference builds' own encodings measured (not whatever else the cache
+    holds from an earlier run), so every run of the demo plans ours alike."""
+    units = [u for r in references for u in plan_units(pack_spec(cfg, r.plan), r.plan.codebook, r.manifest.settings)]
+    return measured_proxies(cfg, measured_encodings(work / QUANTIZE_DIR, units))
 
 
 def _available(methods: tuple[str, ...]) -> tuple[str, ...]:

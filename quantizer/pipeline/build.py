@@ -14,6 +14,7 @@ the ranks (quantizer/distributed.py); rank 0 plans, packs and verifies, the othe
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from contextlib import ExitStack
@@ -46,7 +47,7 @@ from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.quantize.rates import plan_estimate
 from quantizer.quantize.settings import QuantizeSettings
-from quantizer.quantize.stage import QuantizeResult, measured_proxies, quantize
+from quantizer.quantize.stage import QuantizeResult, quantize
 from quantizer.verify.verify import VerifyReport, verify_pack
 
 QUANTIZE_DIR = "quantize"
@@ -68,7 +69,7 @@ class BuildRequest:
     revision: str | None = None
     shard_size: int = PackSettings.shard_size
     quantize: QuantizeSettings = QuantizeSettings()
-    measured_errors: bool = False  # ours: allocate on the proxy errors the work directory's cache has measured
+    measured: dict[str, dict[float, float]] | None = None  # ours: proxy errors per target and K, measured
 
     @property
     def work_dir(self) -> Path:
@@ -139,7 +140,7 @@ def check_request(req: BuildRequest) -> None:
         raise UserError("--method ours allocates from a calibration; drop --no-calibrate, or use --method uniform")
     if req.bpw is not None:
         check_bpw(req.bpw, req.allocation.codebook)
-    if req.measured_errors and (req.method != OURS or req.plan is not None):
+    if req.measured is not None and (req.method != OURS or req.plan is not None):
         raise UserError("--measured-errors feeds our allocator; it needs --method ours and no --plan")
 
 
@@ -154,7 +155,7 @@ def request_record(ck: Checkpoint, req: BuildRequest) -> dict:
         "target": None if req.target is None else asdict(req.target), "method": req.method,
         "allocation": asdict(req.allocation), "calibration": req.calibration.record(),
         "quantize": req.quantize.record(), "shard_size": req.shard_size, "revision": req.revision,
-        "measured_errors": req.measured_errors,
+        "measured": None if req.measured is None else json.dumps(req.measured, sort_keys=True),
     }
 
 
@@ -181,12 +182,10 @@ def check_plannable(cfg: ModelConfig, req: BuildRequest) -> Plan:
 def choose_plan(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None
                 ) -> tuple[Plan, FitReport | None]:
     """The plan at req.bpw, or the largest that fits req.target, by req.method."""
-    measured = measured_proxies(req.work_dir / QUANTIZE_DIR, cfg) if req.measured_errors else None
-    if measured is not None:
-        pairs = sum(len(ks) for ks in measured.values())
-        print(f"plan: {pairs:,} measured proxy errors of {len(measured):,} targets from {req.work_dir / QUANTIZE_DIR}",
-              file=sys.stderr)
-    plan_at, lowest = planner(cfg, req.method, req.allocation, summary, measured=measured)
+    if req.measured is not None:
+        pairs = sum(len(ks) for ks in req.measured.values())
+        print(f"plan: allocating on {pairs:,} measured proxy errors of {len(req.measured):,} targets", file=sys.stderr)
+    plan_at, lowest = planner(cfg, req.method, req.allocation, summary, measured=req.measured)
     if req.target is None:
         return plan_at(req.bpw), None
     highest = rate_grid(req.allocation.codebook)[-1]

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from quantizer.arguments import tokens
-from quantizer.pipeline.build import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
+from quantizer.pipeline.build import PLAN_FILE, QUANTIZE_DIR, RECIPE_FILE, BuildRequest, BuildResult, build
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import current
@@ -28,7 +29,9 @@ from quantizer.plan.profiles import EXLLAMAV3, LOADERS
 from quantizer.textdata import model_rows, shipped_text_path
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.plan import Plan
+from quantizer.quantize.results import measured_encodings
 from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
+from quantizer.quantize.stage import measured_proxies
 from quantizer.report import gib, table
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -100,8 +103,9 @@ def run(args: argparse.Namespace) -> int:
         calibration_rows=None if args.no_calibrate else _calibration_rows(args, ck),
         calibration=CalibrationSettings(device=args.device, row_chunk=args.row_chunk), work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
-        measured_errors=args.measured_errors,
     )
+    if args.measured_errors:  # what the cache of --work holds now, whatever plans made it
+        req = replace(req, measured=measured_proxies(ck.config, measured_encodings(req.work_dir / QUANTIZE_DIR)))
     result = build(req)
     if current().main:
         print(summary(result))

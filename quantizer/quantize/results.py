@@ -47,9 +47,7 @@ class ResultStore:
             stale.unlink()
 
     def path(self, unit: Unit) -> Path:
-        if not unit.digest:
-            raise ValueError(f"unit {unit.name} has no digest; make units with linears.plan_units")
-        return self.dir / f"{unit.name}.{unit.digest[:DIGEST_CHARS]}{SUFFIX}"
+        return unit_path(self.dir, unit)
 
     def done(self, unit: Unit) -> bool:
         path = self.path(unit)
@@ -83,13 +81,27 @@ class ResultStore:
             out.update(json.loads(read_header(path).metadata.get("proxy_err", "{}")))
         return out
 
-    def measured(self) -> list[tuple[float, dict[str, float | None]]]:
-        """(K, stored key -> proxy error) of every encoding in the cache, whatever plan it was made for."""
-        out = []
-        for path in sorted(self.dir.glob("*" + SUFFIX)):
-            meta = read_header(path).metadata
-            out.append((float(meta["K"]), json.loads(meta.get("proxy_err", "{}"))))
-        return out
-
     def _existing(self, units: list[Unit]) -> list[Path]:
         return [p for p in map(self.path, units) if p.exists()]
+
+
+def measured_encodings(work: Path, units: list[Unit] | None = None) -> list[tuple[float, dict[str, float | None]]]:
+    """(K, stored key -> proxy error) of the finished encodings in the cache `work` (nothing is
+    created): of these units, or of every file whatever plan it was made for."""
+    folder = Path(work) / RESULTS_DIR
+    if units is None:
+        paths = sorted(folder.glob("*" + SUFFIX))
+    else:
+        paths = [p for p in (unit_path(folder, u) for u in units) if p.exists()]
+    out = []
+    for path in paths:
+        meta = read_header(path).metadata
+        out.append((float(meta["K"]), json.loads(meta.get("proxy_err", "{}"))))
+    return out
+
+
+def unit_path(folder: Path, unit: Unit) -> Path:
+    """`<unit name>.<digest>.safetensors`: the unit's file in a cache folder."""
+    if not unit.digest:
+        raise ValueError(f"unit {unit.name} has no digest; make units with linears.plan_units")
+    return folder / f"{unit.name}.{unit.digest[:DIGEST_CHARS]}{SUFFIX}"

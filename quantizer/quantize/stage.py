@@ -130,12 +130,13 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
     return QuantizeResult(work, len(units), len(units) - len(todo), seconds, store.proxy_errors(units))
 
 
-def measured_proxies(work: str | Path, cfg: ModelConfig) -> dict[str, dict[float, float]]:
-    """Target key -> K -> proxy error measured by the encodings already in the cache `work` (a wo_a's
-    slices averaged), for the budgeted targets: what the allocator can use instead of its model."""
-    store = ResultStore(Path(work))
+def measured_proxies(cfg: ModelConfig, encodings: list[tuple[float, dict[str, float | None]]]
+                     ) -> dict[str, dict[float, float]]:
+    """Target key -> K -> measured proxy error (a wo_a's slices averaged) of the budgeted targets, from
+    (K, stored key -> error) per encoded unit (results.measured_encodings): what the allocator can use
+    in place of its model."""
     per: dict[tuple[str, float], list[float]] = defaultdict(list)
-    for k, errors in store.measured():
+    for k, errors in encodings:
         for key, err in errors.items():
             if err is not None:
                 per[key.split(".slice.")[0], k].append(err)
