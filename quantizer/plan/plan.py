@@ -21,7 +21,7 @@ from quantizer.exl3 import CODEBOOKS, budget_bpw, check_k
 from quantizer.model.targets import DRAFT, ROUTED, target_map, targets
 from quantizer.model.tensor_classes import ENGRAM_TABLE
 from quantizer.plan.profiles import EXLLAMAV3, load_profile, violations
-from quantizer.plan.spec import aliased_keys, expert_of, pack_spec
+from quantizer.plan.spec import aliased_keys, expert_of, spec_bytes, stored_linears
 from quantizer.workdir import read_json, write_json_atomic
 
 FORMAT = "quantizer-plan"
@@ -129,7 +129,7 @@ def check_plan(cfg: ModelConfig, plan: Plan) -> None:
         if value is not None:
             check_k(value, plan.codebook, tmap[key].integer_only, key)
     _check_aliases(cfg, plan)
-    broken = violations(profile, pack_spec(cfg, plan).linears, plan.aliases)
+    broken = violations(profile, stored_linears(cfg, plan), plan.aliases)
     if broken:
         more = f" (and {len(broken) - 1} more)" if len(broken) > 1 else ""
         raise UserError(f"plan breaks the {profile.name} loader profile: {broken[0].line(profile)}{more}")
@@ -150,7 +150,7 @@ def _check_aliases(cfg: ModelConfig, plan: Plan) -> None:
 def expected_bytes(cfg: ModelConfig, plan: Plan) -> dict[str, int]:
     """Stored bytes per tensor class if the plan is packed, with totals (Engram tables included
     in `total`, left out of `total_without_engram_tables`, since they normally stay on NVMe)."""
-    out = pack_spec(cfg, plan).bytes_by_class()
+    out = spec_bytes(cfg, plan)
     out[TOTAL] = sum(out.values())
     out[TOTAL_RESIDENT] = out[TOTAL] - out.get(ENGRAM_TABLE, 0)
     return out

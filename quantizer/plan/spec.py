@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.exl3 import UNQUANTIZED, leaf_layout
+from quantizer.exl3 import UNQUANTIZED, exl3_bytes, leaf_layout
 from quantizer.model.targets import Target, classified_layout, stored_parts, targets
 
 if TYPE_CHECKING:
@@ -24,11 +24,12 @@ if TYPE_CHECKING:
 EXL3 = "exl3"
 NATIVE = "native"
 REPLACED_LEAVES = (".weight", ".scale")  # what an encoded linear replaces of its native tensors
+ENCODED_PROBE = 4.0  # any EXL3 rate: stored_parts only asks whether a target is encoded
 
 
-@dataclass(frozen=True, slots=True)
-class StoredLinear:
-    """One linear as the pack stores it and its loader reads it, and where its weight comes from."""
+class StoredLinear(NamedTuple):
+    """One linear as the pack stores it and its loader reads it, and where its weight comes from.
+    (Named tuples: the full model has ~96k linears and ~190k pack tensors, built per plan a search tries.)"""
 
     key: str  # stored key: the target key, or `<wo_a key>.slice.<g>`
     target: Target
@@ -49,8 +50,7 @@ class StoredLinear:
         return self.in_features * self.out_features
 
 
-@dataclass(frozen=True, slots=True)
-class StoredTensor:
+class StoredTensor(NamedTuple):
     """One tensor of a pack (from a spec or read back from a pack's headers)."""
 
     name: str
@@ -81,31 +81,51 @@ class PackSpec:
         return dict(sorted(out.items()))
 
 
-def pack_spec(cfg: ModelConfig, plan: "Plan") -> PackSpec:
-    """The exact tensors a pack of `plan` holds (the plan is taken as it is: check_plan checks it)."""
-    cold = aliased_keys(plan)
-    linears: list[StoredLinear] = []
-    leaves: list[StoredTensor] = []
-    replaced: set[str] = set()
+def stored_linears(cfg: ModelConfig, plan: "Plan") -> list[StoredLinear]:
+    """Every linear the pack stores, as its loader sees it, in native layout order: native (K None)
+    targets included, aliased cold experts left out. The plan is taken as it is (check_plan checks it)."""
+    cold = aliased_keys(plan) if plan.aliases else ()
+    parts = _parts(cfg)
+    out: list[StoredLinear] = []
     for t in targets(cfg):
-        k = plan.k[t.key]
-        if k is None and t.key not in cold:
-            linears.append(StoredLinear(t.key, t, None, None))
-            continue
-        if k is not None:
-            replaced.update(t.key + leaf for leaf in REPLACED_LEAVES)
         if t.key in cold:
             continue
-        codebook = None if k == UNQUANTIZED else plan.codebook
-        for key, rows in stored_parts(cfg, t, k):
-            s = StoredLinear(key, t, k, codebook, rows)
-            linears.append(s)
-            for suffix, shape, dtype, nbytes in leaf_layout(s.in_features, s.out_features, k, plan.codebook):
-                exl3 = k != UNQUANTIZED
-                leaves.append(StoredTensor(key + suffix, nbytes, shape, dtype, t.cls, EXL3 if exl3 else NATIVE,
-                                           k if exl3 else None, key))
+        k = plan.k[t.key]
+        encoded = k is not None and k != UNQUANTIZED
+        codebook = plan.codebook if encoded else None
+        out += [StoredLinear(key, t, k, codebook, rows) for key, rows in parts[t.key][encoded]]
+    return out
+
+
+def pack_spec(cfg: ModelConfig, plan: "Plan") -> PackSpec:
+    """The exact tensors a pack of `plan` holds."""
+    linears = stored_linears(cfg, plan)
+    replaced = frozenset(t.key + leaf for t in targets(cfg) if plan.k[t.key] is not None for leaf in REPLACED_LEAVES)
+    leaves = [StoredTensor(s.key + suffix, nbytes, shape, dtype, s.target.cls, EXL3 if s.K != UNQUANTIZED else NATIVE,
+                           s.K if s.K != UNQUANTIZED else None, s.key)
+              for s in linears if s.K is not None
+              for suffix, shape, dtype, nbytes in leaf_layout(s.in_features, s.out_features, s.K, plan.codebook)]
     natives = [n for n in native_tensors(cfg) if n.name not in replaced]
     return PackSpec(tuple(linears), tuple(natives + leaves), frozenset(replaced))
+
+
+def spec_bytes(cfg: ModelConfig, plan: "Plan") -> dict[str, int]:
+    """`pack_spec(cfg, plan).bytes_by_class()` without building the tensor list (planning searches
+    ask it for many plans of the full model): native bytes, less what encoded targets replace, plus
+    their linears' leaves."""
+    natives, replaced_bytes = _native_bytes(cfg)
+    cold = aliased_keys(plan) if plan.aliases else ()
+    parts = _parts(cfg)
+    out = defaultdict(int, natives)
+    for t in targets(cfg):
+        k = plan.k[t.key]
+        if k is None:
+            continue
+        out[t.cls] -= replaced_bytes[t.key]
+        if t.key not in cold:
+            out[t.cls] += sum(exl3_bytes(t.in_features, rows[1] - rows[0] if rows else t.out_features, k, plan.codebook)
+                              for _, rows in parts[t.key][k != UNQUANTIZED])
+    return dict(sorted((cls, n) for cls, n in out.items() if n or cls in natives))
 
 
 def expert_of(key: str) -> str:
@@ -131,3 +151,34 @@ def native_tensors(cfg: ModelConfig) -> tuple[StoredTensor, ...]:
                                                 None, None)
                                    for spec, cls in classified_layout(cfg))
     return _NATIVE[shape_key]
+
+
+_BYTES: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
+
+
+def _native_bytes(cfg: ModelConfig) -> tuple[dict[str, int], dict[str, int]]:
+    """(native bytes per class, bytes of each target's `.weight` and `.scale`), once per model shape."""
+    shape_key = repr(cfg)
+    if shape_key not in _BYTES:
+        _BYTES.clear()
+        by_class: dict[str, int] = defaultdict(int)
+        by_name = {}
+        for n in native_tensors(cfg):
+            by_class[n.cls] += n.nbytes
+            by_name[n.name] = n.nbytes
+        replaced = {t.key: sum(by_name.get(t.key + leaf, 0) for leaf in REPLACED_LEAVES) for t in targets(cfg)}
+        _BYTES[shape_key] = (dict(by_class), replaced)
+    return _BYTES[shape_key]
+
+
+_PARTS: dict[str, dict[str, tuple[list, list]]] = {}
+
+
+def _parts(cfg: ModelConfig) -> dict[str, tuple[list, list]]:
+    """Per target key: its stored parts (model/targets.stored_parts) kept whole (index False: native or
+    fp16) and encoded (True: a wo_a's slices), once per model shape."""
+    shape_key = repr(cfg)
+    if shape_key not in _PARTS:
+        _PARTS.clear()
+        _PARTS[shape_key] = {t.key: (stored_parts(cfg, t, None), stored_parts(cfg, t, ENCODED_PROBE)) for t in targets(cfg)}
+    return _PARTS[shape_key]

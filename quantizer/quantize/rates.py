@@ -18,7 +18,7 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED
 from quantizer.plan.plan import Plan
-from quantizer.plan.spec import StoredLinear, pack_spec
+from quantizer.plan.spec import StoredLinear, stored_linears
 from quantizer.shipped import shipped
 
 RATES_FORMAT = "quantizer-encode-rates"
@@ -95,4 +95,4 @@ def estimate(linears: Iterable[StoredLinear], table: RateTable) -> QuantizeEstim
 
 def plan_estimate(cfg: ModelConfig, plan: Plan, table: RateTable | None = None) -> QuantizeEstimate:
     """The GPU time of quantizing every linear `plan` stores as EXL3."""
-    return estimate(pack_spec(cfg, plan).encoded, table or RateTable.load())
+    return estimate((s for s in stored_linears(cfg, plan) if s.K is not None), table or RateTable.load())
