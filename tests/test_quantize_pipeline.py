@@ -5,7 +5,6 @@ the GPU batches cover the wo_a slices; plan and build state the GPU-hours a plan
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 import threading
 
 import pytest
@@ -119,7 +118,7 @@ def test_gpu_hours_follow_the_measured_rate_of_each_k():
     at = {k: estimate([s for s in linears if s.K == k], table) for k in {s.K for s in linears}}
     for k, e in at.items():
         assert e.seconds == pytest.approx(e.weights / (20e6 if k == 2 else 10e6))
-    three = estimate([replace(s, K=3.0) for s in linears[:10]], table)
+    three = estimate([s._replace(K=3.0) for s in linears[:10]], table)
     assert three.unmeasured == (3.0,) and "K 3 at the nearest measured K's rate" in three.line()
 
 
