@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from quantizer import __version__
+from quantizer.caches import on_reset
 from quantizer.errors import UserError
 from quantizer.workdir import job_lock
 
@@ -237,6 +238,7 @@ def join_from_env() -> Ranks:
     return _current
 
 
+@on_reset
 def leave() -> None:
     """Destroy the process group, if one was joined (at the end of the command)."""
     global _current

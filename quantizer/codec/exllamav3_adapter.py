@@ -25,6 +25,13 @@ def _cuda(device: torch.device | str) -> torch.device:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+def _own_rng(device: torch.device):
+    """exllamav3 seeds torch's global generators itself (`torch.manual_seed(seed)` in quantize_exl3):
+    run it on a fork of the CPU's and the device's generators, so a caller's random stream is the
+    same whether or not something was quantized in between (docs/exl3-format.md, encoder)."""
+    return torch.random.fork_rng(devices=[device.index])
+
+
 def _quant_args(K: float, codebook: Codebook, seed: int, device: torch.device,
                 apply_out_scales: bool | None) -> dict:
     return {
@@ -87,7 +94,8 @@ def quantize(
     device = _cuda(device)
     qa = _quant_args(k, cb, seed, device, apply_out_scales)
     w = weight.detach().to(device=device, dtype=torch.float32).T.contiguous()
-    _, proxy_err, out = quantize_exl3(w, _h_data(w.shape[0], hessian, count, device, "weight"), qa, False)
+    with _own_rng(device):
+        _, proxy_err, out = quantize_exl3(w, _h_data(w.shape[0], hessian, count, device, "weight"), qa, False)
     return _to_linear(out, cb, k, proxy_err)
 
 
@@ -125,7 +133,8 @@ def quantize_batch(
         h_datas = [_h_data(in_features, h, c, device, f"weight.{i}") for i, (h, c) in enumerate(zip(per_h, per_count))]
     qas = [_quant_args(k, cb, seed + i, device, apply_out_scales) for i in range(len(weights))]
     ws = [w.detach().to(dtype=torch.float32).T.contiguous() for w in weights]
-    results = quantize_exl3_batch(ws, h_datas, qas)
+    with _own_rng(device):
+        results = quantize_exl3_batch(ws, h_datas, qas)
     return [_to_linear(out, cb, k, proxy_err) for proxy_err, out in results]
 
 

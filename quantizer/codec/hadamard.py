@@ -11,9 +11,11 @@ from functools import lru_cache
 
 import torch
 
+from quantizer.caches import process_cache
 from quantizer.exl3 import HADAMARD_BLOCK as BLOCK
 
 
+@process_cache
 @lru_cache(maxsize=None)
 def _hadamard_cpu() -> torch.Tensor:
     i = torch.arange(BLOCK)

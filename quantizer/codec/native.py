@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from quantizer.caches import process_cache
+
 SOURCE = Path(__file__).with_name("viterbi_kernel.cpp")
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread")
 _LIBRARY = "exl3_viterbi.so"
@@ -90,6 +92,7 @@ class Kernel:
         return states
 
 
+@process_cache
 @lru_cache(maxsize=None)
 def kernel() -> Kernel | None:
     """The compiled encoder, built on first use; None when turned off or when it cannot be built."""

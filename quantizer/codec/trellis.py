@@ -13,6 +13,7 @@ from itertools import accumulate
 
 import torch
 
+from quantizer.caches import process_cache
 from quantizer.exl3 import trellis_k
 
 TILE = 16
@@ -21,6 +22,7 @@ STATE_MASK = 0xFFFF
 _CHUNK_TILES = 8192
 
 
+@process_cache
 @lru_cache(maxsize=None)
 def step_bits(K: float) -> tuple[int, ...]:
     """D(p): bits position p adds to the ring; half rates alternate KA (even p) and KA+1 (odd p)."""
@@ -39,6 +41,7 @@ def _window_ends(K: float) -> tuple[int, ...]:
     return tuple(accumulate(step_bits(K)))
 
 
+@process_cache
 @lru_cache(maxsize=None)
 def tile_element_order() -> torch.Tensor:
     """Row-major tile element (r*16 + c) of each trellis position p, the kernels' tensor-core order."""
@@ -51,6 +54,7 @@ def tile_element_order() -> torch.Tensor:
     return torch.tensor(order, dtype=torch.long)
 
 
+@process_cache
 @lru_cache(maxsize=None)
 def _unpack_index(K: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ring = words_per_tile(K) * 16
@@ -59,6 +63,7 @@ def _unpack_index(K: float, device: torch.device) -> tuple[torch.Tensor, torch.T
     return word.to(device), ((word + 1) % (ring // 32)).to(device), (32 - (starts & 31)).to(device)
 
 
+@process_cache
 @lru_cache(maxsize=None)
 def _pack_index(K: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     position, shift = [], []

@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 
+from quantizer.caches import process_cache
 from quantizer.exl3 import NUM_STATES, Codebook, codebook_values, parse_codebook, trellis_k
 
 from . import native
@@ -43,6 +44,7 @@ _CPU_CHUNK_TILES, _CPU_CHUNK_BYTES = 16, 256 << 20
 _GPU_CHUNK_TILES, _GPU_CHUNK_BYTES = 256, 1 << 30
 
 
+@process_cache
 @lru_cache(maxsize=None)
 def _grids(codebook: Codebook, device: torch.device, d: int) -> torch.Tensor:
     """Codebook values laid out as the step for D = d reads them."""
@@ -129,6 +131,7 @@ class _Search:
         return states.to(torch.int32)
 
 
+@process_cache
 @lru_cache(maxsize=1)
 def _workspaces(codebook: Codebook, K: float, device: torch.device, workers: int) -> tuple[_Search, ...]:
     """Workspaces kept between calls (LDLQ calls once per strip): 256 MiB in all on a CPU, 1 GiB on a GPU."""
@@ -144,6 +147,7 @@ def _encode_slice(search: _Search, tiles: torch.Tensor, seam: int) -> torch.Tens
     return torch.cat([search.encode(tiles[i : i + chunk], seam) for i in range(0, tiles.shape[0], chunk)])
 
 
+@process_cache
 @lru_cache(maxsize=1)
 def _pool(workers: int) -> ThreadPoolExecutor:
     """Worker threads kept for the process: LDLQ encodes once per 16-row strip."""
@@ -162,6 +166,7 @@ def _one_torch_thread():
         torch.set_num_threads(threads)
 
 
+@process_cache
 @lru_cache(maxsize=None)
 def _values_cpu(codebook: Codebook) -> torch.Tensor:
     return codebook_values(codebook).to(torch.float32).contiguous()

@@ -40,6 +40,7 @@ from collections import defaultdict
 from importlib import metadata
 from pathlib import Path
 
+from quantizer.caches import process_cache
 from quantizer.checkpoint.config import V4, ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import rate_grid
@@ -52,7 +53,7 @@ EXLLAMAV3_VERSION = "1.6.5"
 HQ = 1  # exllamav3's -hq 1, what DSV4 conversions use (docs/exl3-format.md, allocator)
 MATCH_TOLERANCE = 1e-3  # bits of exllamav3's input searched to this precision
 MTP_BITS = 4  # exllamav3's default; unused (no MTP component is built)
-_MODELS: dict[str, tuple] = {}
+_MODELS: dict[str, tuple] = process_cache({})
 
 
 def exl3_strategy(cfg: ModelConfig, bits: float, codebook: str = "mul1", head_bits: float = 6.0,
