@@ -60,7 +60,11 @@ from quantizer.plan.spec import pack_spec  # noqa: E402
 from quantizer.quantize.linears import work_units  # noqa: E402
 from quantizer.quantize.rates import EncodeRate, RateTable, estimate  # noqa: E402
 from quantizer.quantize.settings import QuantizeSettings  # noqa: E402
-from quantizer.quantize.stage import WeightReader  # noqa: E402
+from quantizer.quantize.stage import WeightReader, quantize_needs  # noqa: E402
+from quantizer.quantize.pipeline import PREFETCH_UNITS  # noqa: E402
+from quantizer.quantize.rates import plan_estimate  # noqa: E402
+from quantizer.pipeline.preflight import disk_needs  # noqa: E402
+from quantizer.calibrate.stage import calibrate  # noqa: E402
 from quantizer.report import GIB, table  # noqa: E402
 from quantizer.shipped import model_config_path  # noqa: E402
 from quantizer.tiny.make import random_values  # noqa: E402
@@ -99,6 +103,7 @@ class StageRecord:
     seconds: float = 0.0
     gpu_peak: int = 0
     ram_peak: int = 0
+    ram_start: int = 0  # resident memory when the stage began
     disk: int = 0  # work directory + pack after the stage
     weights: int | None = None
 
@@ -115,13 +120,14 @@ class Meter:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         _reset_ram_peak()
+        ram_start = _ram_now()
         start = time.perf_counter()
         try:
             yield
         finally:
             torch.cuda.synchronize()
             self.stages[name] = StageRecord(time.perf_counter() - start, torch.cuda.max_memory_allocated(),
-                                            _ram_peak(), sum(_du(d) for d in self.dirs))
+                                            _ram_peak(), ram_start, sum(_du(d) for d in self.dirs))
 
     def wrap(self, name: str, fn):
         def metered(*args, **kwargs):
@@ -135,11 +141,19 @@ def _reset_ram_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def _ram_peak() -> int:
+def _status_bytes(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _ram_peak() -> int:
+    return _status_bytes("VmHWM")
+
+
+def _ram_now() -> int:
+    return _status_bytes("VmRSS")
 
 
 def _du(path: Path) -> int:
@@ -192,15 +206,56 @@ def direct_rates(ck: Checkpoint, plan, work: Path, sample: int) -> tuple[dict[st
     return rates, table_rows
 
 
+def printed_estimates(ck: Checkpoint, plan, args, work: Path) -> dict[str, dict[str, float]]:
+    """What `build` states before each stage, from the functions that print it, per stage."""
+    calib = calibration_needs(ck.config, args.rows, args.cols, CalibrationSettings(device="cuda", measure_kl=False))
+    linears = pack_spec(ck.config, plan).encoded
+    by_key = {s.key: s for s in linears}
+    ram, disk = quantize_needs(work_units(linears, "cuda"), by_key, plan.codebook, PREFETCH_UNITS, "cuda")
+    return {
+        "calibrate": {"GPU memory": calib.device, "RAM above start": calib.ram("cuda"), "disk kept": calib.layer_files},
+        "quantize": {"RAM": ram, "disk added": disk, "seconds": plan_estimate(ck.config, plan).seconds},
+        "pack": {"disk": disk_needs(ck, plan, 0, work).pack},
+    }
+
+
+def measured(stages: dict[str, StageRecord], pack_bytes: int) -> dict[str, dict[str, float]]:
+    """The same quantities as printed_estimates, measured in this run."""
+    c, q = stages["calibrate"], stages["quantize"]
+    return {
+        "calibrate": {"GPU memory": c.gpu_peak, "RAM above start": c.ram_peak - c.ram_start, "disk kept": c.disk},
+        "quantize": {"RAM": q.ram_peak, "disk added": q.disk - stages["plan"].disk, "seconds": q.seconds},
+        "pack": {"disk": pack_bytes},
+    }
+
+
+def calibration_rate(ck: Checkpoint, rows: torch.Tensor, root: Path) -> dict[str, float]:
+    """Seconds of calibration per layer: fixed (start-up, weights) and per token, from two runs on the
+    slice at all and a quarter of the rows (the build's own calibration is the first)."""
+    times = {}
+    for n in (max(1, len(rows) // 4), len(rows)):
+        start = time.perf_counter()
+        calibrate(ck, rows[:n], root / f"rate-{n}", CalibrationSettings(device="cuda", measure_kl=False),
+                  progress=False)
+        torch.cuda.synchronize()
+        times[n * rows.shape[1]] = time.perf_counter() - start
+        shutil.rmtree(root / f"rate-{n}", ignore_errors=True)
+    (t0, s0), (t1, s1) = sorted(times.items())
+    per_token = (s1 - s0) / (t1 - t0)
+    layers = ck.config.num_layers
+    return {"fixed_s_per_layer": max(0.0, s0 - per_token * t0) / layers, "token_s_per_layer": per_token / layers,
+            "runs": {str(t): v for t, v in times.items()}}
+
+
 def real_needs(bpw: float, run_table: RateTable, stage_over_direct: float, run: dict) -> dict:
     """The real model at --bpw (uniform plan: the K mix an allocator starts from): GPU time at this run's
     direct rates over the stage ratio, calibration and pack scaled from this run, and the disk."""
     cfg = ModelConfig.from_file(model_config_path(REAL))
     plan = uniform_plan(cfg, bpw)
     quantize_s = estimate(pack_spec(cfg, plan).encoded, run_table).seconds / stage_over_direct
-    scale = (cfg.num_layers / run["layers"]) * (REAL_ROWS * REAL_COLS) / run["tokens"] * (
-        cfg.n_routed_experts / run["experts"])  # the all-expert pass over every token dominates calibration
-    calibrate_s = run["stages"]["calibrate"]["seconds"] * scale
+    rate = run["calibration_rate"]  # per layer: the all-expert pass over every token dominates the per-token part
+    calibrate_s = cfg.num_layers * (rate["fixed_s_per_layer"] + rate["token_s_per_layer"] * REAL_ROWS * REAL_COLS
+                                    * cfg.n_routed_experts / run["experts"])
     pack_bytes = expected_bytes(cfg, plan)[TOTAL]
     tail_s = (run["stages"]["pack"]["seconds"] + run["stages"]["verify"]["seconds"]) * pack_bytes / run["pack_bytes"]
     needs = calibration_needs(cfg, REAL_ROWS, REAL_COLS, CalibrationSettings(device="cuda"))
@@ -276,7 +331,9 @@ def rehearse(args, root: Path) -> dict:
     stage_s = stages["quantize"].seconds
     ratio = direct_s / stage_s
     run = {"layers": args.layers, "experts": args.experts, "tokens": args.rows * args.cols, "pack_bytes": pack_bytes,
-           "stages": {k: vars(v) for k, v in stages.items()}}
+           "stages": {k: vars(v) for k, v in stages.items()},
+           "calibration_rate": calibration_rate(ck, tokens, root)}
+    est, got = printed_estimates(ck, result.plan, args, root / "pack.work"), measured(stages, pack_bytes)
     run_table = RateTable(torch.cuda.get_device_name(), tuple(rows))
     return {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -287,6 +344,9 @@ def rehearse(args, root: Path) -> dict:
                      "direct_weights_per_s": stages["quantize"].weights / direct_s, "ratio": ratio,
                      "direct_rates": {k: v for k, v in sorted(rates.items())}},
         "verify": "ok" if not result.verify.faults else f"{len(result.verify.faults)} faults",
+        "estimates": [{"stage": st, "what": what, "estimate": est[st][what], "measured": got[st][what],
+                       "ratio": est[st][what] / got[st][what] if got[st][what] else float("nan")}
+                      for st in est for what in est[st]],
         "real_model": real_needs(args.bpw, run_table, ratio, run),
     }
 
@@ -301,6 +361,16 @@ def print_report(r: dict) -> None:
         rows.append([name, f"{s['seconds']:,.1f}", rate, f"{s['gpu_peak'] / GIB:,.2f}", f"{s['ram_peak'] / GIB:,.2f}",
                      f"{s['disk'] / GIB:,.2f}"])
     print(table(["stage", "seconds", "rate", "GPU peak GiB", "RAM peak GiB", "disk GiB"], rows))
+    print("\nwhat build states before each stage, against what this run measured (goal: ratio 0.75-1.33)")
+    rows = []
+    for e in r["estimates"]:
+        fmt = (lambda v: f"{v:,.1f} s") if e["what"] == "seconds" else (lambda v: f"{v / GIB:,.2f} GiB")
+        ok = "ok" if 0.75 <= e["ratio"] <= 1.33 else "OFF"
+        rows.append([e["stage"], e["what"], fmt(e["estimate"]), fmt(e["measured"]), f"{e['ratio']:.2f}", ok])
+    print(table(["stage", "estimate of", "estimated", "measured", "ratio", ""], rows))
+    rate = r["calibration_rate"]
+    print(f"calibration per layer: {rate['fixed_s_per_layer']:,.2f} s fixed + {rate['token_s_per_layer'] * 1e6:,.3f} s "
+          f"per million tokens (runs: {rate['runs']})")
     q = r["quantize"]
     print(f"\nquantize stage {q['stage_weights_per_s'] / 1e6:,.2f} M weights/s; quantize_exl3_batch on the same "
           f"tensors {q['direct_weights_per_s'] / 1e6:,.2f}: ratio {q['ratio']:.3f} "

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from quantizer.calibrate.groups import SLICE, group_key
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
@@ -53,6 +54,9 @@ WORKING_COPIES = 4  # fp32 copies of a unit's weights an encoder holds (input, r
 # The process itself: torch, the codec's Viterbi chunks (256 MiB) and tables; tiny V4.1 at 2.5 bpw
 # peaked at 0.54 GB resident.
 BASE_RAM = 640 << 20
+# On CUDA: torch, the CUDA context and exllamav3's extension, resident before the first unit
+# (bench/rehearsal.py: 1.94 GiB at the quantize stage's start).
+BASE_RAM_CUDA = 2 << 30
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
     store = ResultStore(work)
     ranks = current()
     todo = ranks.on_main(lambda: _todo(store, units))
-    ram, disk = _needs(todo, by_key, plan.codebook, depth)
+    ram, disk = quantize_needs(todo, by_key, plan.codebook, depth, settings.device)
     if ranks.main:
         print(_needs_line(work, linears, units, todo, settings, ram, disk), file=sys.stderr)
     ranks.on_main(lambda: require_free_space(work, disk, "the quantized results"))
@@ -222,14 +226,35 @@ class UnitInputs:
         return PreparedUnit(members, weights, hessians, made)
 
 
-def _needs(todo, by_key, codebook, depth: int) -> tuple[int, int]:
-    """RAM: the process plus the largest unit (its fp32 weights and Hessians) times the encoder's working
-    copies and the units prepared ahead; disk: the results still to write."""
+def quantize_needs(todo, by_key, codebook, depth: int, device: str) -> tuple[int, int]:
+    """(RAM, disk) of encoding `todo`. Disk: the results still to write. RAM on a CPU: the process plus
+    the largest unit (its fp32 weights and Hessians) times the encoder's working copies and the units
+    prepared ahead. On CUDA the weights are read and encoded on the GPU, but exllamav3's batch keeps
+    host copies (its Cholesky factors move to the CPU, docs/exl3-format.md): the process with its CUDA
+    context plus, for the unit encoding and each one prepared ahead, 4 bytes per weight and its float32
+    Hessians (a shared one once): 1.04x and 1.09x the peaks bench/rehearsal.py measured on one layer of
+    32 and of 64 experts."""
     members = [[by_key[k] for k in u.keys] for u in todo]
-    largest = max((4 * sum(s.numel + s.in_features**2 for s in m) for m in members), default=0)
-    ram = BASE_RAM + (WORKING_COPIES + depth) * largest
     disk = sum(exl3_bytes(s.in_features, s.out_features, s.K, codebook) for m in members for s in m)
-    return ram, disk
+    if device == "cuda":
+        largest = max((4 * sum(s.numel for s in m) + sum(4 * s.in_features**2 for s in _one_per_hessian(m))
+                       for m in members), default=0)
+        return BASE_RAM_CUDA + (depth + 1) * largest, disk
+    largest = max((4 * sum(s.numel + s.in_features**2 for s in m) for m in members), default=0)
+    return BASE_RAM + (WORKING_COPIES + depth) * largest, disk
+
+
+def _one_per_hessian(members: list[StoredLinear]) -> list[StoredLinear]:
+    """A unit's members with one per Hessian group (calibrate/groups.py: a layer's routed gate and up
+    projections share one input Hessian; down projections and slices have their own)."""
+    seen, out = set(), []
+    for s in members:
+        group = group_key(s.target)
+        key = s.key if group is None or SLICE in s.key else group
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
 
 
 def _needs_line(work, linears, units, todo, settings, ram: int, disk: int) -> str:
