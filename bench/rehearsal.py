@@ -16,9 +16,18 @@ stage rate >= 0.9 of it). The direct rates also price the real model's plan: the
 4 and 8 GPUs (calibration data-parallel, quantize units spread over ranks, pack and verify on one),
 and the disk its Hessians, work directory and pack need.
 
+Every estimate `build` prints before a stage (calibration's GPU memory, RAM and disk; quantize's RAM,
+disk and time; the pack's disk) is computed by the same functions and printed beside what the run
+measured, with their ratio (goal 0.75-1.33).
+
+The real model's calibration time is projected from a full-size layer when --layer-rate gives the
+JSON bench/calibrate_gpu_layer.py wrote on the same GPU; without it, from the slice's per-layer rate
+(measured at two row counts, so start-up is not scaled) with its experts scaled up, an upper bound.
+
 On the GPU machine (one H200; 64 experts x 2 layers: 5.7 G weights to encode, about 8-9 minutes):
 
-    source .device-cache/setup.sh && python bench/rehearsal.py --layers 2 --experts 64 --bpw 2.9 \\
+    source .device-cache/setup.sh && OUT=$OUT python bench/calibrate_gpu_layer.py && \\
+        python bench/rehearsal.py --layers 2 --experts 64 --bpw 2.9 --layer-rate $OUT/calibrate_gpu_layer.json \\
         --out-json $OUT/rehearsal.json
 
 Everything is written under --tmp (default: the system temporary directory) and deleted at the end.
@@ -71,6 +80,7 @@ from quantizer.tiny.make import random_values  # noqa: E402
 
 REAL = "deepseek-v4.1-flash.json"
 REAL_ROWS, REAL_COLS = 250, 2048  # the calibration a real build runs by default
+FULL_LAYER_ROWS = 250  # the rows bench/calibrate_gpu_layer.py projects one layer at
 ENGRAM_HASH_VOCAB = 40_000  # about a million 256-wide table rows instead of 384 million
 SHARD_BYTES = 2 << 30  # source shards of about this size
 HEAD_SAMPLE_WEIGHTS = 64 << 20
@@ -247,15 +257,30 @@ def calibration_rate(ck: Checkpoint, rows: torch.Tensor, root: Path) -> dict[str
             "runs": {str(t): v for t, v in times.items()}}
 
 
+def full_layer_rate(path: Path | None) -> dict | None:
+    """Seconds of one full-size layer at FULL_LAYER_ROWS rows, as bench/calibrate_gpu_layer.py projected them."""
+    if path is None:
+        return None
+    report = json.loads(path.read_text())
+    if "tiny" in report["config"]:
+        sys.exit(f"{path}: measured on tiny shapes; run bench/calibrate_gpu_layer.py at full size on this GPU")
+    return {"seconds": report["projected_layer_seconds_at_250_rows"], "cols": report["cols"], "device": report["device"]}
+
+
 def real_needs(bpw: float, run_table: RateTable, stage_over_direct: float, run: dict) -> dict:
     """The real model at --bpw (uniform plan: the K mix an allocator starts from): GPU time at this run's
     direct rates over the stage ratio, calibration and pack scaled from this run, and the disk."""
     cfg = ModelConfig.from_file(model_config_path(REAL))
     plan = uniform_plan(cfg, bpw)
     quantize_s = estimate(pack_spec(cfg, plan).encoded, run_table).seconds / stage_over_direct
-    rate = run["calibration_rate"]  # per layer: the all-expert pass over every token dominates the per-token part
-    calibrate_s = cfg.num_layers * (rate["fixed_s_per_layer"] + rate["token_s_per_layer"] * REAL_ROWS * REAL_COLS
-                                    * cfg.n_routed_experts / run["experts"])
+    layer = run.get("full_layer")
+    if layer:  # bench/calibrate_gpu_layer.py's measured rate on a full-size layer
+        calibrate_s = cfg.num_layers * layer["seconds"] * (REAL_ROWS * REAL_COLS) / (FULL_LAYER_ROWS * layer["cols"])
+    else:  # the slice's per-layer rate with its experts scaled up: an upper bound (the small expert
+        # matmuls of a slice run far below the GPU's rate; see the README)
+        rate = run["calibration_rate"]
+        calibrate_s = cfg.num_layers * (rate["fixed_s_per_layer"] + rate["token_s_per_layer"] * REAL_ROWS * REAL_COLS
+                                        * cfg.n_routed_experts / run["experts"])
     pack_bytes = expected_bytes(cfg, plan)[TOTAL]
     tail_s = (run["stages"]["pack"]["seconds"] + run["stages"]["verify"]["seconds"]) * pack_bytes / run["pack_bytes"]
     needs = calibration_needs(cfg, REAL_ROWS, REAL_COLS, CalibrationSettings(device="cuda"))
@@ -263,7 +288,10 @@ def real_needs(bpw: float, run_table: RateTable, stage_over_direct: float, run: 
                   if s.K != 16)
     hours = {g: (calibrate_s / g + quantize_s / g + tail_s) / 3600 for g in GPU_COUNTS}
     return {
-        "plan": plan.made_by, "calibrate_h_1gpu": calibrate_s / 3600, "quantize_h_1gpu": quantize_s / 3600,
+        "plan": plan.made_by, "calibrate_h_1gpu": calibrate_s / 3600,
+        "calibrate_from": ("full-size layer (bench/calibrate_gpu_layer.py)" if layer
+                           else "slice, experts scaled (upper bound)"),
+        "quantize_h_1gpu": quantize_s / 3600,
         "pack_verify_h": tail_s / 3600, "hours_by_gpus": hours,
         "disk": {"hessians": needs.layer_files, "calibration_peak": needs.disk, "quantized_results": results,
                  "pack": pack_bytes},
@@ -281,6 +309,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--out-json", type=Path)
+    ap.add_argument("--layer-rate", type=Path, help="calibrate_gpu_layer.json from bench/calibrate_gpu_layer.py on this "
+                    "GPU: project calibration from its full-size layer instead of the slice")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("rehearsal.py needs a CUDA GPU (and exllamav3)")
@@ -332,7 +362,7 @@ def rehearse(args, root: Path) -> dict:
     ratio = direct_s / stage_s
     run = {"layers": args.layers, "experts": args.experts, "tokens": args.rows * args.cols, "pack_bytes": pack_bytes,
            "stages": {k: vars(v) for k, v in stages.items()},
-           "calibration_rate": calibration_rate(ck, tokens, root)}
+           "calibration_rate": calibration_rate(ck, tokens, root), "full_layer": full_layer_rate(args.layer_rate)}
     est, got = printed_estimates(ck, result.plan, args, root / "pack.work"), measured(stages, pack_bytes)
     run_table = RateTable(torch.cuda.get_device_name(), tuple(rows))
     return {
@@ -377,7 +407,8 @@ def print_report(r: dict) -> None:
           f"({'ok' if q['ratio'] >= 0.9 else 'BELOW 0.9'})")
     m = r["real_model"]
     print(f"\nreal V4.1-Flash at {r['args']['bpw']:g} bpw ({m['plan']}), projected: calibration "
-          f"{m['calibrate_h_1gpu']:,.2f} h, quantize {m['quantize_h_1gpu']:,.2f} h on one GPU, pack + verify "
+          f"{m['calibrate_h_1gpu']:,.2f} h (from the {m['calibrate_from']}), quantize {m['quantize_h_1gpu']:,.2f} h "
+          f"on one GPU, pack + verify "
           f"{m['pack_verify_h']:,.2f} h")
     print(table(["GPUs", *map(str, GPU_COUNTS)], [["hours", *(f"{m['hours_by_gpus'][g]:,.2f}" for g in GPU_COUNTS)]]))
     d = m["disk"]
