@@ -172,7 +172,8 @@ class Ranks:
 
     def check_shared(self, directory: Path) -> None:
         """UserError unless every rank sees the file rank 0 writes in `directory`: the ranks of a job
-        share one work directory (on several hosts, a shared filesystem at the same path)."""
+        share one work directory (on several hosts, a shared filesystem at the same path). Call it once
+        rank 0 has claimed `directory`, so nothing is written into a directory that is not a work one."""
         if not self.joined:
             return
         path = Path(directory) / SHARED_CHECK
