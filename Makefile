@@ -5,14 +5,17 @@ PY := $(VENV)/bin/python
 .PHONY: setup test demo figures
 setup: $(VENV)/.installed
 
-# torch is pinned in pyproject.toml (2.13.0): a range would let pip fetch a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml setup.py
+# pyproject.toml declares ranges; constraints.txt pins the versions CI tests, torch==2.13.0 among
+# them (without that pin pip may pick a newer torch, a multi-GB CUDA build on a CPU machine).
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
 
+# The linter first (settings in pyproject.toml [tool.ruff]), then the suite.
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 # The main job on the embedded default: the bundled small model at 2.5, 2.9 and 3.5 bpw, four methods.

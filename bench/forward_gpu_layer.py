@@ -23,8 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
@@ -35,6 +34,8 @@ from quantizer.model.hooks import ForwardHooks
 from quantizer.model.state import ForwardState
 from quantizer.model.transformer import init_parameters
 from quantizer.report import table
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse(argv=None) -> argparse.Namespace:

@@ -111,16 +111,22 @@ class Ranks:
 
     def on_main(self, fn: Callable[[], T]) -> T:
         """fn() run by rank 0 alone, its result returned on every rank; a UserError it raises is raised
-        on every rank, so no rank waits for one that has stopped."""
+        on every rank, so no rank waits for one that has stopped. Any other exception (a full disk, a
+        permission) stays rank 0's own, and the other ranks stop with one line naming it."""
         if not self.joined:
             return fn()
-        result, error = None, None
+        result, error, failure = None, None, None
         if self.main:
             try:
                 result = fn()
             except UserError as e:
                 error = str(e)
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the other ranks are told
+                error = f"rank 0 stopped: {_describe(e)}; its own output says more"
+                failure = e
         result, error = self.share((result, error))
+        if failure is not None:
+            raise failure
         if error is not None:
             raise UserError(error)
         return result
@@ -167,7 +173,8 @@ class Ranks:
 
     def check_shared(self, directory: Path) -> None:
         """UserError unless every rank sees the file rank 0 writes in `directory`: the ranks of a job
-        share one work directory (on several hosts, a shared filesystem at the same path)."""
+        share one work directory (on several hosts, a shared filesystem at the same path). Call it once
+        rank 0 has claimed `directory`, so nothing is written into a directory that is not a work one."""
         if not self.joined:
             return
         path = Path(directory) / SHARED_CHECK
@@ -191,6 +198,13 @@ class Ranks:
             if not ok:
                 raise UserError(f"{directory}: rank {r} (host {host}) does not see the file rank 0 wrote there; "
                                 "every rank must share one work directory (a shared filesystem, at the same path)")
+
+
+def _describe(e: Exception) -> str:
+    """One line for an exception: an OSError's file and reason, else its type and message."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    return f"{type(e).__name__}: {e}"
 
 
 def _flat(what: dict, prefix: str = "") -> dict:

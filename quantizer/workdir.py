@@ -18,6 +18,7 @@ taking the lock themselves.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -102,17 +103,45 @@ def claim_work_dir(work: Path) -> str:
     return record["job"]
 
 
+# errno values flock gives where the filesystem cannot lock (an NFS mount without a lock manager, FUSE).
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
+def lock_file(path: Path, busy: str, *, shared: bool = False) -> int:
+    """An open descriptor of the regular file `path` holding an flock on it (exclusive: the file is
+    created and opened for writing; shared: an existing file opened for reading), never waiting.
+    A lock held elsewhere is UserError `busy`; a filesystem that cannot lock is one UserError line too.
+    On NFS Linux emulates flock with POSIX byte-range locks, which need a regular file open for
+    writing (exclusive) or reading (shared), so a directory cannot be locked there (docs/filesystem.md)."""
+    try:
+        fd = os.open(path, os.O_RDONLY if shared else os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:
+        if shared:
+            raise  # the caller's: nobody holds a lock file that is not there
+        raise UserError(f"{path}: cannot create the lock file: its directory is gone") from None
+    except OSError as e:
+        raise UserError(f"{path}: cannot open the lock file ({e.strerror}); check the directory's permissions") from None
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if isinstance(e, BlockingIOError):
+            raise UserError(busy) from None
+        if e.errno in NO_LOCKS:
+            raise UserError(f"{path}: this filesystem cannot lock files ({e.strerror}); put --work and --out on "
+                            "a filesystem with file locking (local disk, or NFS with its lock service)") from None
+        raise UserError(f"{path}: cannot lock ({e.strerror}); check the filesystem it is on") from None
+    return fd
+
+
 @contextmanager
 def job_lock(work: Path) -> Iterator[None]:
     """One process per work directory; the kernel drops the lock when its holder dies, even by SIGKILL.
     The lock file is opened without truncating it, so a refused process never touches the holder's."""
     work.mkdir(parents=True, exist_ok=True)
-    fd = os.open(work / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = lock_file(work / LOCK_NAME, f"{work}: another quantizer job is running in this work directory; "
+                                     "wait for it or stop it")
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"{work}: another quantizer job is running in this work directory; wait for it or stop it")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for a person looking
         yield

@@ -11,6 +11,7 @@ from quantizer.model.targets import targets
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.plan.plan import make_plan
 from quantizer.plan.profiles import MIXEDK
+from safetensors_check import assert_safetensors_agree
 
 COLD, WARM = "layers.0.ffn.experts.7", "layers.0.ffn.experts.2"
 
@@ -21,6 +22,7 @@ def test_an_aliased_expert_stores_nothing_and_verifies(tiny_v41, tmp_path, capsy
     make_plan(cfg, k, loader=MIXEDK, aliases={COLD: WARM}).save(tmp_path / "plan.json")  # aliases need mixedk
     pack = tmp_path / "pack"
     assert main(["build", str(tiny_v41), "--plan", str(tmp_path / "plan.json"), "--out", str(pack), "--no-calibrate"]) == 0
+    assert_safetensors_agree(pack)
 
     m = Manifest.load(pack)
     assert not [n for n in m.tensors if n.startswith(COLD + ".")]

@@ -17,6 +17,7 @@ from quantizer.pack.writer import PackSettings, write_pack
 from quantizer.plan.plan import make_plan
 from quantizer.quantize import QuantizeSettings, quantize
 from quantizer.verify.verify import verify_pack
+from safetensors_check import assert_safetensors_agree
 
 FP16 = "layers.0.attn.wq_a"
 
@@ -57,6 +58,7 @@ def _pack(src, tmp_path, name, wkv_k=None):
     quantize(ck, plan, work, settings)
     out = tmp_path / name
     write_pack(ck, plan, work, out, PackSettings(job_settings=settings.record()))
+    assert_safetensors_agree(src, out)  # the hand-aligned source and the pack, read by the safetensors package too
     return ck, out
 
 

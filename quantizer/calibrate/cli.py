@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from quantizer.calibrate.settings import DEVICES, EXPERT_HESSIAN_DTYPES, CalibrationSettings
+from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, DEVICES, EXPERT_HESSIAN_DTYPES, CalibrationSettings
 from quantizer.calibrate.stage import CalibrationResult, calibrate
 from quantizer.calibrate.summary import KL_UNITS, MEASURED_KL
 from quantizer.checkpoint.source import Checkpoint
@@ -23,8 +23,6 @@ from quantizer.inventory.inventory import require_consistent
 from quantizer.report import table
 from quantizer.textdata import model_rows, shipped_text_path
 
-DEFAULT_ROWS = 250  # exllamav3's default: 250 rows x 2048 tokens
-DEFAULT_COLS = 2048
 DEFAULTS = CalibrationSettings()
 
 

@@ -11,6 +11,8 @@ from quantizer.errors import UserError
 DEVICES = ("cpu", "cuda")
 EXPERT_HESSIAN_DTYPES = ("float16", "float32")
 CHUNK_TOKENS = 16384  # tokens per row chunk pushed through a block together, by default
+# The calibration text `calibrate` and `build` take by default: exllamav3's, 250 rows x 2048 tokens.
+DEFAULT_ROWS, DEFAULT_COLS = 250, 2048
 
 
 @dataclass(frozen=True)

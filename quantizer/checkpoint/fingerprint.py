@@ -5,10 +5,13 @@ It is the sha256 of config.json, the index and every shard's whole content, so o
 anywhere changes it. Hashing reads each shard once (several shards at a time, one thread per core:
 sha256 runs at about 1 GiB/s per core, so the read runs at disk speed; for V4.1-Flash's 510 GB a
 few minutes at NVMe speed, once). Each shard's hash is kept with the work directory
-(`source.json`) beside its size, modification and change times; a rerun rehashes only the shards
-whose times or size moved. The change time (ctime) is set by the kernel on every write and
-cannot be set back, so a rewritten shard is always rehashed. A moved checkpoint (the same files
-renamed together) keeps its identity; a copy is rehashed once.
+(`source.json`) beside its size, modification time and file identity (device, inode); a rerun
+rehashes only the shards where one of those moved. Not the change time (ctime): the kernel also
+sets it when a hard link is added or removed, and a pack hard-links the source shards it keeps
+unchanged (the Engram tables, up to 189 GiB), so a ctime key would rehash them after every build
+(docs/filesystem.md). A write sets the modification time; a file replaced by another (rsync,
+a download) has a new inode. A moved checkpoint (the same files renamed within one filesystem)
+keeps its identity; a copy is rehashed once.
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ def files_fingerprint(root: Path, shards: list[Path], cache: Path | None = None)
     _hash_all([(s, keys[s.name]) for s in shards if keys[s.name] not in _HASHED])
     record = {}
     for s in shards:
-        size, mtime, ctime = keys[s.name][1:]
-        record[s.name] = {"size": size, "mtime_ns": mtime, "ctime_ns": ctime, "sha256": _HASHED[keys[s.name]]}
+        size, mtime, dev, ino = keys[s.name][1:]
+        record[s.name] = {"size": size, "mtime_ns": mtime, "dev": dev, "inode": ino, "sha256": _HASHED[keys[s.name]]}
     if cache is not None and record != known:
         write_json_atomic(cache, record)
     h = hashlib.sha256()
@@ -69,9 +72,11 @@ def files_fingerprint(root: Path, shards: list[Path], cache: Path | None = None)
     return "sha256:" + h.hexdigest()
 
 
-def _stat_key(path: Path) -> tuple[int, int, int]:
+def _stat_key(path: Path) -> tuple[int, int, int, int]:
+    """What a shard's cached hash is kept under: size, modification time, device and inode (no ctime,
+    which a hard link changes: see the module docstring)."""
     st = path.stat()
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
+    return st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino
 
 
 def _load(cache: Path | None) -> dict:
@@ -81,9 +86,9 @@ def _load(cache: Path | None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _cached(known: dict, name: str, key: tuple[int, int, int]) -> str | None:
+def _cached(known: dict, name: str, key: tuple[int, int, int, int]) -> str | None:
     entry = known.get(name)
-    if isinstance(entry, dict) and (entry.get("size"), entry.get("mtime_ns"), entry.get("ctime_ns")) == key:
+    if isinstance(entry, dict) and (entry.get("size"), entry.get("mtime_ns"), entry.get("dev"), entry.get("inode")) == key:
         return entry.get("sha256")
     return None
 

@@ -21,8 +21,15 @@ from quantizer.errors import UserError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-ENGRAM_TABLE = re.compile(r"(^|\.)engram\.embed\.(weight|scale)$")
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_ENGRAM_TABLE = re.compile(r"^layers\.\d+\.engram\.embed\.(weight|scale)$")
+
+
+def is_engram_table(name: str) -> bool:
+    """Whether the tensor `name` belongs to an Engram table (`layers.L.engram.embed.weight` and its
+    scale): the hashed n-gram rows, ~100 GB each in V4.1, read row by row, never loaded whole, and
+    packed as shipped. The one answer to that question (model.tensor_classes.classify uses it too)."""
+    return _ENGRAM_TABLE.match(name) is not None
 
 
 @dataclass
@@ -54,7 +61,7 @@ class Checkpoint:
             tensors = dict(header.tensors)
             shards = [root / SINGLE_NAME]
         else:
-            wanted = {n: f for n, f in weight_map.items() if include_engram or not ENGRAM_TABLE.search(n)}
+            wanted = {n: f for n, f in weight_map.items() if include_engram or not is_engram_table(n)}
             shards = [root / f for f in sorted(set(wanted.values()))]
             tensors = {}
             for shard in shards:
@@ -70,7 +77,7 @@ class Checkpoint:
                     + "; the index and shards are from different downloads"
                 )
         if not include_engram:
-            tensors = {n: e for n, e in tensors.items() if not ENGRAM_TABLE.search(n)}
+            tensors = {n: e for n, e in tensors.items() if not is_engram_table(n)}
         _check_scales(tensors)
         return cls(root, config, tensors, shards, include_engram)
 
@@ -133,55 +140,76 @@ def _not_a_repo_id(src: str) -> str | None:
     return None
 
 
-def _hub_reachable() -> bool:
-    """Whether the hub's host resolves: offline, that fails at once, where a download would retry for 30 s."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return False
-    try:
-        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
-        return True
-    except (OSError, UnicodeError):
-        return False
-
-
 def _from_hub(repo_id: str, revision: str | None, include_engram: bool) -> Path:
-    """Fetch (or find in the local cache) config, index and the shards this job needs."""
+    """Find in the local cache, or fetch, config, index and the shards this job needs. huggingface_hub
+    itself decides whether the hub can be reached (HF_HUB_OFFLINE, proxies, its own time-outs); each
+    refusal it raises becomes one line (_hub_refusal)."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
-    def fetch(filename: str) -> Path:
+    def cached(filename: str) -> Path | None:
         try:
             return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=True))
-        except LocalEntryNotFoundError:
-            pass
-        try:
-            if not _hub_reachable():
-                raise LocalEntryNotFoundError("offline")
-            return Path(hf_hub_download(repo_id, filename, revision=revision))
-        except LocalEntryNotFoundError:
-            raise UserError(
-                f"{repo_id}@{revision or 'main'}: {filename} is not in the local Hugging Face cache and the hub "
-                "cannot be reached; download it first or pass a local directory"
-            )
-        except HfHubHTTPError as e:
-            raise UserError(f"{repo_id}@{revision or 'main'}: cannot fetch {filename}: {e}")
+        except EntryNotFoundError:  # LocalEntryNotFoundError is one; so is "known to be absent"
+            return None
 
-    config = fetch("config.json")
-    root = config.parent
-    try:
-        index = fetch(INDEX_NAME)
-    except UserError:
+    def fetch(filename: str, optional: bool = False) -> Path | None:
+        """The file, from the cache or the hub; None when `optional` and the repository has no such file."""
+        found = cached(filename)
+        if found:
+            return found
+        try:
+            return Path(hf_hub_download(repo_id, filename, revision=revision))
+        except Exception as e:  # noqa: BLE001 - every refusal becomes one line; the rest keep their type
+            if optional and isinstance(e, EntryNotFoundError) and not isinstance(e, LocalEntryNotFoundError):
+                return None
+            raise _hub_refusal(repo_id, revision, filename, e) from None
+
+    root = fetch("config.json").parent
+    index = cached(INDEX_NAME) or (None if cached(SINGLE_NAME) else fetch(INDEX_NAME, optional=True))
+    if index is None:  # a single-file checkpoint
         fetch(SINGLE_NAME)
         return root
     weight_map = _read_index(index)
-    for shard in sorted({f for n, f in weight_map.items() if include_engram or not ENGRAM_TABLE.search(n)}):
+    for shard in sorted({f for n, f in weight_map.items() if include_engram or not is_engram_table(n)}):
         fetch(shard)
     return root
+
+
+def _hub_refusal(repo_id: str, revision: str | None, filename: str, e: Exception) -> UserError:
+    """One line for what huggingface_hub raised fetching `filename` (the order matters: a gated repo's
+    error is a not-found error, a cache miss is an entry-not-found error)."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        EntryNotFoundError, GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{repo_id}@{revision or 'main'}"
+    login = "log in with `hf auth login` or set HF_TOKEN"
+    if isinstance(e, LocalEntryNotFoundError):
+        return UserError(f"{where}: {filename} is not in the local Hugging Face cache and the hub cannot be reached "
+                         "(offline, HF_HUB_OFFLINE set, or no connection); download it first or pass a local directory")
+    if isinstance(e, GatedRepoError):
+        return UserError(f"{repo_id}: a gated repository this login has no access to; accept its terms at "
+                         f"{constants.ENDPOINT}/{repo_id}, {login}, then rerun")
+    if isinstance(e, RepositoryNotFoundError):
+        return UserError(f"{repo_id}: no such repository on the hub, or a private one this login cannot see; "
+                         f"check the id, or {login}")
+    if isinstance(e, RevisionNotFoundError):
+        return UserError(f"{repo_id}: no revision {revision!r} on the hub; check --revision")
+    if isinstance(e, EntryNotFoundError):
+        return UserError(f"{where}: the repository has no {filename}; is it a native safetensors checkpoint?")
+    if isinstance(e, HfHubHTTPError):
+        status = getattr(e.response, "status_code", None)
+        if status in (401, 403):
+            return UserError(f"{where}: the hub refused {filename} (HTTP {status}); {login} with an account that "
+                             "has access")
+        return UserError(f"{where}: cannot fetch {filename} (HTTP {status}); try again later or pass a local "
+                         "directory")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return UserError(f"{where}: cannot fetch {filename} ({type(e).__name__}: {first}); check the connection "
+                     "or pass a local directory")
 
 
 def _read_index(path: Path) -> dict[str, str]:

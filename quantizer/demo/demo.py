@@ -31,6 +31,7 @@ from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw
+from quantizer.fit.memory import pack_fit_table
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.pipeline.build import QUANTIZE_DIR, BuildRequest, BuildResult, build
 from quantizer.plan.allocate import AllocationSettings
@@ -95,7 +96,7 @@ class DemoRow:
     nll_delta: float
     nll_delta_stderr: float
     verified: bool
-    fits_1_spark: bool  # every engine's fit on one Spark at the model's full context (manifest fit table)
+    fits_1_spark: bool  # every engine's fit on one Spark at the model's full context (fit.pack_fit_table)
     weights_gib: float  # resident weights on that Spark
 
 
@@ -151,7 +152,7 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
     out = []
     for (size, method, _), result in built.items():
         c = compare(reference, row_predictions(_streamer(PackSource(Checkpoint.open(result.out))), held))
-        out.append(_row(size, method, result.plan, result.manifest, c, not result.verify.faults))
+        out.append(_row(size, method, result.plan, result.manifest, result.out, c, not result.verify.faults))
     rows_sorted = sorted(out, key=lambda r: (r.bpw, METHODS.index(r.method), LOADERS.index(r.loader)))
     return DemoResult(rows_sorted, float(native_nll.mean().exp()), native_nll.numel(), time.monotonic() - start)
 
@@ -179,8 +180,8 @@ def _streamer(source) -> LayerStreamer:
     return LayerStreamer(source, progress=False, report=lambda line: None)
 
 
-def _row(size: float, method: str, plan: Plan, manifest, c: Comparison, verified: bool) -> DemoRow:
-    one = manifest.fit["topologies"]["1"]
+def _row(size: float, method: str, plan: Plan, manifest, pack: Path, c: Comparison, verified: bool) -> DemoRow:
+    one = pack_fit_table(pack)["topologies"]["1"]  # against today's hardware profile
     weights = next(iter(one.values()))["weights_gib"][0]
     return DemoRow(size, method, plan.loader, plan.achieved_bpw, sum(s.bytes for s in manifest.shards), c.pack.ppl, c.kl,
                    c.kl_stderr, c.top1, c.top1_stderr, c.nll_delta, c.nll_delta_stderr, verified,

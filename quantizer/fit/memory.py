@@ -18,7 +18,7 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.fit.hardware import GIB, Hardware, kv_bytes_per_token, load_hardware, swa_ring_bytes
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES, Options, rank_weights
-from quantizer.fit.stored import StoredTensor
+from quantizer.fit.stored import StoredTensor, stored_from_pack
 from quantizer.model.targets import targets
 
 TOPOLOGIES = (1, 2, 4)
@@ -353,6 +353,13 @@ def fit_table(
             }
         table["topologies"][str(n)] = row
     return table
+
+
+def pack_fit_table(pack) -> dict:
+    """fit_table of a built pack at its model's full context, from the shards' headers and today's
+    hardware profile: computed when asked, never stored with the pack (the profile is re-measured)."""
+    cfg, stored = stored_from_pack(pack)
+    return fit_table(cfg, stored, context=cfg.max_position_embeddings)
 
 
 def verdict(r: FitReport) -> str:

@@ -21,6 +21,7 @@ from itertools import accumulate
 from dataclasses import dataclass
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.checkpoint.source import is_engram_table
 from quantizer.exl3 import HADAMARD_BLOCK
 from quantizer.fit.stored import EXL3, StoredTensor, exl3_key
 from quantizer.model.tensor_classes import (
@@ -46,7 +47,6 @@ _AXIS = {
 # leaves of a linear that span each axis (suh is per input, svh/bias per output)
 _SPANS = {IN: {"trellis", "suh", "weight", "scale"}, OUT: {"trellis", "svh", "bias", "weight", "scale"}}
 _MTP_PREFIX = re.compile(r"^mtp\.\d+\.")
-_TABLE = ".engram.embed."
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.)")
 _EXPERT_NUMBER = re.compile(r"\.experts\.(\d+)\.")
 _WO_A_SLICE = re.compile(r"\.wo_a\.slice\.(\d+)$")  # exllamav3 stores a quantized wo_a as o_groups slices
@@ -151,7 +151,7 @@ class Placer:
 def with_engram_tables(cfg: ModelConfig, stored: list[StoredTensor], engram: str) -> list[StoredTensor]:
     """Packs usually leave the Engram tables in the source's own shards (47/48); when they are to be
     resident (or their scale rows are), count them from the model's native layout."""
-    if engram == "nvme" or not cfg.engram_layer_ids or any(_TABLE in t.name for t in stored):
+    if engram == "nvme" or not cfg.engram_layer_ids or any(is_engram_table(t.name) for t in stored):
         return stored
     tables = [t for t in native_tensors(cfg) if t.cls == ENGRAM_TABLE]
     return [*stored, *tables]

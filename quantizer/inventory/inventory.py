@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from quantizer.checkpoint.source import ENGRAM_TABLE as ENGRAM_TABLE_NAME
-from quantizer.checkpoint.source import Checkpoint
+from quantizer.checkpoint.source import Checkpoint, is_engram_table
 from quantizer.errors import UserError
 from quantizer.model.layout import TensorSpec, native_layout
 from quantizer.model.tensor_classes import CLASSES, ROUTED_EXPERT, VISION, classify
@@ -82,7 +81,7 @@ def check_against_config(ck: Checkpoint) -> list[str]:
     expected = {
         s.name: s
         for s in native_layout(ck.config)
-        if (ck.include_engram or not ENGRAM_TABLE_NAME.search(s.name)) and classify(s.name).cls != VISION
+        if (ck.include_engram or not is_engram_table(s.name)) and classify(s.name).cls != VISION
     }
     problems = []
     missing = sorted(set(expected) - set(ck.tensors))

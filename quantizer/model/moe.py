@@ -8,7 +8,8 @@ experts + the shared expert. V4.1's `gate.bias_vl` selects for image rows; this 
 holds it but never uses it.
 
 Tokens are grouped by expert with one sort; each expert runs once on its contiguous slice (a loop
-over experts, never over tokens) and one index_copy puts the outputs back. With `ForwardHooks.all_experts`, every expert also sees every token so that its
+over experts, never over tokens) and one index_copy puts the outputs back. With `ForwardHooks.all_experts`,
+every expert also sees every token so that its
 linears' inputs are observed for all of them; outputs still come from the routed rows only.
 """
 

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from quantizer.checkpoint.config import V41, ModelConfig
 from quantizer.checkpoint.dequant import dequantize
 from quantizer.checkpoint.safetensors_file import TORCH_DTYPES, TensorEntry
+from quantizer.checkpoint.source import is_engram_table
 from quantizer.model.block import Block
 from quantizer.model.engram import RowReader, token_map_for
 from quantizer.model.hooks import ForwardHooks
@@ -102,7 +103,7 @@ def block_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
     size = torch.empty(0, dtype=dtype).element_size()
     out: dict[str, int] = {}
     for spec in native_layout(cfg):
-        if spec.name.endswith(".scale") or spec.name.endswith(TABLE_SUFFIX) or not spec.name.startswith(
+        if spec.name.endswith(".scale") or is_engram_table(spec.name) or not spec.name.startswith(
                 ("layers.", "embed.", "head.", "norm.", "hc_head_")):
             continue
         per = {"F32": 4, "I64": 8}.get(spec.dtype, size)
@@ -144,7 +145,7 @@ def load_block(source: WeightSource, layer: int, dtype: torch.dtype, device) -> 
     """Block `layers.L` with its tensors from `source` on `device` (Engram rows stay on disk)."""
     with torch.device("meta"):
         block = Block(source.config, layer, dtype)
-    wanted = {k: t for k, t in block.state_dict().items() if not k.endswith("engram.embed.weight")}
+    wanted = {k: t for k, t in block.state_dict().items() if not is_engram_table(f"layers.{layer}.{k}")}
     tensors = {k: source.weight(f"layers.{layer}.{k}", t.dtype, device) for k, t in wanted.items()}
     block.load_state_dict(tensors, assign=True, strict=False)
     if block.engram is not None:

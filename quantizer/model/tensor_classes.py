@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from quantizer.checkpoint.source import is_engram_table
+
 ROUTED_EXPERT = "routed_expert"
 SHARED_EXPERT = "shared_expert"
 ATTENTION = "attention"
@@ -54,7 +56,6 @@ _IN_LAYER = (
     (re.compile(r"^ffn\.gate\."), ROUTER),
     (re.compile(r"^hc_"), MHC),
     (re.compile(r"^(attn|ffn)_norm\."), NORM),
-    (re.compile(r"^engram\.embed\."), ENGRAM_TABLE),
     (re.compile(r"^engram\."), ENGRAM_RESIDENT),
 )
 
@@ -66,6 +67,8 @@ def classify(name: str) -> TensorClass:
     m = _LAYER.match(name)
     if m:
         layer, rest = int(m[1]), m[2]
+        if is_engram_table(name):
+            return TensorClass(ENGRAM_TABLE, layer)
         for pattern, cls in _IN_LAYER:
             if pattern.match(rest):
                 return TensorClass(cls, layer)

@@ -6,7 +6,8 @@ Schema (manifest_version 2):
   `exllamav3` (the version that encoded it on the GPU, or null for the CPU codec);
 - `source`: path, revision, arch, fingerprint and FP8 `weight_block_size` of the native checkpoint (the
   pack's own config.json carries EXL3's quantization_config, so verify reads the source grid here);
-- `plan`: hash, loader (the loader profile the pack is made for; verify checks it), codebook, head_bits;  `settings`: seed, device, encoder, calibration;
+- `plan`: hash, loader (the loader profile the pack is made for; verify checks it), codebook, head_bits;
+  `settings`: seed, device, encoder, calibration;
 - `quantization`: the integer `bits`, the `bpw` and the K histogram written into config.json;
 - `shards`: [{file, bytes, sha256, engram}] in file order;
 - `tensors`: every tensor in the shards (alignment pads excepted) -> {shard, K, class}; K is the
@@ -16,9 +17,12 @@ Schema (manifest_version 2):
   fp16 weight) or {"alias": key} (a cold expert served by another expert's tensors);
 - `aliases`: EXL3 key -> the key whose tensors stand in for it;
 - `totals`: per tensor class {tensors, bytes, params, bpw} (bpw = stored bits per source parameter);
-- `loader_features`: what a loader must support ("per-expert-K", "expert-aliases");
-- `fit`: `quantizer.fit.fit_table` for 1, 2 and 4 Sparks at the model's full context, per engine:
-  fits, weights and free GiB per rank, largest context.
+- `loader_features`: what a loader must support ("per-expert-K", "expert-aliases").
+
+No fit verdict: whether a pack fits N Sparks depends on the hardware profile (configs/hardware/gb10.json),
+which is re-measured, so a stored verdict would go stale. The shards' headers are its inputs, and
+`quantizer fit PACK` (or quantizer.fit.pack_fit_table) computes it against today's profile. A `fit`
+written by an older version is ignored when read.
 """
 
 from __future__ import annotations
@@ -63,7 +67,6 @@ class Manifest:
     aliases: dict[str, str] = field(default_factory=dict)
     totals: dict[str, dict] = field(default_factory=dict)
     loader_features: list[str] = field(default_factory=list)
-    fit: dict | None = None
 
     def to_dict(self) -> dict:
         data = {"manifest_version": MANIFEST_VERSION, **asdict(self)}
@@ -74,6 +77,7 @@ class Manifest:
     def from_dict(cls, data: dict, where: str) -> "Manifest":
         try:
             version = data.pop("manifest_version")
+            data.pop("fit", None)  # a verdict older versions stored; stale by design (module docstring)
             if version != MANIFEST_VERSION:
                 raise UserError(f"{where}: manifest_version {version} is not {MANIFEST_VERSION}; use a matching quantizer")
             data["shards"] = [ShardRecord(**s) for s in data["shards"]]

@@ -2,7 +2,8 @@
 
 Everything is written into a partial directory beside `<out>` (the build job's own
 `<out>.partial-<job id>`, or a fresh one) and renamed to `<out>` last, so a half-written pack never
-looks complete and a pack another build published meanwhile is never replaced. Every source tensor is accounted for: it is passed through byte-identical, replaced
+looks complete and a pack another build published meanwhile is never replaced. Every source tensor is accounted for:
+it is passed through byte-identical, replaced
 by the EXL3 (or fp16) linear(s) the plan gave it, or served by the expert it is aliased to; nothing is
 dropped silently (a missing quantized result stops the stage with the key to redo).
 """
@@ -28,7 +29,6 @@ from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED, parse_codebook
-from quantizer.fit import fit_table, stored_from_pack
 from quantizer.model.layout import TensorSpec
 from quantizer.model.targets import targets
 from quantizer.model.tensor_classes import classify
@@ -94,7 +94,7 @@ def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settin
     _write_index(partial, shards)
     qcfg = _write_configs(ck, plan, tensors, partial, _calibration(settings))
     _copy_side_files(ck.root, partial)
-    manifest = _manifest(ck, plan, linears, shards, records, sources, qcfg, settings, _fit(partial))
+    manifest = _manifest(ck, plan, linears, shards, records, sources, qcfg, settings)
     write_json_atomic(partial / MANIFEST_NAME, manifest.to_dict())
     return manifest
 
@@ -232,7 +232,7 @@ def _copy_side_files(src: Path, pack: Path) -> None:
             shutil.copyfile(f, pack / f.name)
 
 
-def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackSettings, fit: dict) -> Manifest:
+def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackSettings) -> Manifest:
     tensors = {t.name: TensorRecord(s.file, t.K, t.cls) for s in shards for t in s.tensors}
     aliases = {t.key: alias_of(plan, t.key) for t in targets(ck.config) if alias_of(plan, t.key)}
     features = (["per-expert-K"] if load_profile(plan.loader).per_expert_k else []) + (["expert-aliases"] if aliases else [])
@@ -255,14 +255,7 @@ def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackS
         aliases=aliases,
         totals=_totals(ck, shards),
         loader_features=features,
-        fit=fit,
     )
-
-
-def _fit(pack: Path) -> dict:
-    """The fit table for 1, 2 and 4 Sparks at the model's full context, from the pack's own headers."""
-    cfg, stored = stored_from_pack(pack)
-    return fit_table(cfg, stored, context=cfg.max_position_embeddings)
 
 
 def _encoder_version(settings: PackSettings) -> str | None:

@@ -46,8 +46,9 @@ from quantizer.plan.plan import Plan
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.quantize.rates import plan_estimate
+from quantizer.quantize.results import measured_encodings
 from quantizer.quantize.settings import QuantizeSettings
-from quantizer.quantize.stage import QuantizeResult, quantize
+from quantizer.quantize.stage import QuantizeResult, measured_proxies, quantize
 from quantizer.verify.verify import VerifyReport, verify_pack
 
 QUANTIZE_DIR = "quantize"
@@ -70,6 +71,7 @@ class BuildRequest:
     shard_size: int = PackSettings.shard_size
     quantize: QuantizeSettings = QuantizeSettings()
     measured: dict[str, dict[float, float]] | None = None  # ours: proxy errors per target and K, measured
+    measured_from_work: bool = False  # ours: `measured` read from the work directory's cache once claimed
 
     @property
     def work_dir(self) -> Path:
@@ -103,10 +105,12 @@ def build(req: BuildRequest) -> BuildResult:
         ck.config, *req.calibration_rows.shape, req.calibration).disk
     check_space(req.out, req.work_dir, disk_needs(ck, estimate, calibration_disk, req.work_dir))
     ranks = current()
-    ranks.check_shared(req.work_dir)
     ranks.agree(request_record(ck, req))
     with ExitStack() as held:  # rank 0 holds the work directory and this job's partial pack directory
         partial = ranks.on_main(lambda: held.enter_context(claim(req.out, req.work_dir)))
+        ranks.check_shared(req.work_dir)  # only once claimed: nothing is written into a --work before
+        if req.measured_from_work and ranks.main:  # the cache now that no other job writes into it; rank 0 plans
+            req = replace(req, measured=measured_proxies(ck.config, measured_encodings(req.work_dir / QUANTIZE_DIR)))
         store, summary = None, None
         if req.calibration_rows is not None:
             summary = calibrate(ck, req.calibration_rows, req.work_dir, req.calibration).summary
@@ -140,7 +144,7 @@ def check_request(req: BuildRequest) -> None:
         raise UserError("--method ours allocates from a calibration; drop --no-calibrate, or use --method uniform")
     if req.bpw is not None:
         check_bpw(req.bpw, req.allocation.codebook)
-    if req.measured is not None and (req.method != OURS or req.plan is not None):
+    if (req.measured is not None or req.measured_from_work) and (req.method != OURS or req.plan is not None):
         raise UserError("--measured-errors feeds our allocator; it needs --method ours and no --plan")
 
 
@@ -156,6 +160,7 @@ def request_record(ck: Checkpoint, req: BuildRequest) -> dict:
         "allocation": asdict(req.allocation), "calibration": req.calibration.record(),
         "quantize": req.quantize.record(), "shard_size": req.shard_size, "revision": req.revision,
         "measured": None if req.measured is None else json.dumps(req.measured, sort_keys=True),
+        "measured_from_work": req.measured_from_work,
     }
 
 

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import replace
 from pathlib import Path
 
 from quantizer.arguments import tokens
-from quantizer.pipeline.build import PLAN_FILE, QUANTIZE_DIR, RECIPE_FILE, BuildRequest, BuildResult, build
-from quantizer.calibrate.settings import CalibrationSettings
+from quantizer.pipeline.build import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
+from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
-from quantizer.fit.memory import TOPOLOGIES
+from quantizer.fit.memory import TOPOLOGIES, pack_fit_table
 from quantizer.fit.render import render as render_fit
 from quantizer.fit.target import FitTarget
 from quantizer.plan.allocate import AllocationSettings
@@ -29,13 +28,10 @@ from quantizer.plan.profiles import EXLLAMAV3, LOADERS
 from quantizer.textdata import model_rows, shipped_text_path
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.plan import Plan
-from quantizer.quantize.results import measured_encodings
 from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
-from quantizer.quantize.stage import measured_proxies
 from quantizer.report import gib, table
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-CALIB_ROWS, CALIB_COLS = 250, 2048  # exllamav3's calibration: 250 rows x 2048 tokens
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,9 +54,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--tokens", help="calibration token ids (.npy, or .safetensors with input_ids)")
     data.add_argument("--no-calibrate", action="store_true",
                       help="no calibration: linears quantized without Hessians (uniform, exl3 or --plan only)")
-    p.add_argument("--calib-rows", type=int, help=f"calibration rows (default: up to {CALIB_ROWS}, as many as the text holds)")
+    p.add_argument("--calib-rows", type=int, help=f"calibration rows (default: up to {DEFAULT_ROWS}, as many as the text holds)")
     p.add_argument("--calib-cols", type=int,
-                   help=f"tokens per calibration row (default: a 2-D token file's width, else {CALIB_COLS})")
+                   help=f"tokens per calibration row (default: a 2-D token file's width, else {DEFAULT_COLS})")
     p.add_argument("--row-chunk", type=int,
                    help="calibration rows pushed through a block together (default: 16384 tokens' worth); "
                         "under torchrun the chunks are what the ranks share")
@@ -103,9 +99,8 @@ def run(args: argparse.Namespace) -> int:
         calibration_rows=None if args.no_calibrate else _calibration_rows(args, ck),
         calibration=CalibrationSettings(device=args.device, row_chunk=args.row_chunk), work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
+        measured_from_work=args.measured_errors,
     )
-    if args.measured_errors:  # what the cache of --work holds now, whatever plans made it
-        req = replace(req, measured=measured_proxies(ck.config, measured_encodings(req.work_dir / QUANTIZE_DIR)))
     result = build(req)
     if current().main:
         print(summary(result))
@@ -115,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
 def _calibration_rows(args: argparse.Namespace, ck: Checkpoint):
     text = None if args.tokens else args.text or shipped_text_path("calibration")
     rows = model_rows(ck.root, ck.config, text=text, tokens=args.tokens, rows=args.calib_rows, cols=args.calib_cols,
-                      default_cols=CALIB_COLS)
-    return rows if args.calib_rows is not None else rows[:CALIB_ROWS]
+                      default_cols=DEFAULT_COLS)
+    return rows if args.calib_rows is not None else rows[:DEFAULT_ROWS]
 
 
 def summary(r: BuildResult) -> str:
@@ -136,7 +131,7 @@ def summary(r: BuildResult) -> str:
         f"linears by K (16 = fp16): {hist or 'none'}",
         _proxy_line(r.quantized.proxy_err),
         table(["class", "tensors", "bytes", "GiB", "bpw"], rows),
-        _fit_lines(m),
+        _fit_lines(pack_fit_table(r.out)),
         *([] if r.fit is None else [render_fit(r.fit)]),
         f"verify: {'clean' if not r.verify.faults else f'{len(r.verify.faults)} fault(s)'}",
         f"work directory {r.work} is kept (re-pack or resume from it); delete it when done",
@@ -161,9 +156,8 @@ def _proxy_line(proxy_err: dict[str, float | None]) -> str:
             f"worst {errors[worst]:.4g} ({worst})")
 
 
-def _fit_lines(m) -> str:
+def _fit_lines(fit: dict) -> str:
     """One line per topology: per engine, whether the pack fits at the model's context, else the most it fits."""
-    fit = m.fit
     lines = [f"fit at {fit['context']:,} tokens per stream ({fit['hardware']}, engram {fit['engram']}):"]
     for sparks, engines in fit["topologies"].items():
         verdicts = [

@@ -7,12 +7,12 @@
   from the first write to the last rename;
 - the pack is written in `<out>.partial-<job id>`, the job's own name: another build's temporary
   directory, or a `<out>.partial` of the user's, is never touched. While a build holds its partial
-  directory (an flock on it), a second build into the same `--out` is refused at once.
+  directory (an flock on `<out>.partial-<job id>.lock` beside it), a second build into the same
+  `--out` is refused at once.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import sys
@@ -26,11 +26,12 @@ from quantizer.errors import UserError
 from quantizer.plan.plan import Plan
 from quantizer.plan.spec import pack_spec
 from quantizer.report import size_text
-from quantizer.workdir import claim_work_dir, existing_parent, free_bytes, job_lock
+from quantizer.workdir import claim_work_dir, existing_parent, free_bytes, job_lock, lock_file
 
 # Per pack tensor, beyond its bytes: the 64-byte alignment pad, its shard header entry and its lines in
 # the index, the manifest and quantization_config.json; measured at 554 bytes on a tiny V4.1 pack.
 TENSOR_OVERHEAD = 1024
+LOCK_SUFFIX = ".lock"  # <out>.partial-<job id>.lock: the build writing that partial directory holds it
 JSON_BYTES = 1 << 20  # config.json, quantization_config.json and the manifest's fixed parts
 
 
@@ -77,31 +78,33 @@ def check_space(out: Path, work: Path, needs: DiskNeeds) -> None:
 @contextmanager
 def claim(out: Path, work: Path) -> Iterator[Path]:
     """Hold the work directory and this job's partial pack directory for the whole build; yields the
-    partial directory (empty), which is removed again unless the pack stage renamed it to `out`."""
+    partial directory (empty), which is removed again unless the pack stage renamed it to `out`.
+    The partial directory is held by an flock on the regular file beside it, `<partial>.lock`
+    (a directory cannot be locked on NFS: docs/filesystem.md)."""
     job = claim_work_dir(work)
     with job_lock(work):
         partial = out.with_name(f"{out.name}.partial-{job}")
-        shutil.rmtree(partial, ignore_errors=True)  # this job's own, left by a kill: nothing in it is reused
-        partial.mkdir(parents=True)
-        fd = os.open(partial, os.O_RDONLY)
+        lock = partial.with_name(partial.name + LOCK_SUFFIX)
+        fd = lock_file(lock, f"{out}: another build is writing this pack (in {partial.name}); wait for it "
+                             "to finish or choose another --out")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(partial, ignore_errors=True)  # this job's own, left by a kill: nothing in it is reused
+            partial.mkdir(parents=True)
             _refuse_other_writers(out, partial)
             yield partial
         finally:
-            os.close(fd)
             shutil.rmtree(partial, ignore_errors=True)
+            lock.unlink(missing_ok=True)
+            os.close(fd)
 
 
 def _refuse_other_writers(out: Path, ours: Path) -> None:
     for other in sorted(out.parent.glob(f"{out.name}.partial-*")):
         if other == ours or not other.is_dir():
             continue
-        fd = os.open(other, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"{out}: another build is writing this pack (in {other.name}); wait for it to finish "
-                            "or choose another --out") from None
-        finally:
-            os.close(fd)
+        try:  # a partial directory whose lock file is gone or unheld was left by a build that stopped
+            os.close(lock_file(other.with_name(other.name + LOCK_SUFFIX),
+                               f"{out}: another build is writing this pack (in {other.name}); wait for it to "
+                               "finish or choose another --out", shared=True))
+        except FileNotFoundError:
+            pass

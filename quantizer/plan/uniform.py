@@ -41,7 +41,8 @@ def uniform_plan(
     floor: float | None = None,
     loader: str = EXLLAMAV3,
 ) -> Plan:
-    """One K per projection per layer (any loader takes it), whose budgeted bits come to at most `bpw` (exllamav3's `bits` accounting)."""
+    """One K per projection per layer (any loader takes it), whose budgeted bits come to at most `bpw`
+    (exllamav3's `bits` accounting)."""
     all_targets = targets(cfg)
     budgeted = [t for t in all_targets if t.budgeted]
     routed = [t for t in budgeted if t.group == ROUTED]

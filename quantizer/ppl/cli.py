@@ -103,6 +103,7 @@ def _rows(args: argparse.Namespace, ck: Checkpoint) -> torch.Tensor:
     rows = model_rows(ck.root, ck.config, text=args.text, tokens=args.tokens, rows=args.rows, cols=args.cols,
                       default_cols=DEFAULT_COLS)
     if rows.shape[1] < 2:
-        raise UserError(f"{args.text or args.tokens}: rows of {rows.shape[1]} token leave nothing to predict; use --cols 2 or more")
+        raise UserError(f"{args.text or args.tokens}: rows of {rows.shape[1]} token leave nothing to predict; "
+                        "use --cols 2 or more")
     print(f"ppl: {rows.shape[0]} rows of {rows.shape[1]} tokens", file=sys.stderr)
     return rows

@@ -28,8 +28,11 @@ def _read_bytes(path: Path) -> bytes:
     except FileNotFoundError:
         raise UserError(f"{path}: file not found; check the path") from None
     if path.name.lower().endswith(".zst"):
-        import zstandard  # only compressed inputs need it (GPU images without it still read plain text)
-
+        try:  # optional (pyproject's `zstd` extra): only compressed inputs need it
+            import zstandard
+        except ImportError:
+            raise UserError(f"{path}: reading .zst files needs the zstandard package: pip install 'quantizer[zstd]', "
+                            "or decompress it first with `zstd -d`") from None
         try:
             # A stream reader also handles frames written without a content size (zstd CLI from a pipe).
             data = zstandard.ZstdDecompressor().stream_reader(data).read()

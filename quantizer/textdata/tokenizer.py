@@ -27,7 +27,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         raise UserError(f"{file}: tokenizer not found; pass a tokenizer.json or the model directory that holds one")
     try:
         return Tokenizer.from_file(str(file))
-    except Exception as e:  # tokenizers raises a bare Exception for every parse error
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for every parse error
         raise UserError(f"{file}: not a valid tokenizers tokenizer.json ({str(e).splitlines()[0]})") from None
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from quantizer.checkpoint.config import V4, ModelConfig
+from quantizer.checkpoint.source import is_engram_table
 from quantizer.errors import UserError
 from quantizer.model.layout import TensorSpec
 from quantizer.shipped import model_config_path
@@ -72,7 +73,7 @@ def _values(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Te
         return 0.02 * x if name.endswith("_fn") else 0.1 * x
     if leaf == "ape":
         return 0.02 * x
-    if name == "embed.weight" or ".engram.embed." in name:
+    if name == "embed.weight" or is_engram_table(name):
         return x
     fan_in = shape[-1] if len(shape) > 1 else 1
     return x / math.sqrt(fan_in)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.dequant import quantize_fp8_blocks, quantize_mxfp4
 from quantizer.checkpoint.safetensors_file import PlannedTensor, planned, write_safetensors
-from quantizer.checkpoint.source import INDEX_NAME
+from quantizer.checkpoint.source import INDEX_NAME, is_engram_table
 from quantizer.errors import UserError
 from quantizer.model.layout import TensorSpec, native_layout
 from quantizer.model.tensor_classes import ENGRAM_RESIDENT, ENGRAM_TABLE, classify
@@ -115,7 +115,7 @@ def _encoded(spec: TensorSpec, x: torch.Tensor, cfg: ModelConfig) -> list[Planne
         w, s = quantize_mxfp4(x)
         return [planned(spec.name, w), planned(scale_name, s, "F8_E8M0")]
     if spec.dtype == "F8_E4M3":
-        block = (1, 32) if ".engram.embed." in spec.name else cfg.fp8_block
+        block = (1, 32) if is_engram_table(spec.name) else cfg.fp8_block
         w, s = quantize_fp8_blocks(x, block)
         return [planned(spec.name, w), planned(scale_name, s, "F8_E8M0")]
     if spec.dtype == "I64":

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, SafetensorsHeader, TensorEntry, read_header
-from quantizer.checkpoint.source import ENGRAM_TABLE, INDEX_NAME
+from quantizer.checkpoint.source import INDEX_NAME, is_engram_table
 from quantizer.errors import UserError
 from quantizer.exl3 import PACK_ALIGN, UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
 from quantizer.model.targets import target_map
@@ -137,7 +137,7 @@ def _check_tensors(manifest: Manifest, headers: dict[str, SafetensorsHeader], re
         report.fault("tensors", f"{len(missing)} missing and {len(extra)} unlisted in all")
     engram_files = {s.file for s in manifest.shards if s.engram}
     for shard, header in headers.items():
-        is_table = [ENGRAM_TABLE.search(n) is not None for n in _names(header)]
+        is_table = [is_engram_table(n) for n in _names(header)]
         if shard in engram_files and not all(is_table):
             report.fault(shard, f"Engram shard also holds {is_table.count(False)} non-table tensor(s)")
         if shard not in engram_files and any(is_table):
@@ -278,7 +278,8 @@ def _check_configs(pack: Path, manifest: Manifest, report: VerifyReport) -> None
     keys = manifest.exl3_keys()
     wrong_k = [k for k, K in keys.items() if storage.get(k, {}).get("bits_per_weight") != K]
     if wrong_k:
-        report.fault("quantization_config.json", f"bits_per_weight disagrees with the manifest for {len(wrong_k)} linears, e.g. {wrong_k[0]}")
+        report.fault("quantization_config.json",
+                     f"bits_per_weight disagrees with the manifest for {len(wrong_k)} linears, e.g. {wrong_k[0]}")
     else:
         report.ok("quantization_config.json", f"bits_per_weight of all {len(keys):,} EXL3 linears as in the manifest")
 
