@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -228,3 +232,50 @@ def test_a_context_or_count_below_one_is_refused(argv, capsys):
         build_parser().parse_args(argv)
     assert stop.value.code == 2
     _one_line(capsys.readouterr().err, "at least 1")
+
+
+# ---- 2. torchrun ranks that read different bytes are refused -------------------------------------
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+RANK1_READS = """
+import os, sys
+from quantizer.cli import main
+args = sys.argv[2:]
+if os.environ["RANK"] == "1":
+    args[1] = sys.argv[1]  # rank 1 reads another copy of the checkpoint
+sys.exit(main(args))
+"""
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to python")
+def test_ranks_reading_copies_that_differ_in_one_byte_are_refused(src, plan_file, tiny_v41, tmp_path):
+    """Two real gloo ranks on the CPU (torchrun): the copies share the layout, so only the content
+    fingerprint every rank takes tells them apart; refused before any stage writes a unit."""
+    _flip(src, LATE)
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(RANK1_READS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(30500 + os.getpid() % 1000), str(launcher),
+           str(src), "build", str(tiny_v41), "--plan", str(plan_file), "--no-calibrate", "--out", str(tmp_path / "pack")]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() if ": error: " in line]
+    assert len(errors) == 2 and all(f"rank 1 (host {socket.gethostname()}) reads {src}, whose bytes differ" in line
+                                    for line in errors), proc.stdout
+    assert not [line for line in proc.stdout.splitlines() if line.startswith("  File ") and "quantizer" in line]
+    assert not (tmp_path / "pack").exists() and _units(tmp_path / "pack.work") == set()
+    assert not (tmp_path / "pack.work" / "quantize" / "job.json").exists()
+
+
+def test_a_rank_on_rank_0s_host_borrows_its_shard_hashes(tiny_v41, tmp_path, monkeypatch):
+    from quantizer.checkpoint import fingerprint
+
+    ck = Checkpoint.open(tiny_v41)
+    monkeypatch.setattr(fingerprint, "_HASHED", {})
+    main_cache = tmp_path / "source.json"
+    first = fingerprint.source_fingerprint(ck, main_cache)
+    hashed = []
+    monkeypatch.setattr(fingerprint, "_HASHED", {})  # another process
+    monkeypatch.setattr(fingerprint, "sha256_file", lambda p, progress=None: hashed.append(p))
+    assert fingerprint.source_fingerprint(ck, tmp_path / "source.rank1.json", main_cache) == first and hashed == []
