@@ -12,9 +12,11 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -279,3 +281,88 @@ def test_a_rank_on_rank_0s_host_borrows_its_shard_hashes(tiny_v41, tmp_path, mon
     monkeypatch.setattr(fingerprint, "_HASHED", {})  # another process
     monkeypatch.setattr(fingerprint, "sha256_file", lambda p, progress=None: hashed.append(p))
     assert fingerprint.source_fingerprint(ck, tmp_path / "source.rank1.json", main_cache) == first and hashed == []
+
+
+# ---- notes from the same run ------------------------------------------------------------------------
+
+def test_a_build_killed_during_its_final_verify_leaves_no_pack_and_the_rerun_finishes(tiny_v41, plan_file,
+                                                                                   clean_pack, tmp_path,
+                                                                                   monkeypatch):
+    out = tmp_path / "pack"
+    real = build_module.verify_pack
+    monkeypatch.setattr(build_module, "verify_pack", lambda pack: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert _build(tiny_v41, plan_file, out) == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pack.work"]  # nothing under the final name
+    monkeypatch.setattr(build_module, "verify_pack", real)
+    assert _build(tiny_v41, plan_file, out) == 0
+    assert _shards(out) == _shards(clean_pack)
+
+
+def test_a_build_whose_pack_fails_verify_does_not_publish_it(tiny_v41, plan_file, tmp_path, capsys, monkeypatch):
+    from quantizer.verify.verify import VerifyReport
+
+    def one_fault(pack):
+        report = VerifyReport(pack)
+        report.fault("layers.0.attn.wq_a", "a fault verify found")
+        return report
+
+    monkeypatch.setattr(build_module, "verify_pack", one_fault)
+    assert _build(tiny_v41, plan_file, tmp_path / "pack") == 2
+    _one_line(capsys.readouterr().err, "verify found 1 fault(s) in the new pack, so it was not published",
+              "layers.0.attn.wq_a: a fault verify found")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pack.work"]
+
+
+def test_sigterm_is_one_line_and_keeps_finished_work(src, plan_file, clean_pack, tmp_path, capsys, monkeypatch):
+    out, work = tmp_path / "pack", tmp_path / "pack.work"
+    real = results_module.ResultStore.save
+    saved = []
+
+    def save_then_terminate(self, unit, tensors, proxy_err):
+        real(self, unit, tensors, proxy_err)
+        saved.append(unit.name)
+        if len(saved) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler stops the job
+            time.sleep(5)  # the handler interrupts this
+
+    monkeypatch.setattr(results_module.ResultStore, "save", save_then_terminate)
+    assert _build(src, plan_file, out) == 143
+    err = capsys.readouterr().err
+    assert err.rstrip().splitlines()[-1] == "quantizer build: interrupted by SIGTERM; rerun the same command to resume"
+    assert "Traceback" not in err and len(_units(work)) == 3 and not out.exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler lives only as long as the command
+    monkeypatch.setattr(results_module.ResultStore, "save", real)
+    assert _build(src, plan_file, out) == 0
+    assert _shards(out) == _shards(clean_pack)
+
+
+def test_inspect_refuses_an_index_that_points_a_tensor_at_the_wrong_shard(src, capsys):
+    index_path = src / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    held = index["weight_map"][LATE]
+    other = next(f for f in sorted(set(index["weight_map"].values())) if f != held)
+    index["weight_map"][LATE] = other
+    index_path.write_text(json.dumps(index))
+    assert main(["inspect", str(src)]) == 1
+    out = capsys.readouterr().out
+    assert f"maps 1 tensor(s) to a shard that does not hold them, e.g. {LATE} to {other} (it is in {held})" in out
+    assert "consistent with config.json" not in out
+
+
+def test_inspect_on_a_pack_says_it_is_a_pack(clean_pack, capsys):
+    assert main(["inspect", str(clean_pack)]) == 2
+    _one_line(capsys.readouterr().err, "this is an EXL3 pack written by quantizer", f"use `quantizer verify {clean_pack}`")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["source"].__setitem__("fingerprint", "sha256:" + "0" * 64),
+    lambda m: m["plan"].__setitem__("loader", "mixedk"),
+    lambda m: m.pop("claims_sha256"),
+])
+def test_verify_finds_an_edit_of_the_manifests_claims(clean_pack, tmp_path, capsys, edit):
+    pack = shutil.copytree(clean_pack, tmp_path / "pack")
+    manifest = json.loads((pack / "manifest.json").read_text())
+    edit(manifest)
+    (pack / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["verify", str(pack)]) == 1
+    assert "FAULT manifest.json: " in capsys.readouterr().out
