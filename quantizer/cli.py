@@ -14,6 +14,7 @@ import errno
 import importlib
 import signal
 import sys
+import threading
 
 from quantizer import __version__
 from quantizer.distributed import join_from_env, leave
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     ranks = join_from_env()  # under torchrun: this process's rank of the job
     who = f" (rank {ranks.rank} of {ranks.world})" if ranks.joined else ""
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set a handler
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return args.func(args)
     except UserError as e:
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quantizer {args.command}{who}: interrupted{how}; rerun the same command to resume", file=sys.stderr)
         return 128 + signal.SIGTERM if how else 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         leave()
 
 

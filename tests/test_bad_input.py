@@ -329,7 +329,8 @@ def test_sigterm_is_one_line_and_keeps_finished_work(src, plan_file, clean_pack,
     assert _build(src, plan_file, out) == 143
     err = capsys.readouterr().err
     assert err.rstrip().splitlines()[-1] == "quantizer build: interrupted by SIGTERM; rerun the same command to resume"
-    assert "Traceback" not in err and len(_units(work)) == 3 and not out.exists()
+    assert "Traceback" not in err and not out.exists()
+    assert len(_units(work)) == len(saved) >= 3  # every unit written (the writer thread may finish one more) is kept
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler lives only as long as the command
     monkeypatch.setattr(results_module.ResultStore, "save", real)
     assert _build(src, plan_file, out) == 0

@@ -139,7 +139,7 @@ def pack_and_publish(ck: Checkpoint, plan: Plan, req: BuildRequest, settings: Pa
     the one the build began with and verify finds it clean: a pack under its final name has passed every
     check that can refuse it, and a build killed before that leaves no pack (the rerun packs again)."""
     manifest = write_pack(ck, plan, req.work_dir / QUANTIZE_DIR, req.out, settings, partial, publish=False)
-    moved = pin.moved()
+    moved = pin.moved() or ([ck.root.name] if manifest.source["fingerprint"] != pin.fingerprint else [])
     if moved:
         raise UserError(f"{ck.root}: {', '.join(moved)} changed while this build packed it; the pack was not "
                         "published. Rerun once nothing writes to the checkpoint (a source whose bytes differ from "
