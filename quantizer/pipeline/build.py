@@ -125,7 +125,7 @@ def build(req: BuildRequest) -> BuildResult:
         plan, report = ranks.on_main(lambda: plan_and_state(ck.config, req, summary))
         settings = replace(req.quantize, calibration=store.record if store else None)
         quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None,
-                             on_start=lambda: save_plan(ck.config, plan, req.work_dir))
+                             on_start=lambda: save_plan(ck.config, plan, req.work_dir), source_check=pin.check_read)
         require_unchanged(pin, "quantize", made, req.work_dir)
         pack = PackSettings(settings.record(), req.shard_size, req.revision)
         manifest, verified = ranks.on_main(lambda: pack_and_publish(ck, plan, req, pack, partial, pin))

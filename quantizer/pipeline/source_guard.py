@@ -6,11 +6,14 @@ hashes first and the ranks on its host borrow its hashes) and the ranks compare 
 whose copies differ, or a rank given another copy with the same layout, are refused before anything
 is encoded into the shared work directory.
 
-After each stage that read the source every rank checks again (a stat per shard while nothing
-changed, a re-hash of a shard that did). When a copy changed, what this run made from it is deleted
-before the refusal: the quantize units it encoded (and the job record, when this run started it)
-and, if any of the calibration was computed in this run, the calibration. A rerun, even with the
-bytes put back, therefore finds no encoding of the changed bytes in the cache.
+Before each quantize unit is saved, the shards it was read from must still have the size and
+modification time they had at the pin (two stats), so no unit read from changed bytes ever enters the
+cache, even when the build is killed before it could notice more. After each stage that read the
+source every rank checks the whole source again (a stat per shard while nothing changed, a re-hash of
+a shard that did). When a copy changed, what this run made from it is deleted before the refusal: the
+quantize units it encoded (and the job record, when this run started it) and, if any of the
+calibration was computed in this run, the calibration. A rerun, even with the bytes put back,
+therefore finds no encoding of the changed bytes in the cache.
 """
 
 from __future__ import annotations
@@ -46,6 +49,18 @@ class PinnedSource:
         if source_fingerprint(self.ck, self.cache, self.borrow) == self.fingerprint:
             return []
         return [s.name for s in self.ck.shards if _stat(s) != self.stats.get(s.name)] or [self.ck.root.name]
+
+
+    def check_read(self, names: list[str]) -> None:
+        """UserError when a shard holding one of the tensors `names` (those the source has) was written
+        since the pin (its size or modification time moved): what was read from it is not to be kept."""
+        shards = {self.ck.entry(n).path for n in names if n in self.ck}
+        moved = sorted(p.name for p in shards if _stat(p) != self.stats.get(p.name))
+        if moved:
+            raise UserError(f"{self.ck.root}: {', '.join(moved)} changed while this build read it (its size or "
+                            f"modification time moved); the unit read from it was not saved. Rerun once nothing "
+                            "writes to the checkpoint: the units saved before are kept, and a source whose bytes "
+                            "differ from the work directory's job is refused")
 
 
 def pin_source(ck: Checkpoint, work: Path) -> PinnedSource:
