@@ -1,5 +1,6 @@
 """Command-line arguments several commands share: a model shape (a checkpoint or --model-config),
-the plan options (--codebook, --head-bits, --drafter-bits) and token counts such as 1M.
+the plan options (--codebook, --head-bits, --drafter-bits), token counts such as 1M and counts of at
+least 1 (a context of 0 tokens or -1 streams is refused while the arguments are read).
 
 Command modules (`<stage>/cli.py`) import this, never each other.
 """
@@ -19,11 +20,23 @@ _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
 
 def tokens(text: str) -> int:
-    """`1048576`, `1M` (= 1,048,576) or `128K` (= 131,072)."""
+    """`1048576`, `1M` (= 1,048,576) or `128K` (= 131,072); at least one token."""
     m = _TOKENS.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"{text!r}: a token count such as 131072, 128K or 1M")
-    return int(float(m[1]) * {"": 1, "k": 1 << 10, "m": 1 << 20}[m[2].lower()])
+    n = int(float(m[1]) * {"": 1, "k": 1 << 10, "m": 1 << 20}[m[2].lower()]) if m else 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a token count of at least 1, such as 131072, 128K or 1M")
+    return n
+
+
+def count(text: str) -> int:
+    """A whole number of at least 1 (streams, rows, columns, chunks)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
+    return n
 
 
 SRC_HELP = "native checkpoint directory (its config.json is read)"

@@ -2,7 +2,9 @@
 
 User errors (bad input, impossible targets) print one line and exit 2, and so do the file-system
 errors a user fixes (a full disk, a read-only or forbidden location); a stage that finds faults
-(verify, inspect) exits 1; nothing prints a traceback for something the user can fix.
+(verify, inspect) exits 1; nothing prints a traceback for something the user can fix. Ctrl-C (exit 130)
+and SIGTERM (a scheduler's stop, or torchrun stopping the other ranks; exit 143) print one line and
+stop the way an interrupt does: finished work is kept, and the same command resumes.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import signal
 import sys
+import threading
 
 from quantizer import __version__
 from quantizer.distributed import join_from_env, leave
@@ -48,10 +52,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the process is, so it unwinds (locks released, partial files removed) as
+    Ctrl-C does."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     ranks = join_from_env()  # under torchrun: this process's rank of the job
     who = f" (rank {ranks.rank} of {ranks.world})" if ranks.joined else ""
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set a handler
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return args.func(args)
     except UserError as e:
@@ -62,10 +77,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"quantizer {args.command}: error: {e.filename or 'writing'}: {OS_ERRORS[e.errno]}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"quantizer {args.command}{who}: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        how = " by SIGTERM" if isinstance(e, Terminated) else ""
+        print(f"quantizer {args.command}{who}: interrupted{how}; rerun the same command to resume", file=sys.stderr)
+        return 128 + signal.SIGTERM if how else 130
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         leave()
 
 

@@ -31,15 +31,17 @@ HASH_CHUNK = 16 << 20
 _HASHED: dict[tuple, str] = process_cache({})  # (path, stat key) -> sha256, for the life of the process
 
 
-def source_fingerprint(ck: Checkpoint, cache: Path | None = None) -> str:
+def source_fingerprint(ck: Checkpoint, cache: Path | None = None, borrow: Path | None = None) -> str:
     """`sha256:<hex>` over config.json, the index and every shard (by name); `cache` is the JSON file
-    that keeps shard hashes between runs (none: hashes last only as long as the process)."""
-    return files_fingerprint(ck.root, ck.shards, cache)
+    that keeps shard hashes between runs (none: hashes last only as long as the process); `borrow` is
+    another process's cache, read only: its hashes serve the shards whose size and times it records
+    (another rank of the job on the same host reading the same files)."""
+    return files_fingerprint(ck.root, ck.shards, cache, borrow)
 
 
 def layout_fingerprint(ck: Checkpoint) -> str:
     """config.json, the index and every shard's name and size, read in milliseconds: what the ranks of a
-    distributed build compare with each other (rank 0 alone hashes the content, for the job files)."""
+    distributed build compare first; then each hashes the content it reads (pipeline/source_guard.py)."""
     h = hashlib.sha256()
     for name in ("config.json", INDEX_NAME):
         if (ck.root / name).exists():
@@ -49,11 +51,11 @@ def layout_fingerprint(ck: Checkpoint) -> str:
     return "layout-sha256:" + h.hexdigest()
 
 
-def files_fingerprint(root: Path, shards: list[Path], cache: Path | None = None) -> str:
-    known = _load(cache)
+def files_fingerprint(root: Path, shards: list[Path], cache: Path | None = None, borrow: Path | None = None) -> str:
+    known, borrowed = _load(cache), _load(borrow)
     keys = {s.name: (str(s.resolve()), *_stat_key(s)) for s in shards}  # taken before any read
-    for s in shards:  # what the cache vouches for also serves later calls in this process
-        digest = _cached(known, s.name, keys[s.name][1:])
+    for s in shards:  # what the caches vouch for also serves later calls in this process
+        digest = _cached(known, s.name, keys[s.name][1:]) or _cached(borrowed, s.name, keys[s.name][1:])
         if digest:
             _HASHED.setdefault(keys[s.name], digest)
     _hash_all([(s, keys[s.name]) for s in shards if keys[s.name] not in _HASHED])

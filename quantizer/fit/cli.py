@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from quantizer.arguments import add_model_arguments, add_plan_arguments, load_model_config, tokens
+from quantizer.arguments import add_model_arguments, add_plan_arguments, count, load_model_config, tokens
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw
 from quantizer.fit.hardware import load_hardware
@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_plan_arguments(p)
     p.add_argument("--sparks", type=int, choices=TOPOLOGIES, default=2, help="DGX Sparks (tensor-parallel ranks)")
     p.add_argument("--context", type=tokens, help="tokens per stream (default: the model's max positions)")
-    p.add_argument("--streams", type=int, default=1, help="concurrent streams, each holding --context tokens")
+    p.add_argument("--streams", type=count, default=1, help="concurrent streams, each holding --context tokens")
     p.add_argument("--engine", help="engine profile from the hardware file (default: its default_engine)")
     p.add_argument("--split", choices=SPLITS, default="tp",
                    help="routed experts: tensor-parallel slices (tp) or whole experts per rank (ep)")

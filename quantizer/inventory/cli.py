@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.inventory.inventory import Inventory, take_inventory
+from quantizer.inventory.inventory import Inventory, refuse_pack, take_inventory
 from quantizer.report import gib, table
 
 
@@ -19,7 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if Path(args.src).is_dir():
+        refuse_pack(Path(args.src))
     ck = Checkpoint.open(args.src, args.revision, include_engram=not args.no_engram)
+    refuse_pack(ck.root)
     inv = take_inventory(ck)
     print(inv.to_json() if args.json else render(inv))
     return 1 if inv.problems else 0

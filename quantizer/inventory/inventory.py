@@ -1,15 +1,18 @@
 """The inspect stage: every tensor classified, totals per class, and the checkpoint checked against
-the tensors its config implies (names, shapes, dtypes), from headers alone."""
+the tensors its config implies (names, shapes, dtypes) and its index (each tensor in the shard the
+index names), from headers alone. A pack is not a native checkpoint: it is refused, pointing at verify."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-from quantizer.checkpoint.source import Checkpoint, is_engram_table
+from quantizer.checkpoint.source import INDEX_NAME, Checkpoint, is_engram_table
 from quantizer.errors import UserError
 from quantizer.model.layout import TensorSpec, native_layout
 from quantizer.model.tensor_classes import CLASSES, ROUTED_EXPERT, VISION, classify
+from quantizer.pack.manifest import MANIFEST_NAME
 
 EXAMPLES = 3
 
@@ -96,9 +99,37 @@ def check_against_config(ck: Checkpoint) -> list[str]:
             problems.append(
                 f"{name}: stored as {have.dtype}{list(have.shape)}, config implies {want.dtype}{list(want.shape)}"
             )
-    index = ck.root / "model.safetensors.index.json"
+    index = ck.root / INDEX_NAME
     if index.exists():
-        declared = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        data = json.loads(index.read_text())
+        declared = data.get("metadata", {}).get("total_size")
         if declared is not None and ck.include_engram and int(declared) != ck.payload_bytes:
             problems.append(f"index total_size is {declared} but the shards hold {ck.payload_bytes} payload bytes")
+        problems += _misplaced(ck, data.get("weight_map", {}))
     return problems
+
+
+def _misplaced(ck: Checkpoint, weight_map: dict[str, str]) -> list[str]:
+    """Tensors the index maps to a shard that does not hold them: a loader looks for them there."""
+    wrong = sorted(n for n, e in ck.tensors.items() if weight_map.get(n, e.path.name) != e.path.name)
+    if not wrong:
+        return []
+    first = wrong[0]
+    return [f"{INDEX_NAME} maps {len(wrong)} tensor(s) to a shard that does not hold them, e.g. {first} to "
+            f"{weight_map[first]} (it is in {ck.tensors[first].path.name}); the index and shards are from "
+            "different downloads"]
+
+
+def refuse_pack(root: Path) -> None:
+    """UserError when `root` is an EXL3 pack, not a native checkpoint: its tensors are not the layout the
+    config implies, so a list of differences would say nothing useful."""
+    try:
+        method = json.loads((root / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
+    except (OSError, ValueError, AttributeError):
+        method = None
+    if (root / MANIFEST_NAME).exists():
+        raise UserError(f"{root}: this is an EXL3 pack written by quantizer, not a native checkpoint; "
+                        f"use `quantizer verify {root}` (and `quantizer fit {root}`)")
+    if method == "exl3":
+        raise UserError(f"{root}: this is an EXL3 pack (config.json quantization_config: exl3), not a native "
+                        "checkpoint; inspect reads the checkpoint it was made from")

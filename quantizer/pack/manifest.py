@@ -17,7 +17,9 @@ Schema (manifest_version 2):
   fp16 weight) or {"alias": key} (a cold expert served by another expert's tensors);
 - `aliases`: EXL3 key -> the key whose tensors stand in for it;
 - `totals`: per tensor class {tensors, bytes, params, bpw} (bpw = stored bits per source parameter);
-- `loader_features`: what a loader must support ("per-expert-K", "expert-aliases").
+- `loader_features`: what a loader must support ("per-expert-K", "expert-aliases");
+- `claims_sha256`: the sha256 of `tool`, `source`, `plan` and `settings`, the claims no shard can
+  confirm (where the pack came from, how it was made), so verify finds a hand edit of them.
 
 No fit verdict: whether a pack fits N Sparks depends on the hardware profile (configs/hardware/gb10.json),
 which is re-measured, so a stored verdict would go stale. The shards' headers are its inputs, and
@@ -27,6 +29,8 @@ written by an older version is ignored when read.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -37,6 +41,7 @@ from quantizer.workdir import read_json
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 2  # 2: plan.loader (a profile name) replaces plan.loader_mode
 NATIVE = "native"
+CLAIMS = ("tool", "source", "plan", "settings")
 
 
 @dataclass(frozen=True)
@@ -67,11 +72,18 @@ class Manifest:
     aliases: dict[str, str] = field(default_factory=dict)
     totals: dict[str, dict] = field(default_factory=dict)
     loader_features: list[str] = field(default_factory=list)
+    claims_sha256: str | None = None  # as read; to_dict writes the digest of the claims it holds
 
     def to_dict(self) -> dict:
         data = {"manifest_version": MANIFEST_VERSION, **asdict(self)}
         data["tensors"] = {n: {"shard": t.shard, "K": t.K, "class": t.cls} for n, t in self.tensors.items()}
+        data["claims_sha256"] = self.claims_digest()
         return data
+
+    def claims_digest(self) -> str:
+        """sha256 of the claims (CLAIMS) as they are now."""
+        body = json.dumps({k: getattr(self, k) for k in CLAIMS}, sort_keys=True, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(body.encode()).hexdigest()
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> "Manifest":

@@ -56,9 +56,10 @@ class PackSettings:
 
 
 def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, settings: PackSettings,
-               partial: Path | None = None) -> Manifest:
+               partial: Path | None = None, publish: bool = True) -> Manifest:
     """The pack of `plan` from the results in `work`, written in `partial` (an empty directory beside
-    `out` that the caller owns; by default a fresh one, removed if this fails) and renamed to `out`."""
+    `out` that the caller owns; by default a fresh one, removed if this fails) and renamed to `out`;
+    with `publish` False the caller renames it (publish_pack) once its own checks of `partial` pass."""
     out = Path(out)
     check_new_pack_dir(out)
     owned = partial is None
@@ -67,7 +68,8 @@ def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, se
         partial = Path(tempfile.mkdtemp(prefix=f"{out.name}.partial-", dir=out.parent))
     try:
         manifest = _write(ck, plan, ResultStore(work), partial, settings)
-        _publish(partial, out)
+        if publish:
+            publish_pack(partial, out)
         return manifest
     except BaseException:
         if owned:
@@ -99,7 +101,7 @@ def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settin
     return manifest
 
 
-def _publish(partial: Path, out: Path) -> None:
+def publish_pack(partial: Path, out: Path) -> None:
     """Rename the finished pack into place; the kernel refuses if `out` is (no longer) empty."""
     try:
         os.rename(partial, out)

@@ -2,10 +2,14 @@
 
 calibrate (WORK/calibration: Hessians, routing, the allocator's summary) -> plan (ours: the
 allocator on that summary; uniform or exl3; or a saved plan; at a bpw or the most that fits N
-Sparks) -> quantize (WORK/quantize, with the Hessians) -> pack -> verify (header level).
+Sparks) -> quantize (WORK/quantize, with the Hessians) -> pack -> verify (header level) -> publish: the
+pack is renamed to --out only once verify finds it clean.
 The plan is kept in WORK as plan.json and recipe.yaml (exllamav3's recipe syntax), written once the
 quantize stage has accepted the job. Before any stage runs, everything that can be checked is
-(preflight.py): the request, the checkpoint against its config, places and disk.
+(preflight.py): the request, a given plan against the checkpoint and its loader profile, the checkpoint
+against its config, places and disk. Every rank's source bytes are pinned before the first stage and
+checked after each (source_guard.py), so a checkpoint changed during the build is refused and what was
+made from it deleted.
 Without calibration rows the linears are quantized without Hessians (uniform, exl3 or a saved plan).
 Every stage resumes from its own directory, so a rerun continues where the last one stopped.
 Under torchrun every rank runs build(): calibration splits the rows and quantization the units over
@@ -38,8 +42,9 @@ from quantizer.fit.memory import FitReport
 from quantizer.fit.target import FitTarget, largest_fitting_plan
 from quantizer.inventory.inventory import require_consistent
 from quantizer.pack.manifest import Manifest
-from quantizer.pack.writer import PackSettings, check_new_pack_dir, write_pack
-from quantizer.pipeline.preflight import check_places, check_space, claim, disk_needs
+from quantizer.pack.writer import PackSettings, check_new_pack_dir, publish_pack, write_pack
+from quantizer.pipeline.source_guard import PinnedSource, StageOutputs, pin_source, require_unchanged
+from quantizer.pipeline.preflight import check_given_plan, check_places, check_space, claim, disk_needs
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS, UNIFORM, planner
 from quantizer.plan.plan import Plan
@@ -72,6 +77,7 @@ class BuildRequest:
     quantize: QuantizeSettings = QuantizeSettings()
     measured: dict[str, dict[float, float]] | None = None  # ours: proxy errors per target and K, measured
     measured_from_work: bool = False  # ours: `measured` read from the work directory's cache once claimed
+    plan_file: Path | None = None  # where `plan` was read from, for the messages that name it
 
     @property
     def work_dir(self) -> Path:
@@ -100,6 +106,8 @@ def build(req: BuildRequest) -> BuildResult:
     check_new_pack_dir(req.out)  # before hours of work, not after
     ck = Checkpoint.open(req.src, req.revision)
     require_consistent(ck)
+    if req.plan is not None:
+        check_given_plan(ck, req.plan, str(req.plan_file or "--plan"))
     estimate = req.plan or check_plannable(ck.config, req)
     calibration_disk = 0 if req.calibration_rows is None else calibration_needs(
         ck.config, *req.calibration_rows.shape, req.calibration).disk
@@ -109,21 +117,45 @@ def build(req: BuildRequest) -> BuildResult:
     with ExitStack() as held:  # rank 0 holds the work directory and this job's partial pack directory
         partial = ranks.on_main(lambda: held.enter_context(claim(req.out, req.work_dir)))
         ranks.check_shared(req.work_dir)  # only once claimed: nothing is written into a --work before
+        pin = pin_source(ck, req.work_dir)  # every rank reads the same bytes, and they stay put (source_guard.py)
+        made = ranks.on_main(lambda: StageOutputs.before(req.work_dir, req.work_dir / QUANTIZE_DIR))
         if req.measured_from_work and ranks.main:  # the cache now that no other job writes into it; rank 0 plans
             req = replace(req, measured=measured_proxies(ck.config, measured_encodings(req.work_dir / QUANTIZE_DIR)))
         store, summary = None, None
         if req.calibration_rows is not None:
             summary = calibrate(ck, req.calibration_rows, req.work_dir, req.calibration).summary
+            require_unchanged(pin, "calibrate", made, req.work_dir)
             store = HessianStore(req.work_dir, ck)
         plan, report = ranks.on_main(lambda: plan_and_state(ck.config, req, summary))
         settings = replace(req.quantize, calibration=store.record if store else None)
         quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None,
-                             on_start=lambda: save_plan(ck.config, plan, req.work_dir))
+                             on_start=lambda: save_plan(ck.config, plan, req.work_dir), source_check=pin.check_read)
+        require_unchanged(pin, "quantize", made, req.work_dir)
         pack = PackSettings(settings.record(), req.shard_size, req.revision)
-        manifest, verified = ranks.on_main(lambda: (
-            write_pack(ck, plan, req.work_dir / QUANTIZE_DIR, req.out, pack, partial), verify_pack(req.out)))
+        manifest, verified = ranks.on_main(lambda: pack_and_publish(ck, plan, req, pack, partial, pin))
         ranks.barrier()
     return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, manifest, verified, time.monotonic() - start)
+
+
+def pack_and_publish(ck: Checkpoint, plan: Plan, req: BuildRequest, settings: PackSettings, partial: Path,
+                     pin: PinnedSource) -> tuple[Manifest, VerifyReport]:
+    """Write the pack in `partial`, and rename it to req.out only once the source it copied from is still
+    the one the build began with and verify finds it clean: a pack under its final name has passed every
+    check that can refuse it, and a build killed before that leaves no pack (the rerun packs again)."""
+    manifest = write_pack(ck, plan, req.work_dir / QUANTIZE_DIR, req.out, settings, partial, publish=False)
+    moved = pin.moved() or ([ck.root.name] if manifest.source["fingerprint"] != pin.fingerprint else [])
+    if moved:
+        raise UserError(f"{ck.root}: {', '.join(moved)} changed while this build packed it; the pack was not "
+                        "published. Rerun once nothing writes to the checkpoint (a source whose bytes differ from "
+                        "the work directory's job is refused)")
+    verified = verify_pack(partial)
+    if verified.faults:
+        print("\n".join(f.line() for f in verified.faults), file=sys.stderr)
+        raise UserError(f"{req.out}: verify found {len(verified.faults)} fault(s) in the new pack, so it was not "
+                        f"published; first: {verified.faults[0].line()}")
+    publish_pack(partial, req.out)
+    verified.pack = req.out
+    return manifest, verified
 
 
 def plan_and_state(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None

@@ -1,5 +1,8 @@
 """What `build` checks and claims before any expensive stage, so a mistake costs seconds, not a day.
 
+- a plan given with `--plan` (made elsewhere, perhaps edited by hand) keeps every rule `make_plan`
+  keeps for its own: a K for every target and none for a tensor the model lacks, EXL3 rates only,
+  the source's architecture, and its loader profile; a fault names the tensor and the plan file;
 - `--work` and `--out` are different places, neither inside the other;
 - free space: the pack on `--out`'s filesystem, the calibration and quantized results on `--work`'s
   (both on one filesystem: the sum), estimated from the plan the request makes (see `DiskNeeds`);
@@ -23,7 +26,7 @@ from typing import Iterator
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
-from quantizer.plan.plan import Plan
+from quantizer.plan.plan import Plan, check_plan
 from quantizer.plan.spec import pack_spec
 from quantizer.report import size_text
 from quantizer.workdir import claim_work_dir, existing_parent, free_bytes, job_lock, lock_file
@@ -51,6 +54,15 @@ def disk_needs(ck: Checkpoint, plan: Plan, calibration_disk: int, work: Path) ->
     results = sum(t.nbytes for t in stored if t.linear is not None)
     held = sum(p.stat().st_size for p in work.rglob("*") if p.is_file()) if work.is_dir() else 0
     return DiskNeeds(pack, max(0, calibration_disk + results + TENSOR_OVERHEAD * len(stored) - held))
+
+
+def check_given_plan(ck: Checkpoint, plan: Plan, where: str) -> None:
+    """UserError naming `where` (the plan file) when `plan` is not one make_plan would have made for this
+    checkpoint; before any stage, so nothing is written and no hour is spent on a plan the pack would break."""
+    try:
+        check_plan(ck.config, plan)
+    except UserError as e:
+        raise UserError(f"{where}: {e}; fix the plan or write it again with `quantizer plan`") from None
 
 
 def check_places(out: Path, work: Path) -> None:

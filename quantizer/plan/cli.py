@@ -15,7 +15,7 @@ import argparse
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from quantizer.arguments import add_model_arguments, add_plan_arguments, load_model_config, tokens
+from quantizer.arguments import add_model_arguments, add_plan_arguments, count, load_model_config, tokens
 from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sparks", type=int, choices=TOPOLOGIES,
                    help="DGX Sparks to fit; without --bpw, plan the most bits that fit them")
     p.add_argument("--context", type=tokens, help="tokens per stream for the fit (default: the model's max positions)")
-    p.add_argument("--streams", type=int, default=1, help="concurrent streams, each holding --context tokens")
+    p.add_argument("--streams", type=count, default=1, help="concurrent streams, each holding --context tokens")
     p.add_argument("--engine", help="engine profile for the fit (default: the hardware file's default_engine)")
     calib = p.add_mutually_exclusive_group()
     calib.add_argument("--calibration", help=f"a calibrate work directory (its {CALIBRATION_DIR}/{SUMMARY_FILE}), "

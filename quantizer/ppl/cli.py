@@ -4,7 +4,8 @@ MODEL is a native checkpoint or a pack written by quantizer (its EXL3 linears ar
 weights a loader computes with). With `--against SRC` both run over the same rows and the report
 adds KL(SRC || MODEL), top-1 agreement and the paired NLL delta with its standard error; a pack is
 compared only with the checkpoint its manifest says it was built from (same content fingerprint).
-A model that computes NaN or inf is an error (exit 2) naming what `verify --full` finds.
+A pack is measured only once every shard's sha256 matches its manifest (a flipped byte would give a
+plausible, wrong number); a model that computes NaN or inf is an error (exit 2) naming what verify finds.
 
 Rows are cut by quantizer.textdata: text is tokenized with the checkpoint's tokenizer.json, one BOS
 per row and EOS between documents; token files (.npy, or .safetensors with `input_ids`) are used
@@ -25,7 +26,7 @@ from quantizer.errors import UserError
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.pack.manifest import MANIFEST_NAME
 from quantizer.ppl.compare import Comparison, compare
-from quantizer.ppl.pack_source import PackSource, require_built_from
+from quantizer.ppl.pack_source import PackSource, require_built_from, require_intact
 from quantizer.ppl.perplexity import NonFiniteLogits, perplexity, row_predictions
 from quantizer.textdata import model_rows
 from quantizer.verify.verify import verify_pack
@@ -56,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
     model = Checkpoint.open(args.src, revision=args.revision)
     is_pack = (model.root / MANIFEST_NAME).exists()
     reference = Checkpoint.open(args.against) if args.against else None
+    if is_pack:
+        require_intact(model)
     if is_pack and reference is not None:
         require_built_from(model, reference)
     try:
@@ -65,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _first_fault(pack) -> str:
-    """What `verify --full` finds first in a pack that computed NaN, else what to run."""
-    faults = verify_pack(pack, full=True).faults
-    return f"; verify --full: {faults[0].line()}" if faults else f"; verify --full finds no fault in {pack}"
+    """What verify finds first in a pack that computed NaN (its shards' sha256 were checked already)."""
+    faults = verify_pack(pack).faults
+    return f"; verify: {faults[0].line()}" if faults else f"; its shards match the manifest and verify finds no fault in {pack}"
 
 
 def _report(args: argparse.Namespace, model: Checkpoint, reference: Checkpoint | None) -> int:

@@ -38,7 +38,7 @@ from quantizer.model.targets import targets
 from quantizer.plan.plan import Plan
 from quantizer.quantize.encode import EncodedUnit, encode_unit
 from quantizer.quantize.job import JobSpec, job_differences
-from quantizer.plan.spec import StoredLinear, pack_spec
+from quantizer.plan.spec import REPLACED_LEAVES, StoredLinear, pack_spec
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.pipeline import PREFETCH_UNITS, run_pipeline
 from quantizer.quantize.rates import RateTable, estimate
@@ -76,12 +76,15 @@ def quantize(
     hessian: HessianProvider | None = None,
     depth: int = PREFETCH_UNITS,
     on_start: Callable[[], None] | None = None,
+    source_check: Callable[[list[str]], None] | None = None,
 ) -> QuantizeResult:
     """Encode (or finish encoding) every linear of `plan` not yet finished in `work`. `depth` units are
     read, dequantized and given their Hessians ahead of the encoder (0: one step after another; the
     results are the same). `on_start` runs once the job is locked and accepted, before any encoding
-    (build saves the plan there, so a refused rerun changes nothing). Under torchrun rank 0 holds the
-    lock and checks the job; every rank encodes its share."""
+    (build saves the plan there, so a refused rerun changes nothing). `source_check(names)` runs before
+    each unit is saved with the source tensors it was read from, and raises if they may have changed
+    since (build: pipeline/source_guard.py), so no unit of changed bytes enters the cache. Under torchrun
+    rank 0 holds the lock and checks the job; every rank encodes its share."""
     work = Path(work)
     if settings.device == "cuda":
         _check_cuda()
@@ -98,10 +101,11 @@ def quantize(
     ranks = current()
     with ranks.lock(work):
         ranks.on_main(accept)
-        return _run(ck, plan, work, settings, hessian, depth)
+        return _run(ck, plan, work, settings, hessian, depth, source_check)
 
 
-def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hessian, depth: int) -> QuantizeResult:
+def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hessian, depth: int,
+         source_check: Callable[[list[str]], None] | None) -> QuantizeResult:
     spec = pack_spec(ck.config, plan)
     linears = spec.encoded
     by_key = {s.key: s for s in linears}
@@ -122,6 +126,8 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
         return encode_unit(unit.name, inputs.members, inputs.weights, inputs.hessians, plan.codebook, settings)
 
     def save(unit: Unit, encoded: EncodedUnit) -> None:
+        if source_check:
+            source_check([by_key[k].target.key + leaf for k in unit.keys for leaf in REPLACED_LEAVES])
         store.save(unit, encoded.tensors, encoded.proxy_err)
 
     desc = f"quantize rank {ranks.rank}" if ranks.joined else "quantize"

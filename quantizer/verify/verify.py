@@ -7,8 +7,9 @@ claims. Then the layout check: the shards hold exactly the tensors of the pack s
 of the K map they carry, so a pack that is self-consistent but not what any plan makes is caught.
 Then the loader check: the K and codebook each stored linear holds (read from the shards,
 not the manifest) against the rules of a loader profile (plan/profiles.py), by default the one the
-pack was made for; a fault names the tensor, the rule and the engine code it comes from. --full adds
-the sha256 of every shard, which catches any flipped byte.
+pack was made for; a fault names the tensor, the rule and the engine code it comes from. The manifest's
+own claims (source fingerprint, loader, plan, settings) must match the digest the pack stage wrote of
+them. --full adds the sha256 of every shard, which catches any flipped byte.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from quantizer.checkpoint.source import INDEX_NAME, is_engram_table
 from quantizer.errors import UserError
 from quantizer.exl3 import PACK_ALIGN, UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
 from quantizer.model.targets import target_map
-from quantizer.pack.manifest import NATIVE, Manifest, sha256_file
+from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, sha256_file
 from quantizer.plan.profiles import load_profile, violations
 from quantizer.plan.plan import Plan
 from quantizer.plan.spec import StoredLinear, expert_of, pack_spec
@@ -82,6 +83,7 @@ def verify_pack(pack: str | Path, full: bool = False, loader: str | None = None)
     _check_aliases(manifest, report)
     _check_sources(manifest, report)
     _check_configs(pack, manifest, report)
+    _check_claims(manifest, report)
     cfg = _model_config(pack, manifest, report)
     if cfg is not None:
         _check_spec(cfg, manifest, headers, report)
@@ -282,6 +284,26 @@ def _check_configs(pack: Path, manifest: Manifest, report: VerifyReport) -> None
                      f"bits_per_weight disagrees with the manifest for {len(wrong_k)} linears, e.g. {wrong_k[0]}")
     else:
         report.ok("quantization_config.json", f"bits_per_weight of all {len(keys):,} EXL3 linears as in the manifest")
+
+
+def _check_claims(manifest: Manifest, report: VerifyReport) -> None:
+    """The manifest's claims (source fingerprint, loader, plan hash, settings) are as the pack stage wrote
+    them, and the loader features follow from the loader profile and the aliases it names."""
+    if manifest.claims_sha256 is None:
+        report.fault(MANIFEST_NAME, "no claims_sha256; its source, plan and settings cannot be vouched for")
+    elif manifest.claims_sha256 != manifest.claims_digest():
+        report.fault(MANIFEST_NAME, "tool, source, plan or settings were edited after packing (claims_sha256 "
+                                    "differs); rebuild the pack, or copy it again from where it was built")
+    else:
+        report.ok(MANIFEST_NAME, "source, plan and settings as the pack stage wrote them (claims_sha256)")
+    try:
+        per_expert = load_profile(manifest.plan["loader"]).per_expert_k
+    except UserError:
+        return  # an unknown loader was refused already when none was given
+    features = (["per-expert-K"] if per_expert else []) + (["expert-aliases"] if manifest.aliases else [])
+    if manifest.loader_features != features:
+        report.fault(MANIFEST_NAME, f"loader_features {manifest.loader_features} but loader "
+                                    f"{manifest.plan['loader']} with {len(manifest.aliases)} aliases implies {features}")
 
 
 def _model_config(pack: Path, manifest: Manifest, report: VerifyReport) -> ModelConfig | None:
