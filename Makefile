@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	touch $@
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The main job on the embedded default: the bundled small model at 2.5, 2.9 and 3.5 bpw, four methods.
 demo: setup
