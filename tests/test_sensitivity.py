@@ -20,9 +20,9 @@ def tiny():
     return ModelConfig.from_file(model_config_path("tiny-v41.json"))
 
 
-@pytest.fixture(scope="module")
-def v41():
-    return ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
+@pytest.fixture
+def v41(real_v41):  # tests/conftest.py: shared by the session
+    return real_v41
 
 
 def hand_summary(cfg: ModelConfig) -> CalibrationSummary:
