@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml setup.py constraints.txt
 # The linter first (settings in pyproject.toml [tool.ruff]), then the suite.
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The main job on the embedded default: the bundled small model at 2.5, 2.9 and 3.5 bpw, four methods.
 demo: setup

@@ -1,10 +1,19 @@
-"""Shared fixtures: tiny native checkpoints of both architectures and the full-size sparse layout,
-built once per test session (they take well under a second each)."""
+"""Shared fixtures, built once per test session: tiny native checkpoints of both architectures and the
+full-size sparse layout (well under a second each); the real V4.1-Flash shape with its uniform plans,
+their pack specs and the synthetic-summary sensitivity (about a second of CPU each)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
+from quantizer.checkpoint.config import ModelConfig
+from quantizer.model.targets import targets
+from quantizer.plan.sensitivity import sensitivity, synthetic_summary
+from quantizer.plan.spec import pack_spec
+from quantizer.plan.uniform import uniform_plan
+from quantizer.shipped import model_config_path
 from quantizer.tiny.make import make_tiny
 
 
@@ -22,3 +31,34 @@ def tiny_v4(tmp_path_factory):
 def full_v41(tmp_path_factory):
     """The real V4.1-Flash layout as sparse files: exact headers, no data on disk."""
     return make_tiny(tmp_path_factory.mktemp("ck") / "full-v41", "v41", full_size=True, sparse=True)
+
+
+# ---- the real V4.1-Flash shape, shared by the planning tests of every module ----------------------
+# A real-shape plan or pack spec costs about a second of CPU (96k targets); the modules that plan the
+# real shape ask for the same few. Everything returned is shared: read it, never change it.
+
+
+@pytest.fixture(scope="session")
+def real_v41():
+    """The DeepSeek-V4.1-Flash shape (configs/models/deepseek-v4.1-flash.json), its target index built."""
+    cfg = ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
+    targets(cfg)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def real_v41_uniform(real_v41):
+    """bpw -> uniform_plan(real_v41, bpw), each made once per session."""
+    return functools.cache(lambda bpw: uniform_plan(real_v41, bpw))
+
+
+@pytest.fixture(scope="session")
+def real_v41_uniform_spec(real_v41, real_v41_uniform):
+    """bpw -> the pack spec of real_v41_uniform(bpw), each made once per session."""
+    return functools.cache(lambda bpw: pack_spec(real_v41, real_v41_uniform(bpw)))
+
+
+@pytest.fixture(scope="session")
+def real_v41_synthetic_sensitivity(real_v41):
+    """sensitivity(real_v41, synthetic_summary(real_v41)): what `--synthetic` plans allocate on."""
+    return sensitivity(real_v41, synthetic_summary(real_v41))

@@ -7,12 +7,19 @@ import contextlib
 import io
 import json
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
+from quantizer.checkpoint.safetensors_file import read_header
 from quantizer.cli import main
+from quantizer.demo.demo import BUILD_DIR
+from quantizer.pack.manifest import Manifest
+from quantizer.pipeline.build import QUANTIZE_DIR
 from quantizer.plots import DPI, save_figure
+from quantizer.quantize.results import RESULTS_DIR
 from quantizer.shipped import shipped
 from quantizer.textdata import shipped_text_path
 
@@ -73,14 +80,22 @@ def test_plot_draws_kl_and_top1_with_error_bars_per_method(run):
             assert high - low == pytest.approx(2 * scale * r[key + "_stderr"]) and r[key + "_stderr"] > 0
 
 
-def test_a_demo_row_is_what_quantizer_build_writes(run, rows, tmp_path):
-    """The demo's packs rebuilt by `quantizer build` in a fresh work directory, in the demo's order
-    (uniform, then ours allocating on the errors measured so far): the same shards, the same KL."""
-    demo_packs = run[2].parent / "packs"
+def test_a_demo_row_is_what_quantizer_build_writes(run, rows, tmp_path, capfd):
+    """The demo's packs rebuilt by `quantizer build` in the demo's order (uniform, then ours allocating
+    on the errors measured so far), in a work directory holding what the demo's held before its first
+    build of ours: its calibration and the uniform pack's encodings. Uniform finds all its units in that
+    cache; both give the demo's shards, and ours the demo's KL."""
+    demo_work, demo_packs = run[2].parent / BUILD_DIR, run[2].parent / "packs"
+    uniform_units = _encodings_of(demo_packs / "2.5-uniform-exllamav3", demo_work / QUANTIZE_DIR / RESULTS_DIR)
+    assert uniform_units
     src, work = shipped("small_model"), tmp_path / "work"
+    shutil.copytree(demo_work, work, ignore=lambda folder, names: [
+        n for n in names if Path(folder).name == RESULTS_DIR and n not in uniform_units])
     common = ["build", str(src), "--bpw", "2.5", "--loader", "exllamav3", "--calib-rows", "16", "--calib-cols", "512",
               "--device", "cpu", "--encoder", "fast", "--work", str(work)]
+    capfd.readouterr()
     assert main(common + ["--method", "uniform", "--out", str(tmp_path / "uniform")]) == 0
+    assert re.findall(r"([\d,]+) weights to encode", capfd.readouterr().err) == ["0"]
     assert main(common + ["--method", "ours", "--measured-errors", "--out", str(tmp_path / "ours")]) == 0
     for method in ("uniform", "ours"):
         assert _shards(tmp_path / method) == _shards(demo_packs / f"2.5-{method}-exllamav3"), method
@@ -89,6 +104,17 @@ def test_a_demo_row_is_what_quantizer_build_writes(run, rows, tmp_path):
         assert main(["ppl", str(tmp_path / "ours"), "--against", str(src), "--text", str(shipped_text_path("heldout")),
                      "--rows", "4", "--cols", "512", "--json"]) == 0
     assert json.loads(out.getvalue())["kl"] == pytest.approx(rows["ours"]["kl"], rel=1e-9)
+
+
+def _encodings_of(pack: Path, results: Path) -> set[str]:
+    """The cache files in `results` that hold the pack's linears at the pack's K (each names its keys and K)."""
+    k = Manifest.load(pack).exl3_keys()
+    found = set()
+    for path in results.glob("*.safetensors"):
+        meta = read_header(path).metadata
+        if all(key in k and float(k[key]) == float(meta["K"]) for key in json.loads(meta["keys"])):
+            found.add(path.name)
+    return found
 
 
 def test_a_rerun_in_the_same_work_directory_encodes_nothing_and_prints_the_same_rows(run, capfd):

@@ -24,22 +24,15 @@ from quantizer.plan.spec import pack_spec
 GIB = 1 << 30
 
 
-@pytest.fixture(scope="module")
-def v41():
-    return ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
+@pytest.fixture
+def v41(real_v41):  # tests/conftest.py: shared by the session
+    return real_v41
 
 
-@pytest.fixture(scope="module")
-def pack(v41):
-    """Stored tensors of the uniform plan at a bpw, built once per bpw."""
-    cache = {}
-
-    def at(bpw: float):
-        if bpw not in cache:
-            cache[bpw] = pack_spec(v41, uniform_plan(v41, bpw)).tensors
-        return cache[bpw]
-
-    return at
+@pytest.fixture
+def pack(real_v41_uniform_spec):
+    """Stored tensors of the uniform plan at a bpw, built once per bpw and session."""
+    return lambda bpw: real_v41_uniform_spec(bpw).tensors
 
 
 def test_block_splits():

@@ -20,9 +20,9 @@ from quantizer.shipped import model_config_path
 GIB = 1 << 30
 
 
-@pytest.fixture(scope="module")
-def v41():
-    return ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
+@pytest.fixture
+def v41(real_v41):  # tests/conftest.py: shared by the session
+    return real_v41
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +30,9 @@ def tiny():
     return ModelConfig.from_file(model_config_path("tiny-v41.json"))
 
 
-@pytest.fixture(scope="module")
-def plan29(v41):
-    return uniform_plan(v41, 2.9)
+@pytest.fixture
+def plan29(real_v41_uniform):
+    return real_v41_uniform(2.9)
 
 
 def test_v41_targets_by_group(v41):
@@ -126,8 +126,8 @@ def test_uniform_plan_29_k_map_and_pack_size(v41, plan29):
 
 
 @pytest.mark.parametrize("bpw", [1.59, 2.0, 2.5, 3.5, 4.75])
-def test_uniform_plan_hits_the_budget(v41, bpw):
-    plan = uniform_plan(v41, bpw)
+def test_uniform_plan_hits_the_budget(real_v41_uniform, bpw):
+    plan = real_v41_uniform(bpw)
     step = 1.0 if bpw >= 4 else 0.5  # the rate grid above 4 has integer steps only
     one_layer = step * 13_589_544_960 / 550_418_513_920
     assert bpw - one_layer <= plan.achieved_bpw <= bpw + 1e-9

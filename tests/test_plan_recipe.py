@@ -27,9 +27,9 @@ def tiny():
     return ModelConfig.from_file(model_config_path("tiny-v41.json"))
 
 
-@pytest.fixture(scope="module")
-def v41():
-    return ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
+@pytest.fixture
+def v41(real_v41):  # tests/conftest.py: shared by the session
+    return real_v41
 
 
 def _recipe(tmp_path, body: str, name="r.yaml"):
@@ -97,8 +97,8 @@ def test_native_16_and_drafter_entries(tiny, tmp_path):
         plan_from_recipe(tiny, _recipe(tmp_path, RECIPE_HEAD + '  "mtp.*.engram.*": 4\n'))
 
 
-def test_written_recipes_round_trip(v41, tiny, tmp_path):
-    plan = uniform_plan(v41, 2.9)
+def test_written_recipes_round_trip(v41, tiny, tmp_path, real_v41_uniform):
+    plan = real_v41_uniform(2.9)
     write_recipe(v41, plan, tmp_path / "r.yaml", header="a header\nline two")
     text = (tmp_path / "r.yaml").read_text()
     assert text.startswith("# a header\n# line two\n")

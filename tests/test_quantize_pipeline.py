@@ -10,7 +10,6 @@ import threading
 import pytest
 import torch
 
-from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.model.targets import ROUTED, targets
@@ -23,7 +22,6 @@ from quantizer.quantize.linears import work_units
 from quantizer.quantize.pipeline import run_pipeline
 from quantizer.quantize.rates import EncodeRate, RateTable, estimate, plan_estimate
 from quantizer.quantize.results import RESULTS_DIR
-from quantizer.shipped import model_config_path
 
 # Small linears (the CPU codec is the slow part): two encoded, one only cast to fp16.
 KEYS = {"layers.3.ffn.experts.1.w2": 2.5, "layers.3.ffn.experts.2.w2": 2.0, "layers.3.ffn.shared_experts.w1": 16.0}
@@ -107,14 +105,9 @@ def test_gpu_units_batch_the_wo_a_slices_of_a_layer(tiny_v41):
     assert [u.keys for u in wo_a] == [tuple(f"layers.2.attn.wo_a.slice.{g}" for g in range(cfg.o_groups))]
 
 
-def _real():
-    return ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
-
-
-def test_gpu_hours_follow_the_measured_rate_of_each_k():
-    cfg = _real()
+def test_gpu_hours_follow_the_measured_rate_of_each_k(real_v41_uniform_spec):
     table = RateTable("test GPU", (EncodeRate(2.0, 5120, 2304, 20e6), EncodeRate(2.5, 5120, 2304, 10e6)))
-    linears = [s for s in pack_spec(cfg, uniform_plan(cfg, 2.5)).encoded if s.target.group == ROUTED]
+    linears = [s for s in real_v41_uniform_spec(2.5).encoded if s.target.group == ROUTED]
     at = {k: estimate([s for s in linears if s.K == k], table) for k in {s.K for s in linears}}
     for k, e in at.items():
         assert e.seconds == pytest.approx(e.weights / (20e6 if k == 2 else 10e6))
@@ -122,8 +115,8 @@ def test_gpu_hours_follow_the_measured_rate_of_each_k():
     assert three.unmeasured == (3.0,) and "K 3 at the nearest measured K's rate" in three.line()
 
 
-def test_the_shipped_table_prices_the_real_model_in_gpu_hours():
-    e = plan_estimate(_real(), uniform_plan(_real(), 2.9))
+def test_the_shipped_table_prices_the_real_model_in_gpu_hours(real_v41, real_v41_uniform):
+    e = plan_estimate(real_v41, real_v41_uniform(2.9))
     assert e.weights > 543e9 and 5 < e.gpu_hours < 30
     assert e.line().startswith(f"quantize: {e.weights / 1e9:,.1f} G weights, ~")
     assert "GPU-hours on H200 at measured rates" in e.line()

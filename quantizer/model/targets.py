@@ -164,7 +164,8 @@ _CACHE_SIZE = 4
 
 def _index(cfg: ModelConfig) -> _ModelIndex:
     key = repr(cfg)  # every shape field; ModelConfig holds dicts, so it is not hashable itself
-    if key not in _CACHE:
+    index = _CACHE.pop(key, None)
+    if index is None:
         specs = native_layout(cfg)
         scales = {s.name: s.nbytes for s in specs if s.name.endswith(".scale")}
         found = tuple(
@@ -174,5 +175,6 @@ def _index(cfg: ModelConfig) -> _ModelIndex:
         layout = tuple((s, classify(s.name).cls) for s in specs)
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _ModelIndex(found, MappingProxyType({t.key: t for t in found}), layout)
-    return _CACHE[key]
+        index = _ModelIndex(found, MappingProxyType({t.key: t for t in found}), layout)
+    _CACHE[key] = index  # last = most recently used: the real shape (~1 s to index) outlives small ones in use
+    return index
