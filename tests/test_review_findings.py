@@ -182,6 +182,12 @@ def test_every_lock_is_taken_on_a_regular_file_and_the_partial_directorys_lock_r
     assert not partial.exists() and not lock.exists() and stale.is_dir()
 
 
+def test_the_claim_makes_the_packs_parent_directory_before_locking_beside_it(tmp_path):
+    out = tmp_path / "packs" / "pack"  # the demo's layout: packs/ does not exist yet
+    with claim(out, tmp_path / "pack.work") as partial:
+        assert partial.is_dir() and partial.with_name(partial.name + ".lock").is_file()
+
+
 # ---- torchrun: rank 0's own failure reaches the others as one line -------------------------------------
 
 def test_rank_0s_failure_is_one_line_on_the_other_ranks(monkeypatch):

@@ -97,6 +97,7 @@ def claim(out: Path, work: Path) -> Iterator[Path]:
     with job_lock(work):
         partial = out.with_name(f"{out.name}.partial-{job}")
         lock = partial.with_name(partial.name + LOCK_SUFFIX)
+        partial.parent.mkdir(parents=True, exist_ok=True)  # where the pack goes (made here before, too)
         fd = lock_file(lock, f"{out}: another build is writing this pack (in {partial.name}); wait for it "
                              "to finish or choose another --out")
         try:
