@@ -35,6 +35,7 @@ COMMANDS = (
     "quantizer.fit.cli",
     "quantizer.pipeline.cli",
     "quantizer.verify.cli",
+    "quantizer.pack.cli",
     "quantizer.demo.cli",
 )
 
@@ -49,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command as given (build records it in the pack's card)
     ranks = join_from_env()  # under torchrun: this process's rank of the job
     who = f" (rank {ranks.rank} of {ranks.world})" if ranks.joined else ""
     try:

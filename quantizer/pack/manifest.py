@@ -18,7 +18,8 @@ Schema (manifest_version 2):
 - `totals`: per tensor class {tensors, bytes, params, bpw} (bpw = stored bits per source parameter);
 - `loader_features`: what a loader must support ("per-expert-K", "expert-aliases");
 - `fit`: `quantizer.fit.fit_table` for 1, 2 and 4 Sparks at the model's full context, per engine:
-  fits, weights and free GiB per rank, largest context.
+  fits, weights and free GiB per rank, largest context;
+- `measurement`: what `quantizer ppl PACK --against SRC --record` measured (pack/measurement.py), or null.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from quantizer.checkpoint.fingerprint import sha256_file  # noqa: F401 (the pack's shard hashes)
 from quantizer.errors import UserError
+from quantizer.pack.measurement import Measurement
 from quantizer.workdir import read_json
 
 MANIFEST_NAME = "manifest.json"
@@ -64,6 +66,7 @@ class Manifest:
     totals: dict[str, dict] = field(default_factory=dict)
     loader_features: list[str] = field(default_factory=list)
     fit: dict | None = None
+    measurement: Measurement | None = None  # pack/measurement.py: set by `ppl --record` only
 
     def to_dict(self) -> dict:
         data = {"manifest_version": MANIFEST_VERSION, **asdict(self)}
@@ -78,6 +81,8 @@ class Manifest:
                 raise UserError(f"{where}: manifest_version {version} is not {MANIFEST_VERSION}; use a matching quantizer")
             data["shards"] = [ShardRecord(**s) for s in data["shards"]]
             data["tensors"] = {n: TensorRecord(t["shard"], t["K"], t["class"]) for n, t in data["tensors"].items()}
+            if data.get("measurement") is not None:
+                data["measurement"] = Measurement.from_dict(data["measurement"])
             return cls(**data)
         except (KeyError, TypeError, AttributeError) as e:
             raise UserError(f"{where}: not a valid pack manifest ({type(e).__name__}: {e}); rebuild the pack")

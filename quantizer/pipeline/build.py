@@ -70,6 +70,8 @@ class BuildRequest:
     shard_size: int = PackSettings.shard_size
     quantize: QuantizeSettings = QuantizeSettings()
     measured: dict[str, dict[float, float]] | None = None  # ours: proxy errors per target and K, measured
+    base_model: str | None = None  # the source's Hugging Face repo id, named in the pack's card
+    command: tuple[str, ...] | None = None  # the command line, which the card gives as the way to rebuild
 
     @property
     def work_dir(self) -> Path:
@@ -115,7 +117,7 @@ def build(req: BuildRequest) -> BuildResult:
         settings = replace(req.quantize, calibration=store.record if store else None)
         quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None,
                              on_start=lambda: save_plan(ck.config, plan, req.work_dir))
-        pack = PackSettings(settings.record(), req.shard_size, req.revision)
+        pack = PackSettings(settings.record(), req.shard_size, req.revision, req.base_model, req.command)
         manifest, verified = ranks.on_main(lambda: (
             write_pack(ck, plan, req.work_dir / QUANTIZE_DIR, req.out, pack, partial), verify_pack(req.out)))
         ranks.barrier()

@@ -76,6 +76,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE, help="shard cap, e.g. 8G, 512M (default 8G)")
     p.add_argument("--codebook", choices=CODEBOOKS, help="EXL3 codebook of a uniform plan (default mul1)")
     p.add_argument("--revision", help="revision of a Hugging Face repo id")
+    p.add_argument("--base-model", metavar="ORG/NAME",
+                   help="the source's Hugging Face repo id, for the pack's card (default: SRC when it is a repo id)")
     p.set_defaults(func=run)
 
 
@@ -103,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         calibration_rows=None if args.no_calibrate else _calibration_rows(args, ck),
         calibration=CalibrationSettings(device=args.device, row_chunk=args.row_chunk), work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
+        base_model=args.base_model or (None if Path(args.src).expanduser().exists() else args.src),
+        command=("quantizer", *args.argv),
     )
     if args.measured_errors:  # what the cache of --work holds now, whatever plans made it
         req = replace(req, measured=measured_proxies(ck.config, measured_encodings(req.work_dir / QUANTIZE_DIR)))

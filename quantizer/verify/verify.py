@@ -3,12 +3,13 @@
 Every check yields a Finding; a FAULT names the shard or tensor and what is wrong. Header-level checks
 catch truncated, replaced, missing and extra shards, tensors beyond EOF, misalignment, an index that
 disagrees with the shards, dropped tensors and trellis shapes that disagree with the K the manifest
-claims. Then the layout check: the shards hold exactly the tensors of the pack spec (plan/spec.py)
-of the K map they carry, so a pack that is self-consistent but not what any plan makes is caught.
-Then the loader check: the K and codebook each stored linear holds (read from the shards,
-not the manifest) against the rules of a loader profile (plan/profiles.py), by default the one the
-pack was made for; a fault names the tensor, the rule and the engine code it comes from. --full adds
-the sha256 of every shard, which catches any flipped byte.
+claims, and the model card (README.md) must be the one the manifest gives (pack/card.py). Then the
+layout check: the shards hold exactly the tensors of the pack spec (plan/spec.py) of the K map they
+carry, so a pack that is self-consistent but not what any plan makes is caught. Then the loader
+check: the K and codebook each stored linear holds (read from the shards, not the manifest) against
+the rules of a loader profile (plan/profiles.py), by default the one the pack was made for; a fault
+names the tensor, the rule and the engine code it comes from. --full adds the sha256 of every shard,
+which catches any flipped byte.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from quantizer.checkpoint.source import ENGRAM_TABLE, INDEX_NAME
 from quantizer.errors import UserError
 from quantizer.exl3 import PACK_ALIGN, UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
 from quantizer.model.targets import target_map
+from quantizer.pack.card import CARD_NAME, render_card
 from quantizer.pack.manifest import NATIVE, Manifest, sha256_file
 from quantizer.plan.profiles import load_profile, violations
 from quantizer.plan.plan import Plan
@@ -82,6 +84,7 @@ def verify_pack(pack: str | Path, full: bool = False, loader: str | None = None)
     _check_aliases(manifest, report)
     _check_sources(manifest, report)
     _check_configs(pack, manifest, report)
+    _check_card(pack, manifest, report)
     cfg = _model_config(pack, manifest, report)
     if cfg is not None:
         _check_spec(cfg, manifest, headers, report)
@@ -281,6 +284,18 @@ def _check_configs(pack: Path, manifest: Manifest, report: VerifyReport) -> None
         report.fault("quantization_config.json", f"bits_per_weight disagrees with the manifest for {len(wrong_k)} linears, e.g. {wrong_k[0]}")
     else:
         report.ok("quantization_config.json", f"bits_per_weight of all {len(keys):,} EXL3 linears as in the manifest")
+
+
+def _check_card(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """README.md is the card the manifest gives (pack/card.py): its figures are the recorded ones."""
+    path = pack / CARD_NAME
+    if not path.is_file():
+        report.fault(CARD_NAME, f"missing; write the pack's card with `quantizer card {pack}`")
+    elif path.read_text(errors="replace") != render_card(manifest):
+        report.fault(CARD_NAME, "is not the card of this manifest (edited by hand, or the manifest changed since); "
+                                f"regenerate it with `quantizer card {pack}`")
+    else:
+        report.ok(CARD_NAME, "the model card of this manifest")
 
 
 def _model_config(pack: Path, manifest: Manifest, report: VerifyReport) -> ModelConfig | None:
