@@ -36,6 +36,7 @@ COMMANDS = (
     "quantizer.pipeline.cli",
     "quantizer.verify.cli",
     "quantizer.pack.cli",
+    "quantizer.publish.cli",
     "quantizer.demo.cli",
 )
 
