@@ -37,6 +37,7 @@ COMMANDS = (
     "quantizer.verify.cli",
     "quantizer.pack.cli",
     "quantizer.publish.cli",
+    "quantizer.evaluate.cli",
     "quantizer.demo.cli",
 )
 
