@@ -60,7 +60,8 @@ def test_build_writes_a_card_whose_front_matter_names_the_source_as_quantized(bu
     assert {"exl3", "exllamav3"} <= set(meta["tags"])
     manifest = Manifest.load(built / "pack")
     assert manifest.source["fingerprint"] in card and manifest.plan["hash"] in card
-    assert "--base-model example-org/tiny-v41" in card and "--no-calibrate" in card  # the rebuild command
+    assert "--base-model example-org/tiny-v41" in card and "--no-calibrate" in card  # the rebuild command,
+    assert "--out PACK" in card and str(built / "pack") not in card  # wherever the pack was written
     assert "not measured" in card
 
 

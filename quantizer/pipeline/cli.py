@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         calibration=CalibrationSettings(device=args.device, row_chunk=args.row_chunk), work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
         base_model=args.base_model or (None if Path(args.src).expanduser().exists() else args.src),
-        command=("quantizer", *args.argv),
+        command=rebuild_command(args.argv),
     )
     if args.measured_errors:  # what the cache of --work holds now, whatever plans made it
         req = replace(req, measured=measured_proxies(ck.config, measured_encodings(req.work_dir / QUANTIZE_DIR)))
@@ -114,6 +114,24 @@ def run(args: argparse.Namespace) -> int:
     if current().main:
         print(summary(result))
     return 1 if result.verify.faults or (result.fit and not result.fit.fits) else 0
+
+
+def rebuild_command(argv: list[str]) -> tuple[str, ...]:
+    """The build command as the pack's card gives it: `--out PACK` and no --work, since where the pack
+    and its work directory go is the rebuilder's choice, and a pack must not differ by where it was
+    written (the same build into two places gives byte-identical packs)."""
+    command, skip = ["quantizer"], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in ("--out", "--work"):
+            skip = not eq
+            command += ["--out", "PACK"] if flag == "--out" else []
+            continue
+        command.append(arg)
+    return tuple(command)
 
 
 def _calibration_rows(args: argparse.Namespace, ck: Checkpoint):
