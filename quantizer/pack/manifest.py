@@ -2,10 +2,12 @@
 
 Schema (manifest_version 2):
 
-- `tool`: name, version, torch, `exllamav3_target` (the format version the pack is written for) and
-  `exllamav3` (the version that encoded it on the GPU, or null for the CPU codec);
+- `tool`: name, version, torch, `exllamav3_target` (the format version the pack is written for),
+  `exllamav3` (the version that encoded it on the GPU, or null for the CPU codec) and `command` (the
+  build command line with `--out PACK`, or null; the card gives it as the way to rebuild);
 - `source`: path, revision, arch, fingerprint and FP8 `weight_block_size` of the native checkpoint (the
-  pack's own config.json carries EXL3's quantization_config, so verify reads the source grid here);
+  pack's own config.json carries EXL3's quantization_config, so verify reads the source grid here),
+  `base_model` (its Hugging Face repo id, or null) and `license` (from its card's front matter, or null);
 - `plan`: hash, loader (the loader profile the pack is made for; verify checks it), codebook, head_bits;  `settings`: seed, device, encoder, calibration;
 - `quantization`: the integer `bits`, the `bpw` and the K histogram written into config.json;
 - `shards`: [{file, bytes, sha256, engram}] in file order;
