@@ -39,6 +39,9 @@ COMMANDS = (
     "quantizer.fit.cli",
     "quantizer.pipeline.cli",
     "quantizer.verify.cli",
+    "quantizer.pack.cli",
+    "quantizer.publish.cli",
+    "quantizer.evaluate.cli",
     "quantizer.demo.cli",
 )
 
@@ -62,7 +65,9 @@ def _terminate(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the command as given (build records it in the pack's card)
     ranks = join_from_env()  # under torchrun: this process's rank of the job
     who = f" (rank {ranks.rank} of {ranks.world})" if ranks.joined else ""
     main_thread = threading.current_thread() is threading.main_thread()  # only it may set a handler

@@ -2,10 +2,12 @@
 
 Schema (manifest_version 2):
 
-- `tool`: name, version, torch, `exllamav3_target` (the format version the pack is written for) and
-  `exllamav3` (the version that encoded it on the GPU, or null for the CPU codec);
+- `tool`: name, version, torch, `exllamav3_target` (the format version the pack is written for),
+  `exllamav3` (the version that encoded it on the GPU, or null for the CPU codec) and `command` (the
+  build command line with `--out PACK`, or null; the card gives it as the way to rebuild);
 - `source`: path, revision, arch, fingerprint and FP8 `weight_block_size` of the native checkpoint (the
-  pack's own config.json carries EXL3's quantization_config, so verify reads the source grid here);
+  pack's own config.json carries EXL3's quantization_config, so verify reads the source grid here),
+  `base_model` (its Hugging Face repo id, or null) and `license` (from its card's front matter, or null);
 - `plan`: hash, loader (the loader profile the pack is made for; verify checks it), codebook, head_bits;
   `settings`: seed, device, encoder, calibration;
 - `quantization`: the integer `bits`, the `bpw` and the K histogram written into config.json;
@@ -19,7 +21,8 @@ Schema (manifest_version 2):
 - `totals`: per tensor class {tensors, bytes, params, bpw} (bpw = stored bits per source parameter);
 - `loader_features`: what a loader must support ("per-expert-K", "expert-aliases");
 - `claims_sha256`: the sha256 of `tool`, `source`, `plan` and `settings`, the claims no shard can
-  confirm (where the pack came from, how it was made), so verify finds a hand edit of them.
+  confirm (where the pack came from, how it was made), so verify finds a hand edit of them;
+- `measurement`: what `quantizer ppl PACK --against SRC --record` measured (pack/measurement.py), or null.
 
 No fit verdict: whether a pack fits N Sparks depends on the hardware profile (configs/hardware/gb10.json),
 which is re-measured, so a stored verdict would go stale. The shards' headers are its inputs, and
@@ -36,6 +39,7 @@ from pathlib import Path
 
 from quantizer.checkpoint.fingerprint import sha256_file  # noqa: F401 (the pack's shard hashes)
 from quantizer.errors import UserError
+from quantizer.pack.measurement import Measurement
 from quantizer.workdir import read_json
 
 MANIFEST_NAME = "manifest.json"
@@ -73,6 +77,7 @@ class Manifest:
     totals: dict[str, dict] = field(default_factory=dict)
     loader_features: list[str] = field(default_factory=list)
     claims_sha256: str | None = None  # as read; to_dict writes the digest of the claims it holds
+    measurement: Measurement | None = None  # pack/measurement.py: set by `ppl --record` only
 
     def to_dict(self) -> dict:
         data = {"manifest_version": MANIFEST_VERSION, **asdict(self)}
@@ -94,6 +99,8 @@ class Manifest:
                 raise UserError(f"{where}: manifest_version {version} is not {MANIFEST_VERSION}; use a matching quantizer")
             data["shards"] = [ShardRecord(**s) for s in data["shards"]]
             data["tensors"] = {n: TensorRecord(t["shard"], t["K"], t["class"]) for n, t in data["tensors"].items()}
+            if data.get("measurement") is not None:
+                data["measurement"] = Measurement.from_dict(data["measurement"])
             return cls(**data)
         except (KeyError, TypeError, AttributeError) as e:
             raise UserError(f"{where}: not a valid pack manifest ({type(e).__name__}: {e}); rebuild the pack")

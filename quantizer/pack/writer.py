@@ -32,6 +32,7 @@ from quantizer.exl3 import UNQUANTIZED, parse_codebook
 from quantizer.model.layout import TensorSpec
 from quantizer.model.targets import targets
 from quantizer.model.tensor_classes import classify
+from quantizer.pack.card import CARD_NAME, source_license, write_card
 from quantizer.pack.exl3_config import EXLLAMAV3_TARGET, pack_config, quantization_config, tensor_storage
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, ShardRecord, TensorRecord, sha256_file
 from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, reusable_sources, write_shards
@@ -45,7 +46,7 @@ from quantizer.workdir import require_free_space, write_json_atomic
 
 DEFAULT_SHARD_SIZE = 8 << 30
 SKIPPED_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
-WRITTEN_FILES = ("config.json", INDEX_NAME, "quantization_config.json", MANIFEST_NAME)
+WRITTEN_FILES = ("config.json", INDEX_NAME, "quantization_config.json", MANIFEST_NAME, CARD_NAME)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class PackSettings:
     job_settings: dict  # the quantize stage's settings record (seed, device, encoder, ...): names the units
     shard_size: int = DEFAULT_SHARD_SIZE
     revision: str | None = None  # of a Hugging Face source, for the manifest
+    base_model: str | None = None  # the source's Hugging Face repo id, for the card
+    command: tuple[str, ...] | None = None  # the command line that built the pack, for the card
 
 
 def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, settings: PackSettings,
@@ -98,6 +101,7 @@ def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settin
     _copy_side_files(ck.root, partial)
     manifest = _manifest(ck, plan, linears, shards, records, sources, qcfg, settings)
     write_json_atomic(partial / MANIFEST_NAME, manifest.to_dict())
+    write_card(partial, manifest)
     return manifest
 
 
@@ -242,11 +246,13 @@ def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackS
         tool={
             "name": "quantizer", "version": __version__, "torch": torch.__version__.split("+")[0],
             "exllamav3_target": EXLLAMAV3_TARGET, "exllamav3": _encoder_version(settings),
+            "command": list(settings.command) if settings.command else None,
         },
         source={"path": str(ck.root), "revision": settings.revision, "arch": ck.config.arch,
                 "fingerprint": source_fingerprint(ck),
                 # the pack's config.json carries EXL3's quantization_config, not the source's FP8 grid
-                "weight_block_size": list(ck.config.fp8_block)},
+                "weight_block_size": list(ck.config.fp8_block),
+                "base_model": settings.base_model, "license": source_license(ck.root)},
         plan={"hash": plan.content_hash(), "loader": plan.loader, "codebook": plan.codebook,
               "head_bits": qcfg["head_bits"]},
         settings=dict(settings.job_settings),

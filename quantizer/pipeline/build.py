@@ -78,6 +78,8 @@ class BuildRequest:
     measured: dict[str, dict[float, float]] | None = None  # ours: proxy errors per target and K, measured
     measured_from_work: bool = False  # ours: `measured` read from the work directory's cache once claimed
     plan_file: Path | None = None  # where `plan` was read from, for the messages that name it
+    base_model: str | None = None  # the source's Hugging Face repo id, named in the pack's card
+    command: tuple[str, ...] | None = None  # the command line, which the card gives as the way to rebuild
 
     @property
     def work_dir(self) -> Path:
@@ -131,7 +133,7 @@ def build(req: BuildRequest) -> BuildResult:
         quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None,
                              on_start=lambda: save_plan(ck.config, plan, req.work_dir), source_check=pin.check_read)
         require_unchanged(pin, "quantize", made, req.work_dir)
-        pack = PackSettings(settings.record(), req.shard_size, req.revision)
+        pack = PackSettings(settings.record(), req.shard_size, req.revision, req.base_model, req.command)
         manifest, verified = ranks.on_main(lambda: pack_and_publish(ck, plan, req, pack, partial, pin))
         ranks.barrier()
     return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, manifest, verified, time.monotonic() - start)

@@ -72,6 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE, help="shard cap, e.g. 8G, 512M (default 8G)")
     p.add_argument("--codebook", choices=CODEBOOKS, help="EXL3 codebook of a uniform plan (default mul1)")
     p.add_argument("--revision", help="revision of a Hugging Face repo id")
+    p.add_argument("--base-model", metavar="ORG/NAME",
+                   help="the source's Hugging Face repo id, for the pack's card (default: SRC when it is a repo id)")
     p.set_defaults(func=run)
 
 
@@ -101,11 +103,31 @@ def run(args: argparse.Namespace) -> int:
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
         measured_from_work=args.measured_errors,
         plan_file=args.plan,
+        base_model=args.base_model or (None if Path(args.src).expanduser().exists() else args.src),
+        command=rebuild_command(args.argv),
     )
     result = build(req)
     if current().main:
         print(summary(result))
     return 1 if result.fit and not result.fit.fits else 0
+
+
+def rebuild_command(argv: list[str]) -> tuple[str, ...]:
+    """The build command as the pack's card gives it: `--out PACK` and no --work, since where the pack
+    and its work directory go is the rebuilder's choice, and a pack must not differ by where it was
+    written (the same build into two places gives byte-identical packs)."""
+    command, skip = ["quantizer"], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in ("--out", "--work"):
+            skip = not eq
+            command += ["--out", "PACK"] if flag == "--out" else []
+            continue
+        command.append(arg)
+    return tuple(command)
 
 
 def _calibration_rows(args: argparse.Namespace, ck: Checkpoint):

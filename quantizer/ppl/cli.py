@@ -6,6 +6,7 @@ adds KL(SRC || MODEL), top-1 agreement and the paired NLL delta with its standar
 compared only with the checkpoint its manifest says it was built from (same content fingerprint).
 A pack is measured only once every shard's sha256 matches its manifest (a flipped byte would give a
 plausible, wrong number); a model that computes NaN or inf is an error (exit 2) naming what verify finds.
+`--record` writes that measurement into the pack's manifest and regenerates its card (pack/card.py).
 
 Rows are cut by quantizer.textdata: text is tokenized with the checkpoint's tokenizer.json, one BOS
 per row and EOS between documents; token files (.npy, or .safetensors with `input_ids`) are used
@@ -19,12 +20,18 @@ import argparse
 import json
 import sys
 
+from pathlib import Path
+
 import torch
 
+from quantizer import __version__
+from quantizer.checkpoint.fingerprint import sha256_file
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
+from quantizer.pack.card import CARD_NAME, record_measurement
 from quantizer.pack.manifest import MANIFEST_NAME
+from quantizer.pack.measurement import LogitsEngine, Measurement
 from quantizer.ppl.compare import Comparison, compare
 from quantizer.ppl.pack_source import PackSource, require_built_from, require_intact
 from quantizer.ppl.perplexity import NonFiniteLogits, perplexity, row_predictions
@@ -46,6 +53,8 @@ def register(subparsers) -> None:
     p.add_argument("--cols", type=int, help=f"tokens per row (default: a 2-D file's width, else {DEFAULT_COLS})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--revision", help="revision, for a Hugging Face repo id")
+    p.add_argument("--record", action="store_true",
+                   help="with --against and a pack: write the measurement into the pack's manifest and card")
     p.add_argument("--json", action="store_true", help='print {"ppl", "nll", "nll_stderr", "tokens"} as JSON '
                    '(with --against: "ppl", "ppl_source", "kl", "top1", "nll_delta", "nll_delta_stderr", "tokens", ...)')
     p.set_defaults(func=run)
@@ -56,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--device cuda: no CUDA device is visible to torch; use --device cpu")
     model = Checkpoint.open(args.src, revision=args.revision)
     is_pack = (model.root / MANIFEST_NAME).exists()
+    if args.record and not (args.against and is_pack and Path(args.src).is_dir()):
+        raise UserError("--record writes into a pack: give a local pack directory as MODEL and its source as --against")
     reference = Checkpoint.open(args.against) if args.against else None
     if is_pack:
         require_intact(model)
@@ -86,6 +97,9 @@ def _report(args: argparse.Namespace, model: Checkpoint, reference: Checkpoint |
             raise UserError(f"{args.src} and {args.against} have different vocabularies; compare a pack with its source")
         result = compare(row_predictions(streamer(reference), rows), row_predictions(streamer(model), rows))
         print(json.dumps(result.as_dict()) if args.json else describe(result))
+        if args.record:
+            record_measurement(model.root, measurement(result, rows, Path(args.text or args.tokens), args.device, dtype))
+            print(f"ppl: recorded in {model.root / MANIFEST_NAME} and {model.root / CARD_NAME}", file=sys.stderr)
         return 0
     result = perplexity(streamer(model), rows)
     if args.json:
@@ -100,6 +114,13 @@ def describe(c: Comparison) -> str:
     return (f"perplexity {c.pack.ppl:.4f} (source {c.source.ppl:.4f})  KL {c.kl:.5f} ± {c.kl_stderr:.5f}  "
             f"top-1 agreement {c.top1:.2%}  NLL delta {c.nll_delta:+.5f} ± {c.nll_delta_stderr:.5f}  "
             f"over {c.tokens:,} tokens")
+
+
+def measurement(c: Comparison, rows: torch.Tensor, text: Path, device: str, dtype: torch.dtype) -> Measurement:
+    """The comparison as the manifest records it: the rows' file by name and hash, our forward as the engine."""
+    engine = LogitsEngine("quantizer reference forward", __version__, device, str(dtype).removeprefix("torch."))
+    return Measurement(text.name, sha256_file(text), rows.shape[0], rows.shape[1], c.tokens, c.kl, c.kl_stderr,
+                       c.top1, c.top1_stderr, c.pack.ppl, c.source.ppl, c.nll_delta, c.nll_delta_stderr, engine)
 
 
 def _rows(args: argparse.Namespace, ck: Checkpoint) -> torch.Tensor:

@@ -3,13 +3,14 @@
 Every check yields a Finding; a FAULT names the shard or tensor and what is wrong. Header-level checks
 catch truncated, replaced, missing and extra shards, tensors beyond EOF, misalignment, an index that
 disagrees with the shards, dropped tensors and trellis shapes that disagree with the K the manifest
-claims. Then the layout check: the shards hold exactly the tensors of the pack spec (plan/spec.py)
-of the K map they carry, so a pack that is self-consistent but not what any plan makes is caught.
-Then the loader check: the K and codebook each stored linear holds (read from the shards,
-not the manifest) against the rules of a loader profile (plan/profiles.py), by default the one the
-pack was made for; a fault names the tensor, the rule and the engine code it comes from. The manifest's
-own claims (source fingerprint, loader, plan, settings) must match the digest the pack stage wrote of
-them. --full adds the sha256 of every shard, which catches any flipped byte.
+claims, and the model card (README.md) must be the one the manifest gives (pack/card.py). Then the
+layout check: the shards hold exactly the tensors of the pack spec (plan/spec.py) of the K map they
+carry, so a pack that is self-consistent but not what any plan makes is caught. Then the loader
+check: the K and codebook each stored linear holds (read from the shards, not the manifest) against
+the rules of a loader profile (plan/profiles.py), by default the one the pack was made for; a fault
+names the tensor, the rule and the engine code it comes from. The manifest's own claims (source
+fingerprint, loader, plan, settings) must match the digest the pack stage wrote of them. --full adds
+the sha256 of every shard, which catches any flipped byte.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from quantizer.checkpoint.source import INDEX_NAME, is_engram_table
 from quantizer.errors import UserError
 from quantizer.exl3 import PACK_ALIGN, UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
 from quantizer.model.targets import target_map
+from quantizer.fit.memory import pack_fit_table
+from quantizer.pack.card import CARD_NAME, render_card, without_fit
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, sha256_file
 from quantizer.plan.profiles import load_profile, violations
 from quantizer.plan.plan import Plan
@@ -84,6 +87,7 @@ def verify_pack(pack: str | Path, full: bool = False, loader: str | None = None)
     _check_sources(manifest, report)
     _check_configs(pack, manifest, report)
     _check_claims(manifest, report)
+    _check_card(pack, manifest, report)
     cfg = _model_config(pack, manifest, report)
     if cfg is not None:
         _check_spec(cfg, manifest, headers, report)
@@ -304,6 +308,27 @@ def _check_claims(manifest: Manifest, report: VerifyReport) -> None:
     if manifest.loader_features != features:
         report.fault(MANIFEST_NAME, f"loader_features {manifest.loader_features} but loader "
                                     f"{manifest.plan['loader']} with {len(manifest.aliases)} aliases implies {features}")
+
+
+def _check_card(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """README.md is the card the manifest gives (pack/card.py): its figures are the recorded ones."""
+    path = pack / CARD_NAME
+    if not path.is_file():
+        report.fault(CARD_NAME, f"missing; write the pack's card with `quantizer card {pack}`")
+        return
+    try:
+        fit = pack_fit_table(pack)
+    except (UserError, OSError, ValueError, KeyError):
+        fit = None  # headers the checks above fault; the rest of the card is still compared
+    card, expected = path.read_text(errors="replace"), render_card(manifest, fit)
+    if card == expected:
+        report.ok(CARD_NAME, "the model card of this manifest")
+    elif without_fit(card) == without_fit(expected):
+        report.ok(CARD_NAME, "the model card of this manifest; its fit section was computed against another "
+                             f"hardware profile than today's (`quantizer card {pack}` refreshes it)")
+    else:
+        report.fault(CARD_NAME, "is not the card of this manifest (edited by hand, or the manifest changed since); "
+                                f"regenerate it with `quantizer card {pack}`")
 
 
 def _model_config(pack: Path, manifest: Manifest, report: VerifyReport) -> ModelConfig | None:

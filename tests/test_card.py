@@ -1,0 +1,155 @@
+"""The pack's model card: `build` writes README.md with Hugging Face front matter and figures equal to the
+manifest's and `fit`'s; `ppl --record` changes only the manifest's measurement and the card; verify
+faults a card that is not the manifest's, and `quantizer card` rewrites it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.cli import main
+from quantizer.model.targets import targets
+from quantizer.fit.memory import pack_fit_table
+from quantizer.pack.card import CARD_NAME, render_card, source_license
+from quantizer.pack.manifest import MANIFEST_NAME, Manifest
+from quantizer.plan.plan import make_plan
+
+ENCODED = "layers.0.attn.wq_b"  # one EXL3 linear (K 2): a second of the CPU codec
+
+
+@pytest.fixture(scope="module")
+def built(tiny_v41, tmp_path_factory):
+    root = tmp_path_factory.mktemp("card")
+    cfg = Checkpoint.open(tiny_v41).config
+    make_plan(cfg, {t.key: (2.0 if t.key == ENCODED else None) for t in targets(cfg)}).save(root / "plan.json")
+    assert main(["build", str(tiny_v41), "--plan", str(root / "plan.json"), "--out", str(root / "pack"),
+                 "--shard-size", "4M", "--no-calibrate", "--base-model", "example-org/tiny-v41"]) == 0
+    np.save(root / "rows.npy", np.random.default_rng(5).integers(3, 4096, size=(2, 32)))
+    return root
+
+
+@pytest.fixture
+def copy(built, tmp_path):
+    return shutil.copytree(built / "pack", tmp_path / "pack")
+
+
+def _front_matter(card: str) -> dict:
+    assert card.startswith("---\n")
+    return yaml.safe_load(card[4: card.index("\n---\n", 4)])
+
+
+def _block(card: str, heading: str) -> list[list[str]]:
+    """The rows of the fenced table under `heading`, split on runs of two or more spaces."""
+    section = card[card.index(f"## {heading}\n"):]
+    body = section[section.index("```\n") + 4:]
+    lines = body[: body.index("```")].splitlines()[2:]  # past the header and its rule
+    return [re.split(r"\s{2,}", line.strip()) for line in lines]
+
+
+def test_build_writes_a_card_whose_front_matter_names_the_source_as_quantized(built):
+    card = (built / "pack" / CARD_NAME).read_text()
+    meta = _front_matter(card)
+    assert meta["base_model"] == "example-org/tiny-v41" and meta["base_model_relation"] == "quantized"
+    assert meta["library_name"] == "exllamav3"
+    assert {"exl3", "exllamav3"} <= set(meta["tags"])
+    manifest = Manifest.load(built / "pack")
+    assert manifest.source["fingerprint"] in card and manifest.plan["hash"] in card
+    assert "--base-model example-org/tiny-v41" in card and "--no-calibrate" in card  # the rebuild command,
+    assert "--out PACK" in card and str(built / "pack") not in card  # wherever the pack was written
+    assert "not measured" in card
+
+
+def test_the_cards_bits_per_class_are_the_manifests_totals(built):
+    manifest = Manifest.load(built / "pack")
+    rows = _block((built / "pack" / CARD_NAME).read_text(), "Bits")
+    assert [r[0] for r in rows] == list(manifest.totals)
+    for cls, tensors, _, params, bpw in rows:
+        t = manifest.totals[cls]
+        assert (int(tensors.replace(",", "")), int(params.replace(",", ""))) == (t["tensors"], t["params"])
+        assert float(bpw) == pytest.approx(t["bpw"], abs=5e-4)
+    assert f"K 2: {manifest.quantization['k_histogram']['2']}" in (built / "pack" / CARD_NAME).read_text()
+
+
+def test_the_cards_fit_table_is_what_quantizer_fit_prints_for_the_pack(built, capsys):
+    pack = built / "pack"
+    fit = pack_fit_table(pack)  # the manifest keeps no verdict: the card's is computed from the headers
+    rows = _block((pack / CARD_NAME).read_text(), "Fit on DGX Sparks")
+    want = [(s, e) for s, engines in fit["topologies"].items() for e in engines]
+    assert [(r[0], r[1]) for r in rows] == want and len(rows) >= 3
+    for sparks, engine, fits, weights, free, context in rows:
+        capsys.readouterr()
+        code = main(["fit", str(pack), "--sparks", sparks, "--engine", engine, "--json"])
+        report = json.loads(capsys.readouterr().out)
+        assert (code == 0) == (fits == "yes") == report["fits"]
+        assert weights.split(" / ") == [f"{round(r['weights_gib'], 3):,.3f}" for r in report["ranks"]]
+        assert free.split(" / ") == [f"{round(r['free_gib'], 3):,.3f}" for r in report["ranks"]]
+        assert int(context.replace(",", "")) == fit["topologies"][sparks][engine]["max_context"]
+
+
+def test_record_changes_only_the_measurement_and_the_card(built, copy, tiny_v41, capsys):
+    before = json.loads((copy / MANIFEST_NAME).read_text())
+    card_before = (copy / CARD_NAME).read_text()
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in copy.iterdir()}
+    assert main(["ppl", str(copy), "--against", str(tiny_v41), "--tokens", str(built / "rows.npy"), "--record", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    after = json.loads((copy / MANIFEST_NAME).read_text())
+    assert {k: v for k, v in after.items() if k != "measurement"} == {k: v for k, v in before.items() if k != "measurement"}
+    assert before["measurement"] is None
+    m = after["measurement"]
+    assert m["text"] == "rows.npy" and m["text_sha256"] == hashlib.sha256((built / "rows.npy").read_bytes()).hexdigest()
+    assert (m["rows"], m["cols"], m["tokens"]) == (2, 32, printed["tokens"])
+    for key in ("kl", "kl_stderr", "top1", "top1_stderr", "ppl", "ppl_source", "nll_delta", "nll_delta_stderr"):
+        assert m[key] == printed[key]
+    assert m["engine"] == {"name": "quantizer reference forward", "version": before["tool"]["version"],
+                           "device": "cpu", "dtype": "float32"}
+    changed = {p.name for p in copy.iterdir() if files.get(p.name) != hashlib.sha256(p.read_bytes()).hexdigest()}
+    assert changed == {MANIFEST_NAME, CARD_NAME}
+    card = (copy / CARD_NAME).read_text()
+    assert card != card_before and "not measured" not in card
+    quality = dict(_block(card, "Quality"))
+    assert quality["KL(source || pack), nats/token"] == f"{m['kl']:.5f} ± {m['kl_stderr']:.5f}"
+    assert quality["perplexity, pack"] == f"{m['ppl']:.4f}" and quality["perplexity, source"] == f"{m['ppl_source']:.4f}"
+    assert quality["NLL delta (pack - source), nats/token"] == f"{m['nll_delta']:+.5f} ± {m['nll_delta_stderr']:.5f}"
+    assert main(["verify", str(copy)]) == 0
+
+
+def test_record_without_a_source_to_compare_with_is_refused_in_one_line(built, capsys):
+    assert main(["ppl", str(built / "pack"), "--tokens", str(built / "rows.npy"), "--record"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--record writes into a pack" in err[0]
+
+
+def test_verify_faults_an_edited_or_missing_card_and_quantizer_card_rewrites_it(copy, capsys):
+    card = copy / CARD_NAME
+    card.write_text(card.read_text().replace("not measured", "KL 0.001"))
+    assert main(["verify", str(copy)]) == 1
+    assert f"FAULT {CARD_NAME}: is not the card of this manifest" in capsys.readouterr().out
+    card.unlink()
+    assert main(["verify", str(copy)]) == 1
+    assert f"FAULT {CARD_NAME}: missing" in capsys.readouterr().out
+    assert main(["card", str(copy)]) == 0
+    assert card.read_text() == render_card(Manifest.load(copy), pack_fit_table(copy))
+    assert main(["verify", str(copy)]) == 0
+
+
+def test_a_fit_section_of_another_hardware_profile_is_reported_not_a_fault(copy, capsys):
+    card = copy / CARD_NAME
+    text = card.read_text()
+    head, _, rest = text.partition("## Fit on DGX Sparks")
+    card.write_text(head + "## Fit on DGX Sparks\n\ncomputed against last year's profile." + rest[rest.find("\n## "):])
+    assert main(["verify", str(copy)]) == 0
+    assert "its fit section was computed against another hardware profile" in capsys.readouterr().out
+
+
+def test_the_license_comes_from_the_source_cards_front_matter(tmp_path):
+    (tmp_path / CARD_NAME).write_text("---\nlicense: mit\nlibrary_name: transformers\n---\n# Model\n")
+    assert source_license(tmp_path) == "mit"
+    (tmp_path / CARD_NAME).write_text("# Model without front matter\n")
+    assert source_license(tmp_path) is None
