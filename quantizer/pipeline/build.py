@@ -42,7 +42,7 @@ from quantizer.pack.writer import PackSettings, check_new_pack_dir, write_pack
 from quantizer.pipeline.preflight import check_places, check_space, claim, disk_needs
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS, UNIFORM, planner
-from quantizer.plan.plan import Plan
+from quantizer.plan.plan import Plan, check_plan
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.quantize.rates import plan_estimate
@@ -98,6 +98,8 @@ def build(req: BuildRequest) -> BuildResult:
     check_new_pack_dir(req.out)  # before hours of work, not after
     ck = Checkpoint.open(req.src, req.revision)
     require_consistent(ck)
+    if req.plan is not None:
+        check_plan(ck.config, req.plan)  # a plan file keeps its engine profile's rules (aliases refused)
     estimate = req.plan or check_plannable(ck.config, req)
     calibration_disk = 0 if req.calibration_rows is None else calibration_needs(
         ck.config, *req.calibration_rows.shape, req.calibration).disk

@@ -8,8 +8,9 @@ are the segments of the lower convex hull of its (bits, cost) options, so a rate
 worse than the one after it (a non-convex step) does not stop the unit. All segments, best
 cost-per-bit first, are taken while they fit; this prefix is the Lagrangian optimum, exact for
 the bits it spends. What is left is filled by the best upgrades (any rate, hull or not) that still
-fit. The loader profile (profiles.py) decides the units: one tensor where the loader takes K per
-expert (`mixedk`); under `exllamav3` the routed experts of one layer share one K per projection and
+fit. The loader profile (profiles.py) decides what is allocated (only the groups its engine quantizes:
+for `vllm-exl3` the routed experts, the rest is a fixed cost in bytes) and the units: one tensor where
+the loader takes K per expert (`vllm-exl3`); under `exllamav3` and `tensorfold` the routed experts of one layer share one K per projection and
 gate and up share one K, so a layer's gate+up is one unit and its down another, cost and bits
 summed over their tensors. A profile's constraint is part of the problem, never a repair after it.
 
@@ -22,8 +23,8 @@ Cold experts (routed share below `alias_below` x the layer's mean, with an alias
 calibration) may be served by their warm expert: 0 bits, cost = importance x aliasing error. The
 choice is Lagrangian: alias when that cost is below what keeping the expert costs, its bits priced
 at the marginal value of bits in the current solution; at most `alias_cap` per layer; re-solved
-until the alias set is stable. On by default where the profile's loader honours aliases (mixedk);
-refused where it does not (exllamav3).
+until the alias set is stable. On by default where the profile's loader honours aliases; no engine
+profile reads an alias map today (docs/loader-profiles.md), so `--alias` is refused with one line.
 """
 
 from __future__ import annotations
@@ -67,9 +68,15 @@ class AllocationSettings:
         """Whether cold experts may be aliased; UserError where the loader cannot serve aliases."""
         allowed = load_profile(self.loader).aliases
         if self.alias and not allowed:
-            raise UserError(f"--alias: the {self.loader} loader reads every expert's own tensors and has no alias "
-                            "map; use --loader mixedk")
+            raise UserError(alias_refusal(self.loader))
         return allowed if self.alias is None else self.alias
+
+
+def alias_refusal(loader: str) -> str:
+    """The one line that refuses cold-expert aliases for a loader that reads no alias map."""
+    return (f"--alias: the {loader} engine reads every expert's own tensors and no engine profile reads an alias "
+            "map (docs/loader-profiles.md, cold-expert aliases), so a pack with aliased experts would miss them; "
+            "drop --alias")
 
 
 class Allocator:
@@ -88,22 +95,25 @@ class Allocator:
             raise UserError(f"--floor {floor:g}: choose an integer rate 1..8")
         self.cfg, self.sens, self.settings, self.profile = cfg, sens, settings, profile
         tmap = target_map(cfg)
-        self.targets = [tmap[k] for k in sens.keys]
+        # only what the engine quantizes is allocated; a group it keeps in source form is a fixed cost in bytes
+        keep = [i for i, key in enumerate(sens.keys) if profile.budgets(tmap[key])]
+        keys = tuple(sens.keys[i] for i in keep)
+        self.targets = [tmap[k] for k in keys]
         self.rates = np.asarray(sens.rates)
         self.numel = np.array([t.numel for t in self.targets], dtype=float)
-        by_kind = {}  # the profile's rule depends on the target only through integer_only
+        by_kind = {}  # the profile's rule depends on the target only through its group and integer_only
         for t in self.targets:
-            if t.integer_only not in by_kind:
-                by_kind[t.integer_only] = [profile.allows_k(float(r), settings.codebook, t) for r in self.rates]
-        allowed = np.array([by_kind[t.integer_only] for t in self.targets], dtype=bool).reshape(
+            if (t.group, t.integer_only) not in by_kind:
+                by_kind[t.group, t.integer_only] = [profile.allows_k(float(r), settings.codebook, t) for r in self.rates]
+        allowed = np.array([by_kind[t.group, t.integer_only] for t in self.targets], dtype=bool).reshape(
             len(self.targets), len(self.rates))
         for i, t in enumerate(self.targets):
             if t.group in FLOORED:
                 allowed[i] &= self.rates >= floor
-        self.cost = np.where(allowed, sens.cost, np.inf)
+        self.cost = np.where(allowed, sens.cost[keep], np.inf)
         self.bits = self.numel[:, None] * self.rates[None, :]
-        self.row = {k: i for i, k in enumerate(sens.keys)}
-        self.expert_rows = _expert_rows(sens.keys)
+        self.row = {k: i for i, k in enumerate(keys)}
+        self.expert_rows = _expert_rows(keys)
         self.candidates = self._alias_candidates() if settings.aliasing else ()
         self.total_numel = float(self.numel.sum())
 
@@ -159,6 +169,8 @@ class Allocator:
     def _solve(self, budget_bits: float, aliased: dict[str, str]) -> tuple[np.ndarray, float]:
         """Rate index per row (an aliased row holds its warm expert's) and the marginal value of a
         bit (cost per bit of the best upgrade left out)."""
+        if self.profile.mixed_k_min > self.profile.k_min and self.profile.per_expert_k:
+            return self._solve_layer_uniform_low(budget_bits)
         unit = self._units(aliased)
         live = unit >= 0
         ids, inverse = np.unique(unit[live], return_inverse=True)
@@ -171,6 +183,66 @@ class Allocator:
         choice[live] = pick[inverse]
         for cold, warm in aliased.items():
             choice[self.expert_rows[cold]] = choice[self._warm_rows(cold, warm)]
+        return choice, lam
+
+    def _solve_layer_uniform_low(self, budget_bits: float) -> tuple[np.ndarray, float]:
+        """K per expert where a rate below the profile's mixed_k_min is taken only by a whole layer of
+        routed experts (vllm-exl3: K1 on its fused path, K2..K8 mixed). Lagrangian: at a price per bit,
+        each layer takes the cheaper of "every expert at one low rate" and "each expert at its best rate
+        of the mixed range"; the smallest price whose choice fits picks the low layers, then the marginal
+        solver spends the rest on the other layers' experts."""
+        low_cols = [j for j, r in enumerate(self.rates) if r < self.profile.mixed_k_min]
+        mixed_cost = self.cost.copy()
+        mixed_cost[:, low_cols] = np.inf
+        layers: dict[int, list[int]] = {}
+        for i, t in enumerate(self.targets):
+            if t.group == ROUTED:
+                layers.setdefault(t.layer, []).append(i)
+        layer_rows = [np.asarray(rows) for rows in layers.values()]
+
+        def choose(lam: float) -> tuple[dict[int, int], float]:
+            """Low layers (position -> rate column) and the bits of the Lagrangian choice at `lam`."""
+            value = mixed_cost + lam * self.bits
+            pick = value.argmin(axis=1)
+            best = value[np.arange(len(pick)), pick]
+            bits = self.bits[np.arange(len(pick)), pick]
+            low, total = {}, float(np.where(np.isfinite(best), bits, 0).sum())
+            for n, rows in enumerate(layer_rows):
+                mixed = best[rows].sum()
+                for j in low_cols:
+                    uniform = (self.cost[rows, j] + lam * self.bits[rows, j]).sum()
+                    if uniform < mixed:
+                        mixed = uniform
+                        if n in low:
+                            total -= float(self.bits[rows, low[n]].sum())
+                        else:
+                            total -= float(bits[rows].sum())
+                        low[n] = j
+                        total += float(self.bits[rows, j].sum())
+            return low, total
+
+        hi = 1e-12
+        while choose(hi)[1] > budget_bits and hi < 1e30:
+            hi *= 4
+        if choose(hi)[1] > budget_bits:
+            raise InfeasibleBudget(choose(hi)[1], budget_bits)
+        lo = 0.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            if choose(mid)[1] > budget_bits:
+                lo = mid
+            else:
+                hi = mid
+        low, _ = choose(hi)
+        choice = np.zeros(len(self.targets), dtype=int)
+        fixed = np.zeros(len(self.targets), dtype=bool)
+        for n, j in low.items():
+            choice[layer_rows[n]] = j
+            fixed[layer_rows[n]] = True
+        free = ~fixed
+        spent = float(self.bits[fixed, choice[fixed]].sum()) if fixed.any() else 0.0
+        pick, lam = marginal_allocation(self.bits[free], mixed_cost[free], budget_bits - spent)
+        choice[free] = pick
         return choice, lam
 
     def _warm_rows(self, cold: str, warm: str) -> list[int]:
@@ -218,9 +290,11 @@ class Allocator:
         k: dict[str, float | None] = {key: float(self.rates[choice[i]]) for key, i in self.row.items()}
         for t in targets(self.cfg):
             if t.group == HEAD_GROUP:
-                k[t.key] = s.head_bits
+                k[t.key] = self.profile.group_k(HEAD_GROUP, s.head_bits)
             elif t.group == DRAFT:
-                k[t.key] = drafter_k(s.drafter_bits, t.integer_only)
+                k[t.key] = drafter_k(self.profile.group_k(DRAFT, s.drafter_bits), t.integer_only)
+            elif t.key not in k:
+                k[t.key] = None  # a group the engine keeps in source form
         bpw = budget_bits / self.total_numel if target_bpw is None else target_bpw
         made_by = (f"allocate(bpw={bpw:.4g}, loader={s.loader}, floor={s.floor:g}, codebook={s.codebook}, "
                    f"aliases={len(aliased)}, calibration={'synthetic' if self.sens.synthetic else 'measured'}, "

@@ -26,11 +26,15 @@ from quantizer.errors import UserError
 from quantizer.exl3 import PACK_ALIGN, UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
 from quantizer.model.targets import target_map
 from quantizer.pack.manifest import NATIVE, Manifest, sha256_file
-from quantizer.plan.profiles import load_profile, violations
+from quantizer.model.tensor_classes import ENGRAM_TABLE as ENGRAM_TABLE_CLASS
+from quantizer.pack.exl3_config import EXLLAMAV3_FORM
+from quantizer.pack.writer import engine_quantization_config
+from quantizer.plan.profiles import ENGRAM_SIBLING, LoaderProfile, Violation, load_profile, violations
 from quantizer.plan.plan import Plan
-from quantizer.plan.spec import StoredLinear, expert_of, pack_spec
+from quantizer.plan.spec import StoredLinear, expert_of, native_tensors, pack_spec
 
 EXL3_SCALES = ("suh", "svh")
+EXL3_LEAVES = (".trellis", ".suh", ".svh", ".mul1", ".mcg")
 
 
 @dataclass(frozen=True)
@@ -81,11 +85,12 @@ def verify_pack(pack: str | Path, full: bool = False, loader: str | None = None)
     _check_exl3(manifest, headers, report)
     _check_aliases(manifest, report)
     _check_sources(manifest, report)
-    _check_configs(pack, manifest, report)
+    _check_storage_config(pack, manifest, report)
     cfg = _model_config(pack, manifest, report)
     if cfg is not None:
         _check_spec(cfg, manifest, headers, report)
-        _check_loader(cfg, manifest, headers, profile, report)
+        linears = _check_loader(cfg, manifest, headers, profile, report)
+        _check_contract(pack, cfg, manifest, headers, profile, linears, report)
     if full:
         _check_hashes(pack, manifest, report)
     return report
@@ -245,6 +250,10 @@ def _check_sources(manifest: Manifest, report: VerifyReport) -> None:
             ok = name in manifest.tensors and manifest.tensors[name].K == NATIVE
         elif "exl3" in fate:
             ok = bool(fate["exl3"]) and all(k in stored for k in fate["exl3"])
+        elif "converted" in fate:
+            ok = name in manifest.tensors
+        elif "engram_dir" in fate:
+            ok = bool(manifest.plan.get("engram_dir"))  # the tables themselves: _check_engram_dir
         else:
             ok = (fate.get("fp16") or fate.get("alias")) in stored
         if not ok:
@@ -254,22 +263,12 @@ def _check_sources(manifest: Manifest, report: VerifyReport) -> None:
     if len(lost) > 10:
         report.fault("sources", f"{len(lost)} source tensors missing from the pack in all")
     if not lost:
-        report.ok("sources", f"all {len(manifest.sources):,} source tensors accounted for (native, EXL3, fp16 or alias)")
+        report.ok("sources", f"all {len(manifest.sources):,} source tensors accounted for (native, EXL3, fp16, "
+                             "converted, Engram directory or alias)")
 
 
-def _check_configs(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
-    """config.json announces EXL3 with the manifest's bits/bpw; quantization_config.json agrees on K."""
-    try:
-        qcfg = json.loads((pack / "config.json").read_text())["quantization_config"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
-        report.fault("config.json", f"no readable quantization_config ({type(e).__name__})")
-        return
-    want = {"quant_method": "exl3", "bits": manifest.quantization["bits"], "bpw": manifest.quantization["bpw"]}
-    wrong = {k: qcfg.get(k) for k, v in want.items() if qcfg.get(k) != v}
-    if wrong or not isinstance(qcfg.get("bits"), int):
-        report.fault("config.json", f"quantization_config has {wrong or qcfg.get('bits')}, manifest expects {want}")
-    else:
-        report.ok("config.json", f"quant_method exl3, bits {want['bits']}, bpw {want['bpw']}")
+def _check_storage_config(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """quantization_config.json (exllamav3's record) agrees with the manifest on K."""
     try:
         storage = json.loads((pack / "quantization_config.json").read_text())["tensor_storage"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
@@ -281,6 +280,91 @@ def _check_configs(pack: Path, manifest: Manifest, report: VerifyReport) -> None
         report.fault("quantization_config.json", f"bits_per_weight disagrees with the manifest for {len(wrong_k)} linears, e.g. {wrong_k[0]}")
     else:
         report.ok("quantization_config.json", f"bits_per_weight of all {len(keys):,} EXL3 linears as in the manifest")
+
+
+def _check_contract(pack: Path, cfg: ModelConfig, manifest: Manifest, headers: dict[str, SafetensorsHeader],
+                    profile: LoaderProfile, linears: list[StoredLinear], report: VerifyReport) -> None:
+    """The pack-level rules of the loader profile: the quantization_config its engine reads, dtypes the
+    model directory may not hold, the dtypes of plain tensors, where the Engram tables are. A fault names
+    the rule and the engine file it comes from."""
+    def fault(subject: str, rule: str, what: str) -> None:
+        report.fault(subject, Violation(subject, rule, what).reason(profile))
+
+    try:
+        config = json.loads((pack / "config.json").read_text())
+        qcfg = config["quantization_config"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
+        fault("config.json", "quantization_config", f"no readable quantization_config ({type(e).__name__})")
+        config, qcfg = {}, None
+    text = config.get("text_config") or config
+    missing = [k for k in profile.required_config_keys
+               if (text if k.startswith("text_config.") else config).get(k.removeprefix("text_config.")) is None]
+    if missing:
+        fault("config.json", "required_config_keys", f"no {', '.join(missing[:5])}"
+                                                     f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}")
+    elif profile.required_config_keys:
+        report.ok("config.json", f"all {len(profile.required_config_keys)} keys the {profile.name} engine reads")
+    if qcfg is not None:
+        record = {"bits": manifest.quantization["bits"], "bpw": manifest.quantization["bpw"],
+                  "codebook": manifest.plan["codebook"], "head_bits": manifest.plan["head_bits"]}
+        source = {"quantization_config": manifest.source.get("quantization_config")}
+        want = engine_quantization_config(profile, record, source, cfg, linears)
+        fields = want if profile.quantization_config != EXLLAMAV3_FORM else {k: record[k] for k in ("bits", "bpw")}
+        wrong = {k: qcfg.get(k) for k, v in fields.items() if qcfg.get(k) != v}
+        if wrong or not isinstance(qcfg.get("bits"), int):
+            fault("config.json", "quantization_config", f"quantization_config has {wrong or qcfg.get('bits')}, "
+                                                        f"the engine reads {fields}")
+        else:
+            report.ok("config.json", f"quantization_config is the {profile.name} engine's: "
+                                     f"{json.dumps(fields, separators=(',', ':'))}")
+    held = {name: (shard, e) for shard, h in headers.items() for name, e in h.tensors.items()
+            if not name.startswith(PAD_PREFIX)}
+    bad = [(n, e.dtype) for n, (_, e) in held.items() if e.dtype in profile.forbidden_dtypes]
+    for name, dtype in bad[:10]:
+        fault(name, "forbidden_dtypes", f"{dtype} tensor in the model directory, which the engine cannot read")
+    if profile.forbidden_dtypes and not bad:
+        report.ok("dtypes", f"no {'/'.join(profile.forbidden_dtypes)} tensor in the model directory")
+    plain = [(n, e.dtype, profile.plain_dtype(n, e.dtype)) for n, (_, e) in held.items()
+             if not n.endswith(EXL3_LEAVES) and profile.plain_dtype(n, e.dtype) != e.dtype]
+    for name, dtype, wanted in plain[:10]:
+        fault(name, "plain_dtypes", f"{dtype}; the engine's loader reads it as {wanted}")
+    if profile.plain_dtypes and not plain:
+        report.ok("plain dtypes", f"every plain tensor in a dtype the {profile.name} loader converts")
+    _check_engram_dir(pack, cfg, manifest, held, profile, fault, report)
+
+
+def _check_engram_dir(pack: Path, cfg: ModelConfig, manifest: Manifest, held: dict, profile: LoaderProfile,
+                      fault, report: VerifyReport) -> None:
+    """Engram tables: in the pack's own shards, or (sibling) none there and every one in the sibling
+    directory's shards as the source holds it, listed in its index."""
+    tables = [t for t in native_tensors(cfg) if t.cls == ENGRAM_TABLE_CLASS]
+    if profile.engram_tables != ENGRAM_SIBLING:
+        missing = [t.name for t in tables if t.name not in held]
+        for name in missing[:10]:
+            fault(name, "engram_tables", "Engram table not in the pack's shards")
+        if tables and not missing:
+            report.ok("engram", f"{len(tables)} Engram table tensors in the pack's shards, in the index")
+        return
+    inside = [t.name for t in tables if t.name in held]
+    for name in inside[:10]:
+        fault(name, "engram_tables", "Engram table inside the model directory; the engine reads it from its own directory")
+    info = manifest.plan.get("engram_dir") or {}
+    where = pack.parent / info.get("dir", pack.name + "-engram")
+    try:
+        weight_map = json.loads((where / INDEX_NAME).read_text())["weight_map"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
+        fault(str(where), "engram_tables", f"no readable Engram directory index ({type(e).__name__})")
+        return
+    wrong = []
+    for t in tables:
+        shard = weight_map.get(t.name)
+        entry = read_header(where / shard).tensors.get(t.name) if shard and (where / shard).is_file() else None
+        if entry is None or entry.dtype != t.dtype or tuple(entry.shape) != t.shape:
+            wrong.append(t.name)
+    for name in wrong[:10]:
+        fault(name, "engram_tables", f"not in {where.name}/ as the source holds it")
+    if not wrong and not inside:
+        report.ok("engram", f"{len(tables)} Engram table tensors in {where.name}/ (point the engine at it), none in the pack")
 
 
 def _model_config(pack: Path, manifest: Manifest, report: VerifyReport) -> ModelConfig | None:
@@ -307,7 +391,7 @@ def _check_spec(cfg: ModelConfig, manifest: Manifest, headers: dict[str, Safeten
         k[key] = _held(first, entries)[0]
     aliases = {expert_of(cold): expert_of(warm) for cold, warm in manifest.aliases.items()}
     plan = Plan(cfg.arch, manifest.plan["codebook"], manifest.plan["loader"], k, aliases=aliases)
-    want = {t.name: t for t in pack_spec(cfg, plan).tensors}
+    want = {t.name: t for t in pack_spec(cfg, plan).model_dir}
     faults = [f"missing ({t.dtype}{list(t.shape)})" if n not in entries else None for n, t in want.items()]
     problems = {n: f for n, f in zip(want, faults) if f}
     problems |= {n: f"is {e.dtype}{list(e.shape)}, the layout says {want[n].dtype}{list(want[n].shape)}"
@@ -322,8 +406,9 @@ def _check_spec(cfg: ModelConfig, manifest: Manifest, headers: dict[str, Safeten
 
 
 def _check_loader(cfg: ModelConfig, manifest: Manifest, headers: dict[str, SafetensorsHeader], profile,
-                  report: VerifyReport) -> None:
-    """Every rule of the loader profile, on the K and codebook the shards hold for each linear."""
+                  report: VerifyReport) -> list[StoredLinear]:
+    """Every rule of the loader profile on the stored linears, with the K and codebook the shards hold
+    for each (layout: EXL3 or source form per group); returns those linears."""
     tmap = target_map(cfg)
     entries = {name: e for h in headers.values() for name, e in h.tensors.items()}
     linears = []
@@ -342,6 +427,7 @@ def _check_loader(cfg: ModelConfig, manifest: Manifest, headers: dict[str, Safet
     if not broken:
         report.ok(f"loader {profile.name}", f"{len(linears):,} linears keep every rule of the {profile.name} profile "
                                             f"({profile.engine})")
+    return linears
 
 
 def _held(key: str, entries: dict[str, TensorEntry]) -> tuple[float | None, str | None]:
