@@ -131,7 +131,7 @@ def test_the_shipped_table_prices_the_real_model_in_gpu_hours():
 
 
 def test_plan_states_the_gpu_hours_of_its_plan(capsys):
-    assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.9"]) == 0
+    assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.9", "--loader", "exllamav3"]) == 0
     assert re.search(r"^quantize: 55\d\.\d G weights, ~\d+\.\d GPU-hours on H200 at measured rates",
                      capsys.readouterr().out, re.M)
 
