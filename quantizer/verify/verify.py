@@ -81,7 +81,7 @@ def verify_pack(pack: str | Path, full: bool = False, loader: str | None = None)
     headers = _check_shards(pack, manifest, report)
     _check_extra_files(pack, manifest, report)
     _check_tensors(manifest, headers, report)
-    _check_index(pack, headers, report)
+    _check_index(pack, headers, profile, report)
     _check_exl3(manifest, headers, report)
     _check_aliases(manifest, report)
     _check_sources(manifest, report)
@@ -151,18 +151,23 @@ def _check_tensors(manifest: Manifest, headers: dict[str, SafetensorsHeader], re
         report.ok("tensors", f"all {len(manifest.tensors):,} manifest tensors in their shards, none unlisted")
 
 
-def _check_index(pack: Path, headers: dict[str, SafetensorsHeader], report: VerifyReport) -> None:
-    """The index maps exactly the tensors the shards hold, each to the shard that holds it."""
+def _check_index(pack: Path, headers: dict[str, SafetensorsHeader], profile: LoaderProfile,
+                 report: VerifyReport) -> None:
+    """The index maps exactly the tensors the shards hold, each to the shard that holds it (a fault
+    names the engine file behind the rule)."""
+    def fault(what: str) -> None:
+        report.fault(INDEX_NAME, Violation(INDEX_NAME, "index", what).reason(profile))
+
     path = pack / INDEX_NAME
     try:
         index = json.loads(path.read_text())
         weight_map = index["weight_map"]
         total = index["metadata"]["total_size"]
     except FileNotFoundError:
-        report.fault(INDEX_NAME, "missing")
+        fault("missing")
         return
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        report.fault(INDEX_NAME, f"not a valid index ({type(e).__name__}: {e})")
+        fault(f"not a valid index ({type(e).__name__}: {e})")
         return
     held = {name: shard for shard, h in headers.items() for name in _names(h)}
     faults = 0
@@ -172,16 +177,16 @@ def _check_index(pack: Path, headers: dict[str, SafetensorsHeader], report: Veri
         if held.get(name) != shard:
             faults += 1
             if faults <= 10:
-                report.fault(INDEX_NAME, f"maps {name} to {shard}, which does not hold it")
+                fault(f"maps {name} to {shard}, which does not hold it")
     for name, shard in held.items():
         if name not in weight_map:
             faults += 1
             if faults <= 10:
-                report.fault(INDEX_NAME, f"does not name {name} (held by {shard})")
+                fault(f"does not name {name} (held by {shard})")
     payload = sum(e.nbytes for h in headers.values() for e in _real(h))
     if set(weight_map.values()) <= headers.keys() and total != payload:
         faults += 1
-        report.fault(INDEX_NAME, f"total_size {total:,} but the shards hold {payload:,} bytes of tensors")
+        fault(f"total_size {total:,} but the shards hold {payload:,} bytes of tensors")
     if not faults:
         report.ok(INDEX_NAME, f"names exactly the {len(held):,} tensors of the shards")
 
@@ -311,7 +316,7 @@ def _check_contract(pack: Path, cfg: ModelConfig, manifest: Manifest, headers: d
         want = engine_quantization_config(profile, record, source, cfg, linears)
         fields = want if profile.quantization_config != EXLLAMAV3_FORM else {k: record[k] for k in ("bits", "bpw")}
         wrong = {k: qcfg.get(k) for k, v in fields.items() if qcfg.get(k) != v}
-        if wrong or not isinstance(qcfg.get("bits"), int):
+        if wrong or (profile.quantization_config == EXLLAMAV3_FORM and not isinstance(qcfg.get("bits"), int)):
             fault("config.json", "quantization_config", f"quantization_config has {wrong or qcfg.get('bits')}, "
                                                         f"the engine reads {fields}")
         else:
