@@ -101,14 +101,15 @@ def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settin
     spec = pack_spec(ck.config, plan)
     linears = spec.encoded
     tensors, sources = _pack_tensors(ck, plan, spec, store, settings.job_settings, partial / CONVERTED_FILE)
-    shards = assign_shards(tensors, settings.shard_size, reusable_sources(tensors))
+    align = load_profile(plan.loader).pack_align
+    shards = assign_shards(tensors, settings.shard_size, reusable_sources(tensors, align))
     size = sum(s.nbytes for s in shards)
     linkable = sum(s.nbytes for s in shards if s.reuse and os.stat(s.reuse).st_dev == os.stat(partial).st_dev)
     print(f"pack: {len(tensors):,} tensors in {len(shards)} shards, {size_text(size)} in {partial}; "
           f"{size_text(size - linkable)} to write, {size_text(linkable)} of Engram shards linked from the "
           "source (copied where the filesystem refuses links)", file=sys.stderr)
     require_free_space(partial, size - linkable, "the pack")
-    made = write_shards(partial, shards)
+    made = write_shards(partial, shards, align)
     (partial / CONVERTED_FILE).unlink(missing_ok=True)
     reused = [how for s, how in zip(shards, made) if s.reuse]
     if reused:
@@ -278,11 +279,14 @@ def engine_quantization_config(profile, qcfg: dict, source_config: dict, cfg, li
     if profile.quantization_config == EXLLAMAV3_FORM:
         return qcfg
     by_group: dict[str, list[float]] = defaultdict(list)
+    routed: list[tuple[int, float]] = []
     for s in linears:
         if s.K is not None and s.K != UNQUANTIZED:
             by_group[s.target.group].append(s.K)
+            if s.target.group == ROUTED:
+                routed.append((s.target.layer, s.K))
     head = by_group[HEAD_GROUP][0] if by_group[HEAD_GROUP] else None
-    values = profile_values(qcfg["bits"], qcfg["bpw"], qcfg["codebook"], head, by_group[DRAFT], by_group[ROUTED],
+    values = profile_values(qcfg["bits"], qcfg["bpw"], qcfg["codebook"], head, by_group[DRAFT], routed,
                             source_config, cfg.fp8_block, cfg.num_layers, profile.config_bits_range)
     return fill_template(profile.quantization_config, values)
 

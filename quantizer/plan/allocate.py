@@ -10,7 +10,7 @@ cost-per-bit first, are taken while they fit; this prefix is the Lagrangian opti
 the bits it spends. What is left is filled by the best upgrades (any rate, hull or not) that still
 fit. The loader profile (profiles.py) decides what is allocated (only the groups its engine quantizes:
 for `vllm-exl3` the routed experts, the rest is a fixed cost in bytes) and the units: one tensor where
-the loader takes K per expert (`vllm-exl3`); under `exllamav3` and `tensorfold` the routed experts of one layer share one K per projection and
+the loader takes K per expert (`vllm-exl3`, `tensorfold`); under `exllamav3` the routed experts of one layer share one K per projection and
 gate and up share one K, so a layer's gate+up is one unit and its down another, cost and bits
 summed over their tensors. A profile's constraint is part of the problem, never a repair after it.
 
@@ -169,8 +169,6 @@ class Allocator:
     def _solve(self, budget_bits: float, aliased: dict[str, str]) -> tuple[np.ndarray, float]:
         """Rate index per row (an aliased row holds its warm expert's) and the marginal value of a
         bit (cost per bit of the best upgrade left out)."""
-        if self.profile.mixed_k_min > self.profile.k_min and self.profile.per_expert_k:
-            return self._solve_layer_uniform_low(budget_bits)
         unit = self._units(aliased)
         live = unit >= 0
         ids, inverse = np.unique(unit[live], return_inverse=True)
@@ -183,66 +181,6 @@ class Allocator:
         choice[live] = pick[inverse]
         for cold, warm in aliased.items():
             choice[self.expert_rows[cold]] = choice[self._warm_rows(cold, warm)]
-        return choice, lam
-
-    def _solve_layer_uniform_low(self, budget_bits: float) -> tuple[np.ndarray, float]:
-        """K per expert where a rate below the profile's mixed_k_min is taken only by a whole layer of
-        routed experts (vllm-exl3: K1 on its fused path, K2..K8 mixed). Lagrangian: at a price per bit,
-        each layer takes the cheaper of "every expert at one low rate" and "each expert at its best rate
-        of the mixed range"; the smallest price whose choice fits picks the low layers, then the marginal
-        solver spends the rest on the other layers' experts."""
-        low_cols = [j for j, r in enumerate(self.rates) if r < self.profile.mixed_k_min]
-        mixed_cost = self.cost.copy()
-        mixed_cost[:, low_cols] = np.inf
-        layers: dict[int, list[int]] = {}
-        for i, t in enumerate(self.targets):
-            if t.group == ROUTED:
-                layers.setdefault(t.layer, []).append(i)
-        layer_rows = [np.asarray(rows) for rows in layers.values()]
-
-        def choose(lam: float) -> tuple[dict[int, int], float]:
-            """Low layers (position -> rate column) and the bits of the Lagrangian choice at `lam`."""
-            value = mixed_cost + lam * self.bits
-            pick = value.argmin(axis=1)
-            best = value[np.arange(len(pick)), pick]
-            bits = self.bits[np.arange(len(pick)), pick]
-            low, total = {}, float(np.where(np.isfinite(best), bits, 0).sum())
-            for n, rows in enumerate(layer_rows):
-                mixed = best[rows].sum()
-                for j in low_cols:
-                    uniform = (self.cost[rows, j] + lam * self.bits[rows, j]).sum()
-                    if uniform < mixed:
-                        mixed = uniform
-                        if n in low:
-                            total -= float(self.bits[rows, low[n]].sum())
-                        else:
-                            total -= float(bits[rows].sum())
-                        low[n] = j
-                        total += float(self.bits[rows, j].sum())
-            return low, total
-
-        hi = 1e-12
-        while choose(hi)[1] > budget_bits and hi < 1e30:
-            hi *= 4
-        if choose(hi)[1] > budget_bits:
-            raise InfeasibleBudget(choose(hi)[1], budget_bits)
-        lo = 0.0
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            if choose(mid)[1] > budget_bits:
-                lo = mid
-            else:
-                hi = mid
-        low, _ = choose(hi)
-        choice = np.zeros(len(self.targets), dtype=int)
-        fixed = np.zeros(len(self.targets), dtype=bool)
-        for n, j in low.items():
-            choice[layer_rows[n]] = j
-            fixed[layer_rows[n]] = True
-        free = ~fixed
-        spent = float(self.bits[fixed, choice[fixed]].sum()) if fixed.any() else 0.0
-        pick, lam = marginal_allocation(self.bits[free], mixed_cost[free], budget_bits - spent)
-        choice[free] = pick
         return choice, lam
 
     def _warm_rows(self, cold: str, warm: str) -> list[int]:

@@ -12,8 +12,6 @@ its K (None: source form, 16: fp16) and codebook:
 - `layout`: a group the engine reads as EXL3 is EXL3, a group it reads in source form stays so;
 - `codebook`: quantized linears use a codebook the engine's kernels decode;
 - `k_range`: quantized K within [k_min, k_max] (16 = fp16 where `fp16_linears`);
-- `mixed_k`: a layer whose routed experts hold more than one K keeps every K >= mixed_k_min (vllm-exl3:
-  K1 only in a layer that is K1 throughout, its fused path);
 - `half_rates`: half-integer K only with `half_rate_codebooks`;
 - `integer_attention`: DSV4 attention, compressor and indexer linears take integer K;
 - `head_bits`: an integer K for the head where the engine reads head_bits as an integer;
@@ -47,7 +45,7 @@ TENSORFOLD = "tensorfold"
 LOADERS = (EXLLAMAV3, VLLM_EXL3, TENSORFOLD)
 EXL3_FORM, SOURCE_FORM, EITHER = "exl3", "source", "either"
 ENGRAM_IN_PACK, ENGRAM_SIBLING = "pack", "sibling"
-RULES = ("layout", "codebook", "k_range", "mixed_k", "half_rates", "integer_attention", "head_bits",
+RULES = ("layout", "codebook", "k_range", "half_rates", "integer_attention", "head_bits",
          "one_k_per_projection", "gate_up_tied", "aliases", "plain_dtypes", "forbidden_dtypes", "engram_tables",
          "quantization_config", "required_config_keys", "index")
 
@@ -70,7 +68,6 @@ class LoaderProfile:
     codebooks: tuple[str, ...]
     k_min: float
     k_max: float
-    mixed_k_min: float  # lowest K in a layer whose routed experts hold more than one K (else k_min)
     fp16_linears: bool
     half_rate_codebooks: tuple[str, ...]
     integer_attention: bool
@@ -81,6 +78,7 @@ class LoaderProfile:
     integer_head: bool
     default_drafter_bits: float | None  # where the drafter must be EXL3
     engram_tables: str  # pack (linked into the pack) | sibling (a directory beside it)
+    pack_align: int  # shard tensor alignment: 64 with pad tensors, or 1 (no pad tensor in any header)
     forbidden_dtypes: tuple[str, ...]  # dtypes no tensor of the model directory may have
     plain_dtypes: tuple[PlainDtype, ...]
     quantization_config: dict | str  # a template (placeholders `$...`, pack/exl3_config.py) or "exllamav3"
@@ -143,13 +141,12 @@ def load_profile(name: str) -> LoaderProfile:
     return LoaderProfile(
         name=data["name"], engine=data["engine"], archs=tuple(data["archs"]), fit_engine=data["fit_engine"],
         codebooks=tuple(data["codebooks"]), k_min=float(data["k_min"]), k_max=float(data["k_max"]),
-        mixed_k_min=float(data["mixed_k_min"]),
         fp16_linears=bool(data["fp16_linears"]), half_rate_codebooks=tuple(data["half_rate_codebooks"]),
         integer_attention=bool(data["integer_attention"]), per_expert_k=bool(data["per_expert_k"]),
         tie_gate_up=bool(data["tie_gate_up"]), aliases=bool(data["aliases"]), layout=layout,
         integer_head=bool(data["integer_head"]),
         default_drafter_bits=None if data["default_drafter_bits"] is None else float(data["default_drafter_bits"]),
-        engram_tables=data["engram_tables"], forbidden_dtypes=tuple(data["forbidden_dtypes"]),
+        engram_tables=data["engram_tables"], pack_align=int(data["pack_align"]), forbidden_dtypes=tuple(data["forbidden_dtypes"]),
         plain_dtypes=tuple(PlainDtype(r["match"], r["dtype"], tuple(r["accept"])) for r in data["plain_dtypes"]),
         quantization_config=data["quantization_config"],
         config_bits_range=(int(data["config_bits_range"][0]), int(data["config_bits_range"][1])),
@@ -205,8 +202,6 @@ def violations(profile: LoaderProfile, linears: list[StoredLinear], aliases: dic
             elif s.codebook not in profile.half_rate_codebooks:
                 found.append(Violation(s.key, "half_rates", f"half-integer K {s.K:g} with codebook {s.codebook}"))
     experts = [s for s in linears if s.target.group in (ROUTED, DRAFT) and s.target.expert is not None]
-    if profile.mixed_k_min > profile.k_min:
-        found += _mixed_k(profile, experts)
     if not profile.per_expert_k:
         found += _one_k(experts, lambda s: (s.target.group, s.target.layer, s.target.proj), "one_k_per_projection")
     if profile.tie_gate_up:
@@ -217,22 +212,6 @@ def violations(profile: LoaderProfile, linears: list[StoredLinear], aliases: dic
     if aliases and not profile.aliases:
         found += [Violation(cold, "aliases", f"aliased to {warm}; this loader reads every expert's own tensors")
                   for cold, warm in sorted(aliases.items())]
-    return found
-
-
-def _mixed_k(profile: LoaderProfile, experts: list[StoredLinear]) -> list[Violation]:
-    """One Violation per layer whose routed experts mix K and hold a K below mixed_k_min."""
-    by_layer: dict[tuple, list[StoredLinear]] = {}
-    for s in experts:
-        by_layer.setdefault((s.target.group, s.target.layer), []).append(s)
-    found = []
-    for members in by_layer.values():
-        ks = {s.K for s in members if s.K is not None}
-        low = [s for s in members if s.K is not None and s.K < profile.mixed_k_min]
-        if len(ks) > 1 and low:
-            found.append(Violation(_layer_of(low[0]), "mixed_k", f"experts hold K {', '.join(f'{k:g}' for k in sorted(ks))}"
-                                   f"; a layer of mixed K takes K >= {profile.mixed_k_min:g} ({low[0].key} has "
-                                   f"{_show(low[0].K)}), K below it only when the whole layer shares it"))
     return found
 
 

@@ -65,9 +65,7 @@ def uniform_plan(
     low = rate_floor(min(average, grid[-1]), grid)
     high = grid[min(grid.index(low) + 1, len(grid) - 1)]
     # the unit that takes one K: a layer's experts, or one expert where the engine takes K per expert
-    # (and both rates are ones a layer of mixed K may hold)
-    per_expert = profile.per_expert_k and low >= profile.mixed_k_min
-    unit = (lambda t: (t.layer, t.expert)) if per_expert else (lambda t: (t.layer, None))
+    unit = (lambda t: (t.layer, t.expert)) if profile.per_expert_k else (lambda t: (t.layer, None))
     unit_numel: dict[tuple, int] = {}
     for t in routed:
         unit_numel[unit(t)] = unit_numel.get(unit(t), 0) + t.numel

@@ -23,7 +23,7 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, SafetensorsHeader, TensorEntry, read_header
 from quantizer.checkpoint.source import ENGRAM_TABLE, INDEX_NAME
 from quantizer.errors import UserError
-from quantizer.exl3 import PACK_ALIGN, UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
+from quantizer.exl3 import UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
 from quantizer.model.targets import target_map
 from quantizer.pack.manifest import NATIVE, Manifest, sha256_file
 from quantizer.model.tensor_classes import ENGRAM_TABLE as ENGRAM_TABLE_CLASS
@@ -78,7 +78,7 @@ def verify_pack(pack: str | Path, full: bool = False, loader: str | None = None)
     manifest = Manifest.load(pack)
     profile = load_profile(loader or manifest.plan["loader"])
     report = VerifyReport(pack)
-    headers = _check_shards(pack, manifest, report)
+    headers = _check_shards(pack, manifest, profile, report)
     _check_extra_files(pack, manifest, report)
     _check_tensors(manifest, headers, report)
     _check_index(pack, headers, profile, report)
@@ -96,8 +96,12 @@ def verify_pack(pack: str | Path, full: bool = False, loader: str | None = None)
     return report
 
 
-def _check_shards(pack: Path, manifest: Manifest, report: VerifyReport) -> dict[str, SafetensorsHeader]:
-    """Existence, byte size, header bounds and 64-byte alignment of every shard the manifest lists."""
+def _check_shards(pack: Path, manifest: Manifest, profile: LoaderProfile,
+                  report: VerifyReport) -> dict[str, SafetensorsHeader]:
+    """Existence, byte size, header bounds and alignment of every shard the manifest lists: 64-byte
+    aligned with pad tensors, or (a profile whose engine hands every header entry to the model, pack_align
+    1) back to back with no pad tensor."""
+    align = profile.pack_align
     headers: dict[str, SafetensorsHeader] = {}
     for shard in manifest.shards:
         path = pack / shard.file
@@ -113,11 +117,16 @@ def _check_shards(pack: Path, manifest: Manifest, report: VerifyReport) -> dict[
             report.fault(shard.file, _without_path(str(e), path))
             continue
         headers[shard.file] = header
-        misaligned = [e.name for e in _real(header) if e.offset % PACK_ALIGN]
+        misaligned = [e.name for e in _real(header) if e.offset % align]
+        pads = [n for n in header.tensors if n.startswith(PAD_PREFIX)]
         if misaligned:
-            report.fault(shard.file, f"{len(misaligned)} tensor(s) not {PACK_ALIGN}-byte aligned, e.g. {misaligned[0]}")
+            report.fault(shard.file, f"{len(misaligned)} tensor(s) not {align}-byte aligned, e.g. {misaligned[0]}")
+        elif pads and align == 1:
+            report.fault(shard.file, Violation(shard.file, "index", f"{len(pads)} pad tensor(s) such as {pads[0]}, which "
+                                               "the engine would hand to the model").reason(profile))
         elif size == shard.bytes:
-            report.ok(shard.file, f"{size:,} bytes, {len(_real(header))} tensors, header in bounds, {PACK_ALIGN}-byte aligned")
+            report.ok(shard.file, f"{size:,} bytes, {len(_real(header))} tensors, header in bounds"
+                                  + (f", {align}-byte aligned" if align > 1 else ", no pad tensors"))
     return headers
 
 
