@@ -18,12 +18,11 @@ from quantizer.plan.allocate import (
 from quantizer.model.targets import ATTN, DRAFT, ENGRAM, INDEX, ROUTED, SHARED, targets
 from quantizer.plan.plan import Plan, check_plan
 from quantizer.plan.spec import aliased_keys
-from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
+from quantizer.plan.profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3, load_profile
 from quantizer.plan.recipe import plan_from_recipe, read_recipe, write_recipe
 from quantizer.plan.sensitivity import Sensitivity, sensitivity, synthetic_summary
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
-from test_sensitivity import hand_summary  # tests/ is on sys.path (pytest prepend import mode)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +123,7 @@ def test_marginal_allocation_infeasible():
         marginal_allocation(bits, np.ones_like(bits), 1.5)
 
 
-@pytest.mark.parametrize("mode", [EXLLAMAV3, MIXEDK])
+@pytest.mark.parametrize("mode", [EXLLAMAV3, TENSORFOLD])
 def test_rate_rules(small, small_sens, mode):
     plan = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode, floor=4))
     check_plan(small, plan)
@@ -134,8 +133,8 @@ def test_rate_rules(small, small_sens, mode):
             assert k == int(k) and k >= 4, t.key
         elif t.group in (SHARED, ENGRAM):
             assert k >= 4, t.key
-        elif t.group == DRAFT:
-            assert k is None
+        elif t.group == DRAFT:  # native, or the profile's default where the engine reads it as EXL3 only
+            assert k == load_profile(mode).default_drafter_bits
     default = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode))
     assert min(default.k[t.key] for t in targets(small) if t.group in (ATTN, INDEX, SHARED, ENGRAM)) >= DEFAULT_FLOOR
     assert plan.k["head"] == 6.0 and plan.loader == mode
@@ -143,22 +142,23 @@ def test_rate_rules(small, small_sens, mode):
     mcg_sens = sensitivity(small, synthetic_summary(small, seed=1), "mcg")
     mcg = allocate(small, mcg_sens, 2.9,
                    AllocationSettings(loader=EXLLAMAV3, codebook="mcg", floor=3, head_bits=None, drafter_bits=5))
-    with pytest.raises(UserError, match="the mixedk loader takes mul1"):  # its per-expert kernels are mul1 only
-        allocate(small, mcg_sens, 2.9, AllocationSettings(loader=MIXEDK, codebook="mcg"))
+    with pytest.raises(UserError, match="the tensorfold loader takes mul1"):  # its kernels are built for mul1
+        allocate(small, mcg_sens, 2.9, AllocationSettings(loader=TENSORFOLD, codebook="mcg"))
     assert {k for k in mcg.k.values() if k is not None} <= set(range(1, 9))
     assert mcg.k["head"] is None and mcg.codebook == "mcg" and mcg.k["mtp.0.ffn.experts.0.w1"] == 5.0
     assert min(mcg.k[t.key] for t in targets(small) if t.group in (ATTN, SHARED)) == 3
-    drafted = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode, drafter_bits=3.5))
-    assert drafted.k["mtp.0.ffn.experts.0.w1"] == 3.5 and drafted.k["mtp.0.attn.wq_b"] == 3.0
+    drafter_bits = 3.5 if mode == EXLLAMAV3 else 3.0  # tensorfold takes integer K only
+    drafted = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode, drafter_bits=drafter_bits))
+    assert drafted.k["mtp.0.ffn.experts.0.w1"] == drafter_bits and drafted.k["mtp.0.attn.wq_b"] == 3.0
     with pytest.raises(ValueError, match="rates"):
         Allocator(small, small_sens, AllocationSettings(codebook="mcg"))
     with pytest.raises(UserError, match="half rate"):
         Allocator(small, small_sens, AllocationSettings(floor=3.5))
 
 
-def test_stock_groups_share_k_and_mixedk_varies(small, small_sens):
+def test_stock_groups_share_k_and_per_expert_profiles_vary(small, small_sens):
     stock = allocate(small, small_sens, 2.9, AllocationSettings(loader=EXLLAMAV3))
-    mixed = allocate(small, small_sens, 2.9, AllocationSettings(loader=MIXEDK, alias=False))
+    mixed = allocate(small, small_sens, 2.9, AllocationSettings(loader=TENSORFOLD))
     per_group_stock, per_group_mixed = {}, {}
     for t in targets(small):
         if t.group == ROUTED:
@@ -167,7 +167,7 @@ def test_stock_groups_share_k_and_mixedk_varies(small, small_sens):
     assert all(len(ks) == 1 for ks in per_group_stock.values())
     assert len({next(iter(ks)) for ks in per_group_stock.values()}) > 1  # K differs between layers
     assert any(len(ks) > 1 for ks in per_group_mixed.values())  # per-expert K where a group's budget splits
-    assert plan_cost(small_sens, mixed) <= plan_cost(small_sens, stock)  # mixedk has strictly more freedom
+    # tensorfold takes K per tensor but integer K only, so its cost is not bounded by stock's
 
 
 @pytest.mark.parametrize("name", ["small-v41.json", "tiny-v41.json"])
@@ -176,7 +176,7 @@ def test_budget_and_equal_bytes_against_uniform(name, bpw):
     cfg = ModelConfig.from_file(model_config_path(name))
     sens = sensitivity(cfg, synthetic_summary(cfg))
     uniform = uniform_plan(cfg, bpw)
-    for mode in (EXLLAMAV3, MIXEDK):
+    for mode in (EXLLAMAV3,):
         plan = allocate(cfg, sens, bpw, AllocationSettings(loader=mode))
         assert bpw - 0.005 <= plan.achieved_bpw <= bpw + 1e-9 and plan.target_bpw == bpw
         # at the bits uniform spends: the same bytes (within 0.2%) at a lower estimated cost
@@ -201,50 +201,24 @@ def with_cold_experts(summary: CalibrationSummary) -> CalibrationSummary:
     return summary
 
 
-def test_aliases_only_where_allowed_and_within_cap(small):
+@pytest.mark.parametrize("mode", [EXLLAMAV3, VLLM_EXL3, TENSORFOLD])
+def test_aliases_are_refused_with_one_line_and_off_by_default(small, mode):
+    """No engine reads an alias map (docs/loader-profiles.md): a plan never leaves an expert out."""
     sens = sensitivity(small, with_cold_experts(synthetic_summary(small, seed=1)))
-    stock = allocate(small, sens, 2.9, AllocationSettings(loader=EXLLAMAV3))
-    mixed = allocate(small, sens, 2.9, AllocationSettings(loader=MIXEDK))
-    with pytest.raises(UserError, match="the exllamav3 loader reads every expert's own tensors"):
-        allocate(small, sens, 2.9, AllocationSettings(loader=EXLLAMAV3, alias=True))
-    off = allocate(small, sens, 2.9, AllocationSettings(loader=MIXEDK, alias=False))
-    assert not stock.aliases and not off.aliases and mixed.aliases
-    cold = {a.expert: a for a in sens.aliases}
-    for plan in (mixed,):
-        check_plan(small, plan)
-        per_layer = {}
-        for expert, warm in plan.aliases.items():
-            assert cold[expert].warm == warm and cold[expert].relative_share < AllocationSettings().alias_below
-            per_layer[cold[expert].layer] = per_layer.get(cold[expert].layer, 0) + 1
-            for proj in ("w1", "w2", "w3"):
-                assert plan.k[f"{expert}.{proj}"] == plan.k[f"{warm}.{proj}"]
-        assert max(per_layer.values()) == 1  # 8 experts: the cap is 1 per layer
-        assert plan.achieved_bpw <= 2.9 + 1e-9
-    two = allocate(small, sens, 2.9, AllocationSettings(loader=MIXEDK, alias_cap=2))
-    assert max(sum(1 for e in two.aliases if e.startswith(f"layers.{L}.")) for L in range(small.num_layers)) == 2
-    assert not allocate(small, sens, 2.9, AllocationSettings(loader=MIXEDK, alias_cap=0)).aliases
-    # aliasing frees bits that go elsewhere: same budget, lower estimated cost than without
-    assert plan_cost(sens, mixed) < plan_cost(sens, off)
+    assert not allocate(small, sens, 2.9, AllocationSettings(loader=mode)).aliases
+    with pytest.raises(UserError, match=f"--alias: the {mode} engine reads every expert's own tensors and no engine "
+                                        "profile reads an alias map"):
+        allocate(small, sens, 2.9, AllocationSettings(loader=mode, alias=True))
 
 
-def test_alias_taken_only_when_it_pays(tiny):
-    summary = hand_summary(tiny)
-    settings = AllocationSettings(loader=MIXEDK, alias=True, alias_below=1.0)
-    summary.layers[0].alias_candidates = {1: (0, 0.001)}  # the warm expert computes nearly the same
-    assert allocate(tiny, sensitivity(tiny, summary), 3.0, settings).aliases == \
-        {"layers.0.ffn.experts.1": "layers.0.ffn.experts.0"}
-    summary.layers[0].alias_candidates = {1: (0, 5.0)}  # aliasing would wreck the expert's output
-    assert not allocate(tiny, sensitivity(tiny, summary), 3.0, settings).aliases
-
-
-@pytest.mark.parametrize("mode", [EXLLAMAV3, MIXEDK])
+@pytest.mark.parametrize("mode", [EXLLAMAV3, TENSORFOLD])
 def test_recipe_round_trip(small, small_sens, mode, tmp_path):
     plan = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode))
     write_recipe(small, plan, tmp_path / "r.yaml", header="test")
     back = plan_from_recipe(small, read_recipe(tmp_path / "r.yaml"), loader=mode)
     assert back.k == plan.k and back.target_bpw == plan.target_bpw
     text = (tmp_path / "r.yaml").read_text()
-    if mode == MIXEDK:  # per-expert K gives per-expert keys
+    if mode == TENSORFOLD:  # per-expert K gives per-expert keys
         assert any(line.strip().startswith("layers.") and ".ffn.experts." in line and "*" not in line
                    for line in text.splitlines())
     else:

@@ -18,7 +18,7 @@ from quantizer.model.targets import targets
 from quantizer.plan.allocate import AllocationSettings, allocate
 from quantizer.plan.methods import OURS, planner
 from quantizer.plan.plan import Plan
-from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
+from quantizer.plan.profiles import EXLLAMAV3, VLLM_EXL3
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
 from quantizer.shipped import model_config_path
@@ -53,7 +53,8 @@ def test_two_sparks_at_1m_plans_in_few_probes_and_fits(v41, tmp_path, capsys, mo
     monkeypatch.setattr(methods, "sensitivity", counted_sensitivity)
     monkeypatch.setattr(Allocator, "plan", counted_plan)
     code = main(["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "2", "--context", "1M", "--synthetic",
-                 "--out", str(tmp_path / "p.json"), "--recipe-out", str(tmp_path / "r.yaml")])
+                 "--loader", "exllamav3", "--engine", "vllm", "--out", str(tmp_path / "p.json"), "--recipe-out",
+                 str(tmp_path / "r.yaml")])
     out = capsys.readouterr().out
     assert code == 0 and "FITS: fits 2 Sparks" in out and "calibration=synthetic" in out
     assert calls["sensitivity"] == 1 and 2 <= len(calls["plans"]) <= 5, calls
@@ -65,7 +66,7 @@ def test_two_sparks_at_1m_plans_in_few_probes_and_fits(v41, tmp_path, capsys, mo
     assert report.fits and min(r.free_gib for r in report.ranks) < 0.01 * 550e9 / 8 / 2 / (1 << 30)
     header = (tmp_path / "r.yaml").read_text()
     assert "Budget: the most bits that fit 2 Sparks at 1,048,576 tokens" in header
-    assert "--sparks 2 --context 1048576 --synthetic --seed 0 --loader exllamav3" in header
+    assert "--loader exllamav3 --sparks 2 --context 1048576 --engine vllm --synthetic --seed 0" in header
     assert plan_from_recipe(v41, read_recipe(tmp_path / "r.yaml")).k == plan.k
     assert main(["fit", "--model-config", "deepseek-v4.1-flash", "--plan", str(tmp_path / "p.json"),
                  "--sparks", "2", "--context", "1M"]) == 0
@@ -79,7 +80,7 @@ def test_equal_bpw_plans_are_within_one_percent_in_bytes(v41, real_v41_synthetic
         return sum(n for c, n in plan.expected_bytes.items() if c in classes)
 
     uniform = routed_and_budgeted(real_v41_uniform(bpw))
-    for mode in (EXLLAMAV3, MIXEDK):
+    for mode in (EXLLAMAV3,):
         assert abs(routed_and_budgeted(allocate(v41, real_v41_synthetic_sensitivity, bpw, AllocationSettings(loader=mode))) / uniform - 1) < 0.01
 
 
@@ -89,12 +90,22 @@ def most_that_fits(cfg, target, settings=AllocationSettings()):
     return largest_fitting_plan(cfg, plan_at, lowest, rate_grid(settings.codebook)[-1], target)
 
 
-def test_one_spark_at_1m_fits_only_at_a_low_rate(v41):
-    plan, report = most_that_fits(v41, FitTarget(1, MILLION), AllocationSettings(loader=MIXEDK))
-    assert report.fits and report.sparks == 1
-    assert 1.2 < plan.achieved_bpw < 1.6 and plan.loader == MIXEDK and plan.aliases
-    routed = [plan.k[t.key] for t in targets(v41) if t.group == "routed"]
-    assert sum(routed) / len(routed) < 1.5
+def test_vllm_exl3_mixes_routed_k_per_expert_and_keeps_the_rest_in_source_form(v41):
+    """The seed's vLLM shape: routed experts EXL3 with K per expert (K2..K8, what the plugin loads),
+    everything else FP8 source form as a fixed cost, every expert stored. On one Spark it cannot fit
+    (every routed expert at K2 is already 127 GiB), and the refusal says by how much."""
+    with pytest.raises(UserError, match=r"does not fit 1 Spark at 524,288 tokens .* short by [\d.]+ GiB"):
+        most_that_fits(v41, FitTarget(1, 512 * 1024), AllocationSettings(loader=VLLM_EXL3))
+    plan, report = most_that_fits(v41, FitTarget(2, MILLION), AllocationSettings(loader=VLLM_EXL3))
+    assert report.fits and report.sparks == 2 and plan.loader == VLLM_EXL3 and not plan.aliases
+    assert all(plan.k[t.key] is None for t in targets(v41) if t.group != "routed")
+    by_layer = {}
+    for t in targets(v41):
+        if t.group == "routed":
+            by_layer.setdefault(t.layer, set()).add(plan.k[t.key])
+    assert any(len(ks) > 1 for ks in by_layer.values())  # K mixed per expert inside a layer
+    assert min(min(ks) for ks in by_layer.values()) >= 2
+    assert 2.0 < plan.achieved_bpw < 3.5  # over the routed experts, the only budgeted tensors
 
 
 def test_a_target_that_cannot_fit_says_by_how_much(capsys):
@@ -108,15 +119,12 @@ def test_a_target_that_cannot_fit_says_by_how_much(capsys):
 def test_plan_cli_methods_on_a_small_model(tmp_path, capsys):
     small = str(model_config_path("small-v41.json"))
     summary = with_cold_experts(synthetic_summary(ModelConfig.from_file(small))).save(tmp_path / "cold.json")
-    for loader, extra, per_layer in (("mixedk", [], "routed experts by layer (mean K): L0 "),
-                                     ("mixedk", ["--alias"], "routed experts by layer (mean K): L0 ")):
+    for loader in ("vllm-exl3", "tensorfold"):
         assert main(["plan", "--model-config", small, "--bpw", "2.9", "--calibration", str(summary),
-                     "--loader", loader, *extra,
-                     "--out", str(tmp_path / "p.json"), "--recipe-out", str(tmp_path / "r.yaml")]) == 0
+                     "--loader", loader, "--out", str(tmp_path / "p.json"), "--recipe-out", str(tmp_path / "r.yaml")]) == 0
         out = capsys.readouterr().out
         plan = Plan.load(tmp_path / "p.json")
-        assert plan.loader == loader and plan.aliases and "aliased cold experts:" in out and per_layer in out
-        assert "Aliases:" in (tmp_path / "r.yaml").read_text()
+        assert plan.loader == loader and not plan.aliases and "routed experts by layer (mean K): L0 " in out
     # uniform stays the default without calibration; ours needs a summary
     assert main(["plan", "--model-config", small, "--bpw", "2.9"]) == 0
     assert "uniform_plan(" in capsys.readouterr().out
@@ -124,10 +132,10 @@ def test_plan_cli_methods_on_a_small_model(tmp_path, capsys):
     assert "--calibration" in capsys.readouterr().err
     assert main(["plan", "--model-config", small, "--synthetic"]) == 2
     assert "--bpw B, or --sparks N" in capsys.readouterr().err
-    assert main(["plan", "--model-config", small, "--bpw", "2.9", "--method", "exl3", "--alias"]) == 2
-    assert "--alias applies to --method ours" in capsys.readouterr().err
+    assert main(["plan", "--model-config", small, "--bpw", "2.9", "--method", "exl3"]) == 2
+    assert "--method exl3 plans exllamav3's own layout" in capsys.readouterr().err  # V4.1: vllm-exl3 by default
     assert main(["plan", "--model-config", small, "--bpw", "2.9", "--calibration", str(summary), "--alias"]) == 2
-    assert "the exllamav3 loader reads every expert's own tensors" in capsys.readouterr().err
+    assert "--alias: the vllm-exl3 engine reads every expert's own tensors" in capsys.readouterr().err
     # a --bpw plan checked against a topology: exit 1 when it does not fit
     assert main(["plan", "--model-config", small, "--bpw", "2.9", "--synthetic", "--sparks", "1",
                  "--context", "1M", "--streams", "16"]) == 0

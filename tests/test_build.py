@@ -38,7 +38,7 @@ def built(tiny_v41, tmp_path_factory):
     for name, text in SIDE_FILES.items():
         (src / name).write_text(text)
     assert main(["build", str(src), "--bpw", BPW, "--out", str(root / "pack"), "--shard-size", str(CAP),
-                 "--method", "uniform", "--no-calibrate"]) == 0
+                 "--method", "uniform", "--no-calibrate", "--loader", "exllamav3"]) == 0
     assert_safetensors_agree(src, root / "pack")  # our writer and reader against the safetensors package
     return src, root / "pack"
 

@@ -1,5 +1,5 @@
 """`quantizer build` end to end with our allocator: the bundled model calibrated on the shipped set,
-allocated in mixedk mode, quantized with its Hessians, packed, verified; the plan kept as JSON and
+allocated for vllm-exl3 (routed experts, K per expert), quantized with its Hessians, packed, verified; the plan kept as JSON and
 as an exllamav3 recipe; inputs that cannot make a plan are refused before any work."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ SMALL = str(shipped("small_model"))
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("ours")
-    args = ["build", SMALL, "--bpw", "2.9", "--loader", "mixedk", "--calib-rows", "4", "--calib-cols", "256",
+    args = ["build", SMALL, "--bpw", "2.9", "--loader", "vllm-exl3", "--calib-rows", "4", "--calib-cols", "256",
             "--out", str(root / "pack")]
     assert main(args) == 0
     return root
@@ -31,7 +31,7 @@ def test_the_pack_is_calibrated_allocated_and_verified(built, capsys):
     manifest = json.loads((built / "pack" / MANIFEST_NAME).read_text())
     assert manifest["settings"]["calibration"]["rows"] == 4
     plan = Plan.load(built / "pack.work" / PLAN_FILE)
-    assert plan.loader == "mixedk" and plan.made_by.startswith("allocate(") and "gains=measured-kl" in plan.made_by
+    assert plan.loader == "vllm-exl3" and plan.made_by.startswith("allocate(") and "gains=measured-kl" in plan.made_by
     assert abs(plan.achieved_bpw - 2.9) < 0.02
     assert manifest["aliases"] == plan.aliases
     assert (built / "pack.work" / RECIPE_FILE).read_text().count("\n") > 10
@@ -41,7 +41,7 @@ def test_the_pack_is_calibrated_allocated_and_verified(built, capsys):
 
 def test_a_rerun_resumes_without_encoding_again(built, capsys):
     (built / "again").mkdir()
-    args = ["build", SMALL, "--bpw", "2.9", "--loader", "mixedk", "--calib-rows", "4", "--calib-cols", "256",
+    args = ["build", SMALL, "--bpw", "2.9", "--loader", "vllm-exl3", "--calib-rows", "4", "--calib-cols", "256",
             "--out", str(built / "again" / "pack"), "--work", str(built / "pack.work")]
     assert main(args) == 0
     assert "(0 of " in capsys.readouterr().out
@@ -50,7 +50,7 @@ def test_a_rerun_resumes_without_encoding_again(built, capsys):
 @pytest.mark.parametrize("extra,message", [
     (["--bpw", "2.5", "--no-calibrate"], "--method ours allocates from a calibration"),
     (["--bpw", "2.5", "--context", "64K"], "add --sparks"),
-    (["--bpw", "2.5", "--method", "uniform", "--loader", "mixedk", "--codebook", "mcg"],
+    (["--bpw", "2.5", "--method", "uniform", "--loader", "tensorfold", "--codebook", "mcg"],
      "layers.0.attn.wq_a: codebook mcg; this loader takes mul1"),
     (["--bpw", "2.5", "--tokens", "ids.txt"], "--tokens takes a .npy or .safetensors file"),
     (["--bpw", "0.5"], "--bpw 0.5 is too low"),  # refused before calibration, not after

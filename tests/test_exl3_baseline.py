@@ -17,7 +17,7 @@ from quantizer.plan.allocate import AllocationSettings, allocate
 from quantizer.plan.exl3_baseline import exl3_plan, exl3_strategy, v4_twin_config
 from quantizer.plan.plan import Plan, achieved_bpw, check_plan
 from quantizer.plan.spec import aliased_keys
-from quantizer.plan.profiles import EXLLAMAV3, MIXEDK
+from quantizer.plan.profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
 from quantizer.shipped import model_config_path
 from test_allocate import budget_bytes  # tests/ is on sys.path (pytest prepend import mode)
@@ -106,7 +106,7 @@ def test_ours_costs_less_than_exl3_at_its_bytes(bpw):
         return float(sens.cost[rows, [col[plan.k[sens.keys[i]]] for i in rows]].sum()) + \
             sum(a.cost for a in sens.aliases if a.expert in plan.aliases)
 
-    for mode in (EXLLAMAV3, MIXEDK):
+    for mode in (EXLLAMAV3,):
         ours = allocate(cfg, sens, base.achieved_bpw, AllocationSettings(loader=mode))
         assert ours.achieved_bpw <= base.achieved_bpw + 1e-9
         assert abs(budget_bytes(cfg, ours) / budget_bytes(cfg, base) - 1) < 0.002

@@ -127,7 +127,7 @@ def test_cli_bad_inputs_exit_2(tmp_path, capsys):
 
 def test_plan_cli_writes_plan_and_recipe(tmp_path, capsys):
     assert main(["plan", "--model-config", str(TINY), "--bpw", "2.5", "--out", str(tmp_path / "p.json"),
-                 "--recipe-out", str(tmp_path / "r.yaml"), "--drafter-bits", "4"]) == 0
+                 "--recipe-out", str(tmp_path / "r.yaml"), "--drafter-bits", "4", "--loader", "exllamav3"]) == 0
     out = capsys.readouterr().out
     assert "routed experts by layer: L0" in out and "without Engram tables" in out
     plan = Plan.load(tmp_path / "p.json")

@@ -9,12 +9,12 @@ import pytest
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.model.targets import targets
 from quantizer.plan.plan import make_plan
-from quantizer.plan.profiles import MIXEDK
+from quantizer.plan.profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3
 from quantizer.plan.spec import EXL3, NATIVE, pack_spec, spec_bytes
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 
-COLD, WARM = "layers.2.ffn.experts.3", "layers.2.ffn.experts.0"
+WARM = "layers.2.ffn.experts.0"
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +28,13 @@ def _plans(cfg):
     return {
         "uniform": uniform_plan(cfg, 2.5),
         "native": make_plan(cfg, {t.key: None for t in targets(cfg)}),
-        "fp16 and aliases": make_plan(cfg, k, loader=MIXEDK, aliases={COLD: WARM}),
+        "fp16": make_plan(cfg, k, loader=EXLLAMAV3),
+        "tensorfold": uniform_plan(cfg, 2.5, loader=TENSORFOLD),
+        "vllm-exl3": uniform_plan(cfg, 2.5, loader=VLLM_EXL3),
     }
 
 
-@pytest.mark.parametrize("which", ["uniform", "native", "fp16 and aliases"])
+@pytest.mark.parametrize("which", ["uniform", "native", "fp16", "tensorfold", "vllm-exl3"])
 def test_quick_bytes_equal_the_tensors_of_the_spec(cfg, which):
     plan = _plans(cfg)[which]
     spec = pack_spec(cfg, plan)
@@ -40,11 +42,10 @@ def test_quick_bytes_equal_the_tensors_of_the_spec(cfg, which):
     assert len({t.name for t in spec.tensors}) == len(spec.tensors)  # no tensor twice
 
 
-def test_encoded_targets_replace_weight_and_scale_and_aliases_store_nothing(cfg):
-    plan = _plans(cfg)["fp16 and aliases"]
+def test_encoded_targets_replace_weight_and_scale(cfg):
+    plan = _plans(cfg)["fp16"]
     spec = pack_spec(cfg, plan)
     names = {t.name for t in spec.tensors}
-    assert not any(n.startswith(COLD + ".") for n in names)  # served by the warm expert
     assert f"{WARM}.w1.trellis" in names and f"{WARM}.w1.weight" not in names and f"{WARM}.w1.scale" not in names
     fused = [t for t in spec.tensors if t.name.startswith("layers.0.attn.wo_a.")]
     assert [(t.name, t.dtype, t.storage, t.K) for t in fused] == [("layers.0.attn.wo_a.weight", "F16", NATIVE, None)]

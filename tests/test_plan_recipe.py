@@ -13,7 +13,7 @@ from quantizer.errors import UserError
 from quantizer.exl3 import exl3_bytes
 from quantizer.model.targets import stored_parts, target_map
 from quantizer.plan.plan import make_plan
-from quantizer.plan.profiles import MIXEDK
+from quantizer.plan.profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3
 from quantizer.plan.recipe import _KeyPool, plan_from_recipe, read_recipe, recipe_entries, write_recipe
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path, shipped
@@ -41,7 +41,7 @@ def _recipe(tmp_path, body: str, name="r.yaml"):
 def test_last_matching_entry_wins(tiny, tmp_path):
     r = _recipe(tmp_path, RECIPE_HEAD + '  "layers.*.ffn.experts.*.w2": 2\n  layers.3.ffn.experts.1.w2: 1.5\n'
                 '  "layers.3.ffn.experts.*.w2": 2.5\n')
-    plan = plan_from_recipe(tiny, r, loader=MIXEDK)
+    plan = plan_from_recipe(tiny, r, loader=EXLLAMAV3)
     assert plan.k["layers.3.ffn.experts.1.w2"] == 2.5  # the later pattern overrides the exact key
     assert plan.k["layers.4.ffn.experts.1.w2"] == 2.0 and plan.k["layers.4.ffn.experts.1.w1"] == 3.0
     assert plan.k["layers.2.attn.indexer.wq_b"] == 4.0  # `layers.*.attn.*` also covers the indexer
@@ -105,19 +105,24 @@ def test_written_recipes_round_trip(v41, tiny, tmp_path, real_v41_uniform):
     back = plan_from_recipe(v41, read_recipe(tmp_path / "r.yaml"))
     assert back.k == plan.k and back.content_hash() == plan.content_hash()
     assert len(recipe_entries(v41, plan)) == 15  # default + 10 middle layers + 4 floors
-    # a per-expert (mixedk) plan with native and drafter entries round-trips too
-    k = dict(uniform_plan(tiny, 2.5, drafter_bits=3).k)
-    k.update({"layers.3.ffn.experts.1.w2": 4.0, "layers.0.attn.wkv": None, "mtp.2.ffn.experts.0.w1": None})
-    mixed = make_plan(tiny, k, loader=MIXEDK)
+    # a per-expert (tensorfold) plan with drafter entries round-trips too, and one with native entries
+    k = dict(uniform_plan(tiny, 2.5, drafter_bits=3, loader=TENSORFOLD).k)
+    k.update({"layers.3.ffn.experts.1.w2": 4.0, "mtp.2.ffn.experts.0.w1": 2.0})
+    mixed = make_plan(tiny, k, loader=TENSORFOLD)
     write_recipe(tiny, mixed, tmp_path / "m.yaml")
-    assert plan_from_recipe(tiny, read_recipe(tmp_path / "m.yaml"), loader=MIXEDK).k == mixed.k
+    assert plan_from_recipe(tiny, read_recipe(tmp_path / "m.yaml"), loader=TENSORFOLD).k == mixed.k
+    native = dict(uniform_plan(tiny, 2.5).k, **{"layers.0.attn.wkv": None})
+    partly = make_plan(tiny, native, loader=EXLLAMAV3)
+    write_recipe(tiny, partly, tmp_path / "n.yaml")
+    assert plan_from_recipe(tiny, read_recipe(tmp_path / "n.yaml"), loader=EXLLAMAV3).k == partly.k
 
 
 @pytest.mark.parametrize("bpw", ["2.5", "2.9", "3.5"])
 def test_shipped_recipes_are_what_uniform_plan_writes(v41, bpw, tmp_path, capsys):
     shipped_path = shipped("configs", "recipes", f"{bpw}.yaml")
     fresh = tmp_path / f"{bpw}.yaml"
-    assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--bpw", bpw, "--recipe-out", str(fresh)]) == 0
+    assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--bpw", bpw, "--loader", "exllamav3",
+                 "--recipe-out", str(fresh)]) == 0
     capsys.readouterr()
     assert fresh.read_text() == shipped_path.read_text(), "regenerate configs/recipes with the command in its header"
     plan = plan_from_recipe(v41, read_recipe(shipped_path))

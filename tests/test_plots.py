@@ -83,8 +83,8 @@ def test_fit_plot_of_a_pack_that_does_not_fit_stacks_past_visible(tmp_path, monk
 def test_plan_plot_draws_each_plans_k_per_layer_and_projection(tmp_path, monkeypatch):
     drawn = spy_figures(monkeypatch, "quantizer.plan.cli")
     other, png = tmp_path / "other.json", tmp_path / "k.png"
-    assert main(["plan", "--model-config", TINY, "--bpw", "4", "--out", str(other)]) == 0
-    assert main(["plan", "--model-config", TINY, "--bpw", "2.5", "--plot", str(png),
+    assert main(["plan", "--model-config", TINY, "--bpw", "4", "--loader", "exllamav3", "--out", str(other)]) == 0
+    assert main(["plan", "--model-config", TINY, "--bpw", "2.5", "--loader", "exllamav3", "--plot", str(png),
                  "--plot-against", str(other)]) == 0
     (fig,) = drawn
     assert_readable_png(png, fig)

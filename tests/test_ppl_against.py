@@ -17,11 +17,12 @@ from quantizer.model.hooks import ForwardHooks
 from quantizer.model.targets import targets
 from quantizer.model.transformer import DeepseekModel
 from quantizer.plan.plan import make_plan
-from quantizer.plan.profiles import MIXEDK
+from quantizer.plan.profiles import EXLLAMAV3
 from quantizer.ppl.compare import compare
 from quantizer.ppl.perplexity import RowPredictions
 
 QUANTIZED = ("layers.0.attn.wkv", "layers.1.ffn.experts.2.w2", "layers.2.ffn.shared_experts.w1")
+TIED = tuple(f"layers.1.ffn.experts.{e}.w2" for e in range(8))  # exllamav3: one K for a layer's experts
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def rows_file(tmp_path_factory):
 
 def _pack(src, root, k: dict[str, float | None]):
     cfg = Checkpoint.open(src).config
-    make_plan(cfg, {t.key: k.get(t.key) for t in targets(cfg)}, loader=MIXEDK).save(root / "plan.json")
+    make_plan(cfg, {t.key: k.get(t.key) for t in targets(cfg)}, loader=EXLLAMAV3).save(root / "plan.json")
     assert main(["build", str(src), "--plan", str(root / "plan.json"), "--out", str(root / "pack"),
                  "--no-calibrate"]) == 0
     return root / "pack"
@@ -41,7 +42,7 @@ def _pack(src, root, k: dict[str, float | None]):
 
 @pytest.fixture(scope="module")
 def quantized_pack(tiny_v41, tmp_path_factory):
-    return _pack(tiny_v41, tmp_path_factory.mktemp("q"), {key: 2.0 for key in QUANTIZED})
+    return _pack(tiny_v41, tmp_path_factory.mktemp("q"), {key: 2.0 for key in QUANTIZED + TIED})
 
 
 def _against(pack, src, rows_file, capsys) -> dict:
@@ -62,7 +63,7 @@ def test_kl_and_deltas_equal_two_whole_forwards(tiny_v41, quantized_pack, rows_f
     r = _against(quantized_pack, tiny_v41, rows_file, capsys)
     pack = Checkpoint.open(quantized_pack)
     decoded = {}
-    for key in QUANTIZED:
+    for key in QUANTIZED + TIED:
         leaves = {n: pack.raw(n) for n in pack.tensors if n.startswith(key + ".")}
         decoded[key + ".weight"] = dequantize(EXL3Linear.from_tensors(leaves, key))
     model = DeepseekModel.from_checkpoint(Checkpoint.open(tiny_v41))

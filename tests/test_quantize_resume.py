@@ -142,8 +142,8 @@ def test_another_plan_in_the_same_work_directory_encodes_only_what_it_adds(tiny_
 
 
 def test_a_second_build_in_the_same_work_directory_is_refused_while_the_first_runs(tiny_v41, tmp_path, capsys):
-    args = ["build", str(tiny_v41), "--bpw", "2.5", "--out", str(tmp_path / "pack"), "--method", "uniform",
-            "--no-calibrate"]  # minutes of encoding
+    args = ["build", str(tiny_v41), "--bpw", "2.5", "--out", str(tmp_path / "pack"), "--method", "uniform", "--no-calibrate",
+            "--loader", "exllamav3"]  # minutes of encoding
     proc = _spawn(args)
     try:
         _wait_for(proc, lambda: (tmp_path / "pack.work" / QUANTIZE_DIR / JOB_NAME).exists())

@@ -8,8 +8,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from quantizer.demo.demo import METHODS, MODELS, SIZES, DemoResult, DemoSettings, as_json_rows, run_demo
-from quantizer.plan.profiles import LOADERS
+from quantizer.demo.demo import (
+    DEMO_LOADERS, METHODS, MODELS, SIZES, DemoResult, DemoSettings, as_json_rows, run_demo,
+)
 from quantizer.plots import plot_path, save_figure
 from quantizer.report import table
 
@@ -26,8 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sizes", type=_floats, default=SIZES, help="comma-separated bpw (default 2.5,2.9,3.5)")
     p.add_argument("--methods", type=lambda s: tuple(s.split(",")), default=METHODS,
                    help=f"comma-separated, from {','.join(METHODS)}")
-    p.add_argument("--loader", type=lambda s: tuple(s.split(",")), default=LOADERS,
-                   help=f"comma-separated loader profiles our allocator plans for (default {','.join(LOADERS)}); "
+    p.add_argument("--loader", type=lambda s: tuple(s.split(",")), default=DEMO_LOADERS,
+                   help=f"comma-separated loader profiles our allocator plans for (default {','.join(DEMO_LOADERS)}); "
                         "uniform and exl3 plans are made for exllamav3")
     p.add_argument("--eval-rows", type=int, default=DemoSettings.eval_rows, help="held-out rows of 512 tokens")
     p.add_argument("--plot", help="also draw KL and top-1 against bits per method to FILE.png (the plots extra)")

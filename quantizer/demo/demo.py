@@ -5,8 +5,12 @@ Every pack is an ordinary `build` (pipeline/build.py) into one shared work direc
 is exactly what `quantizer build` writes with the same settings (tests/test_demo.py checks one).
 They share one calibration and the quantize stage's cache of encodings: each (tensor, K) any plan
 needs is encoded once. Each size is anchored on exllamav3's own allocator (its plan's `bits`), and
-uniform K and our allocator (once per loader profile asked for: exllamav3, mixedk) get the same
-budget, so the packs of one size compare at equal bytes. The references are built first, for every
+uniform K and our allocator (once per loader profile asked for: exllamav3, vllm-exl3) get the same
+budget, so the exllamav3 packs of one size compare at equal bytes; under vllm-exl3 that budget is
+spent on the routed experts alone and the rest stays in the source's FP8 form (its engine's layout,
+docs/loader-profiles.md), so its row holds more bytes (the bytes column says how many). tensorfold
+packs keep their Engram tables in a directory of their own, which the demo's forward does not read,
+so the demo plans for the first two. The references are built first, for every
 size; our builds then allocate on the proxy errors the references' encodings measured (what
 `build --measured-errors` reads from a work directory that holds only those), so a rerun in the
 same work directory encodes nothing and plans the same. Each pack is verified, fitted and
@@ -36,7 +40,7 @@ from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.pipeline.build import QUANTIZE_DIR, BuildRequest, BuildResult, build
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.plan import Plan
-from quantizer.plan.profiles import EXLLAMAV3, LOADERS
+from quantizer.plan.profiles import EXLLAMAV3, LOADERS, VLLM_EXL3, load_profile
 from quantizer.ppl.compare import Comparison, compare
 from quantizer.ppl.pack_source import PackSource
 from quantizer.ppl.perplexity import row_predictions
@@ -51,6 +55,7 @@ from quantizer.textdata import model_rows, shipped_text_path
 SIZES = (2.5, 2.9, 3.5)
 UNIFORM, EXL3, OURS = "uniform", "exl3", "ours"
 METHODS = (UNIFORM, EXL3, OURS)
+DEMO_LOADERS = (EXLLAMAV3, VLLM_EXL3)  # the engines whose packs the demo's forward reads as written
 BUILD_DIR = "build"  # the shared build work directory: calibration and the encoding cache
 # The bundled trained models, by the name `--model` takes, and the package folder that holds each.
 MODELS = {"small-v41": "small_model", "small-v4": "small_model_v4"}
@@ -60,7 +65,7 @@ MODELS = {"small-v41": "small_model", "small-v4": "small_model_v4"}
 class DemoSettings:
     sizes: tuple[float, ...] = SIZES
     methods: tuple[str, ...] = METHODS
-    loaders: tuple[str, ...] = LOADERS  # ours is planned once per profile; uniform and exl3 plans load in all
+    loaders: tuple[str, ...] = DEMO_LOADERS  # ours is planned once per profile; uniform and exl3 for exllamav3
     model: str = "small-v41"
     calib_rows: int = 16
     eval_rows: int = 16
@@ -72,9 +77,9 @@ class DemoSettings:
             raise UserError("give at least one size, one method and one loader")
         for size in self.sizes:
             check_bpw(size, "mul1", "--sizes")
-        unknown = [name for name in self.loaders if name not in LOADERS]
+        unknown = [name for name in self.loaders if name not in DEMO_LOADERS]
         if unknown:
-            raise UserError(f"unknown loader(s) {', '.join(unknown)}; choose from {', '.join(LOADERS)}")
+            raise UserError(f"loader(s) {', '.join(unknown)} not in the demo; choose from {', '.join(DEMO_LOADERS)}")
         if self.model not in MODELS:
             raise UserError(f"unknown --model {self.model!r}; choose from {', '.join(MODELS)}")
         if min(self.calib_rows, self.eval_rows) < 1 or self.cols < 2:
@@ -141,9 +146,12 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
         if UNIFORM in methods:
             make(size, UNIFORM, EXLLAMAV3, budget(size))
     measured = _measured(cfg, work / BUILD_DIR, list(built.values()))
+    loaders = [name for name in settings.loaders if cfg.arch in load_profile(name).archs]
+    if len(loaders) < len(settings.loaders):
+        _say(f"demo: {cfg.arch} runs in {', '.join(loaders)} only of the loaders asked for")
     for size in settings.sizes:
         if OURS in methods:
-            for loader in settings.loaders:
+            for loader in loaders:
                 make(size, OURS, loader, budget(size), measured)
 
     held = rows("heldout", settings.eval_rows)

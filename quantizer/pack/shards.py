@@ -79,10 +79,10 @@ def unit_of(t: PackTensor) -> tuple:
     return (0, 0)
 
 
-def reusable_sources(tensors: list[PackTensor]) -> dict[Path, list[PackTensor]]:
+def reusable_sources(tensors: list[PackTensor], align: int = PACK_ALIGN) -> dict[Path, list[PackTensor]]:
     """Source files a pack's Engram shard can be as they are: the file holds one layer's Engram table
     and scale and nothing else (the pack keeps tables in shards of their own), passed through
-    unchanged, with its data 64-byte aligned."""
+    unchanged, with its data aligned as the pack's (`align`)."""
     by_file: dict[Path, list[PackTensor]] = {}
     for t in tensors:
         by_file.setdefault(t.source.path, []).append(t)
@@ -92,7 +92,7 @@ def reusable_sources(tensors: list[PackTensor]) -> dict[Path, list[PackTensor]]:
             continue
         header = read_header(path).tensors
         real = {n: e for n, e in header.items() if not n.startswith(PAD_PREFIX)}
-        if set(real) == {t.name for t in members} and all(e.offset % PACK_ALIGN == 0 for e in real.values()):
+        if set(real) == {t.name for t in members} and all(e.offset % align == 0 for e in real.values()):
             out[path] = members
     return out
 
@@ -153,7 +153,7 @@ def _footprint(t: PackTensor) -> int:
     return t.nbytes + PACK_ALIGN
 
 
-def write_shard(path: Path, shard: ShardPlan, progress=None) -> str:
+def write_shard(path: Path, shard: ShardPlan, progress=None, align: int = PACK_ALIGN) -> str:
     """Write the header and holes, fill every hole from its source, then rename into place; a reused
     source file is linked instead. Returns how the shard was made (LINKED, REFLINKED or COPIED)."""
     filling = path.with_name(path.name + ".filling")
@@ -167,7 +167,7 @@ def write_shard(path: Path, shard: ShardPlan, progress=None) -> str:
         filling,
         [PlannedTensor(t.name, t.source.dtype, t.source.shape, None) for t in shard.tensors],
         metadata=SHARD_METADATA,
-        align=PACK_ALIGN,
+        align=align,
     )
     placed = read_header(filling).tensors
     fd = os.open(filling, os.O_WRONLY)
@@ -223,7 +223,8 @@ def _copy(src: TensorEntry, dst_fd: int, dst_offset: int) -> None:
         os.close(fd)
 
 
-def write_shards(out: Path, shards: list[ShardPlan]) -> list[str]:
-    """All shards with one progress bar over bytes; returns how each was made."""
+def write_shards(out: Path, shards: list[ShardPlan], align: int = PACK_ALIGN) -> list[str]:
+    """All shards with one progress bar over bytes, tensors `align`-aligned (1: back to back, no pad
+    tensors); returns how each was made."""
     with tqdm(total=sum(s.nbytes for s in shards), unit="B", unit_scale=True, desc="pack") as bar:
-        return [write_shard(out / s.file, s, bar.update) for s in shards]
+        return [write_shard(out / s.file, s, bar.update, align) for s in shards]

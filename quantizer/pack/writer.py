@@ -2,10 +2,13 @@
 
 Everything is written into a partial directory beside `<out>` (the build job's own
 `<out>.partial-<job id>`, or a fresh one) and renamed to `<out>` last, so a half-written pack never
-looks complete and a pack another build published meanwhile is never replaced. Every source tensor is accounted for:
-it is passed through byte-identical, replaced
-by the EXL3 (or fp16) linear(s) the plan gave it, or served by the expert it is aliased to; nothing is
-dropped silently (a missing quantized result stops the stage with the key to redo).
+looks complete and a pack another build published meanwhile is never replaced. Every source tensor is
+accounted for: it is passed through byte-identical, replaced by the EXL3 (or fp16) linear(s) the plan
+gave it, served by the expert it is aliased to, stored in the dtype the engine's loader reads (a plain
+tensor its profile converts), or kept in the sibling Engram directory `<out>-Engram` (profiles whose
+engine reads the Engram tables from a directory of their own: the source shards that hold them, linked);
+nothing is dropped silently (a missing quantized result stops the stage with the key to redo).
+config.json carries the quantization_config the plan's engine reads (its loader profile's form).
 """
 
 from __future__ import annotations
@@ -32,19 +35,28 @@ from quantizer.exl3 import UNQUANTIZED, parse_codebook
 from quantizer.model.layout import TensorSpec
 from quantizer.model.targets import targets
 from quantizer.model.tensor_classes import classify
+from quantizer.checkpoint.safetensors_file import TORCH_DTYPES, TensorEntry, planned, read_header, read_tensor, write_safetensors
+from quantizer.exl3 import PACK_ALIGN
+from quantizer.model.targets import DRAFT, HEAD_GROUP, ROUTED
 from quantizer.pack.card import CARD_NAME, source_license, write_card
-from quantizer.pack.exl3_config import EXLLAMAV3_TARGET, pack_config, quantization_config, tensor_storage
+from quantizer.pack.exl3_config import (
+    EXLLAMAV3_FORM, EXLLAMAV3_TARGET, fill_template, pack_config, profile_values, quantization_config, tensor_storage,
+)
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, ShardRecord, TensorRecord, sha256_file
-from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, reusable_sources, write_shards
+from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, link_or_copy, reusable_sources, write_shards
 from quantizer.plan.plan import Plan, achieved_bpw
-from quantizer.plan.profiles import load_profile
-from quantizer.plan.spec import REPLACED_LEAVES, PackSpec, StoredLinear, expert_of, pack_spec
+from quantizer.plan.profiles import ENGRAM_SIBLING, load_profile
+from quantizer.plan.spec import (
+    CONVERTED, ENGRAM_DIR, REPLACED_LEAVES, PackSpec, StoredLinear, StoredTensor, expert_of, pack_spec,
+)
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.results import ResultStore
 from quantizer.report import size_text
 from quantizer.workdir import require_free_space, write_json_atomic
 
 DEFAULT_SHARD_SIZE = 8 << 30
+CONVERTED_FILE = "converted.scratch"  # plain tensors in the engine's dtypes, copied into shards, then removed
+ENGRAM_SUFFIX = "-Engram"  # TensorFold also finds a folder beside the model whose name holds "Engram"
 SKIPPED_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 WRITTEN_FILES = ("config.json", INDEX_NAME, "quantization_config.json", MANIFEST_NAME, CARD_NAME)
 
@@ -65,48 +77,73 @@ def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, se
     with `publish` False the caller renames it (publish_pack) once its own checks of `partial` pass."""
     out = Path(out)
     check_new_pack_dir(out)
+    engram = engram_dir_of(out)
+    sibling = load_profile(plan.loader).engram_tables == ENGRAM_SIBLING
+    if sibling:
+        check_new_pack_dir(engram)
     owned = partial is None
     if owned:
         out.parent.mkdir(parents=True, exist_ok=True)
         partial = Path(tempfile.mkdtemp(prefix=f"{out.name}.partial-", dir=out.parent))
+    engram_partial = engram_dir_of(partial)
     try:
-        manifest = _write(ck, plan, ResultStore(work), partial, settings)
+        manifest = _write(ck, plan, ResultStore(work), partial, settings, engram_partial, engram.name)
         if publish:
             publish_pack(partial, out)
         return manifest
     except BaseException:
         if owned:
             shutil.rmtree(partial, ignore_errors=True)
+        shutil.rmtree(engram_partial, ignore_errors=True)
         raise
 
 
-def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settings: PackSettings) -> Manifest:
+def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settings: PackSettings,
+           engram_dir: Path, engram_name: str) -> Manifest:
     spec = pack_spec(ck.config, plan)
     linears = spec.encoded
-    tensors, sources = _pack_tensors(ck, plan, spec, store, settings.job_settings)
-    shards = assign_shards(tensors, settings.shard_size, reusable_sources(tensors))
+    tensors, sources = _pack_tensors(ck, plan, spec, store, settings.job_settings, partial / CONVERTED_FILE)
+    align = load_profile(plan.loader).pack_align
+    shards = assign_shards(tensors, settings.shard_size, reusable_sources(tensors, align))
     size = sum(s.nbytes for s in shards)
     linkable = sum(s.nbytes for s in shards if s.reuse and os.stat(s.reuse).st_dev == os.stat(partial).st_dev)
     print(f"pack: {len(tensors):,} tensors in {len(shards)} shards, {size_text(size)} in {partial}; "
           f"{size_text(size - linkable)} to write, {size_text(linkable)} of Engram shards linked from the "
           "source (copied where the filesystem refuses links)", file=sys.stderr)
     require_free_space(partial, size - linkable, "the pack")
-    made = write_shards(partial, shards)
+    made = write_shards(partial, shards, align)
+    (partial / CONVERTED_FILE).unlink(missing_ok=True)
     reused = [how for s, how in zip(shards, made) if s.reuse]
     if reused:
         print(f"pack: {len(reused)} Engram source shard(s) reused: {', '.join(sorted(set(reused)))}", file=sys.stderr)
     records = _shard_records(partial, shards)
     _write_index(partial, shards)
-    qcfg = _write_configs(ck, plan, tensors, partial, _calibration(settings))
+    qcfg = _write_configs(ck, plan, spec, tensors, partial, _calibration(settings))
     _copy_side_files(ck.root, partial)
-    manifest = _manifest(ck, plan, linears, shards, records, sources, qcfg, settings)
+    sibling = _write_engram_dir(ck, spec, engram_dir)
+    if sibling:
+        sibling["dir"] = engram_name
+    manifest = _manifest(ck, plan, linears, shards, records, sources, qcfg, settings, sibling)
     write_json_atomic(partial / MANIFEST_NAME, manifest.to_dict())
     write_card(partial, manifest)
     return manifest
 
 
 def publish_pack(partial: Path, out: Path) -> None:
-    """Rename the finished pack into place; the kernel refuses if `out` is (no longer) empty."""
+    """Rename the finished pack (and its sibling Engram directory, where its profile has one) into
+    place; the kernel refuses if a target is (no longer) empty."""
+    if engram_dir_of(partial).is_dir():
+        _rename(engram_dir_of(partial), engram_dir_of(out))
+    _rename(partial, out)
+
+
+def discard_partial(partial: Path) -> None:
+    """Remove a pack that will not be published, with its sibling Engram directory."""
+    shutil.rmtree(engram_dir_of(partial), ignore_errors=True)
+    shutil.rmtree(partial, ignore_errors=True)
+
+
+def _rename(partial: Path, out: Path) -> None:
     try:
         os.rename(partial, out)
     except OSError as e:
@@ -122,18 +159,20 @@ def check_new_pack_dir(out: Path) -> None:
         raise UserError(f"{out}: already exists and is not empty; delete it or choose another --out")
 
 
-def _pack_tensors(ck: Checkpoint, plan: Plan, spec: PackSpec, store: ResultStore, job: dict):
-    """Every pack tensor of the spec with the bytes it copies, and what became of every source tensor.
-    The checkpoint must hold exactly the tensors its config's layout has, and the cache a result of
-    the spec's shape and dtype for every encoded leaf, from units made under `job` (the quantize
-    settings' record)."""
+def _pack_tensors(ck: Checkpoint, plan: Plan, spec: PackSpec, store: ResultStore, job: dict, converted: Path):
+    """Every tensor of the pack directory with the bytes it copies, and what became of every source
+    tensor. The checkpoint must hold exactly the tensors its config's layout has, and the cache a result
+    of the spec's shape and dtype for every encoded leaf, from units made under `job` (the quantize
+    settings' record). Plain tensors the loader reads in another dtype are converted into `converted`
+    (a scratch file the shards copy from)."""
     _check_source(ck, spec)
     results = store.entries(plan_units(spec, plan.codebook, job))
     linears = {s.key: s for s in spec.encoded}
+    changed = _convert(ck, [t for t in spec.tensors if t.storage == CONVERTED], converted)
     tensors: list[PackTensor] = []
-    for t in spec.tensors:
+    for t in spec.model_dir:
         if t.linear is None:
-            tensors.append(PackTensor(t.name, ck.tensors[t.name], NATIVE, t.cls))
+            tensors.append(PackTensor(t.name, changed.get(t.name, ck.tensors[t.name]), NATIVE, t.cls))
             continue
         entry = results.get(t.name)
         if entry is None or tuple(entry.shape) != t.shape or entry.dtype != t.dtype:
@@ -142,6 +181,16 @@ def _pack_tensors(ck: Checkpoint, plan: Plan, spec: PackSpec, store: ResultStore
                             "rerun the quantize stage (build) with the same work directory")
         tensors.append(PackTensor(t.name, entry, _k(linears[t.linear].K), t.cls))
     return tensors, _sources(ck, plan, spec)
+
+
+def _convert(ck: Checkpoint, plain: list[StoredTensor], path: Path) -> dict[str, TensorEntry]:
+    """The plain tensors the spec stores in another dtype, converted (BF16 -> F16 or F32: the dtypes
+    the engine's loader takes; docs/loader-profiles.md) into one file; their entries there."""
+    if not plain:
+        return {}
+    write_safetensors(path, [planned(t.name, read_tensor(ck.tensors[t.name]).to(TORCH_DTYPES[t.dtype]))
+                             for t in plain], align=PACK_ALIGN)
+    return read_header(path).tensors
 
 
 def _check_source(ck: Checkpoint, spec: PackSpec) -> None:
@@ -156,7 +205,7 @@ def _check_source(ck: Checkpoint, spec: PackSpec) -> None:
         entry = ck.tensors.get(name)
         if entry is None and t is not None:
             raise UserError(f"{ck.root}: no tensor {name}, which the model's layout has (an incomplete checkpoint?)")
-        if t is not None and (tuple(entry.shape) != t.shape or entry.dtype != t.dtype):
+        if t is not None and (tuple(entry.shape) != t.shape or (entry.dtype != t.dtype and t.storage != CONVERTED)):
             raise UserError(f"{ck.root}: {name} is {entry.dtype}{list(entry.shape)}, the layout says "
                             f"{t.dtype}{list(t.shape)}")
 
@@ -178,6 +227,11 @@ def _sources(ck: Checkpoint, plan: Plan, spec: PackSpec) -> dict[str, object]:
         else:
             fate = {"exl3": by_target[t.key]}
         fates.update({t.key + leaf: fate for leaf in REPLACED_LEAVES})
+    for t in spec.tensors:
+        if t.storage == CONVERTED:
+            fates[t.name] = {"converted": t.dtype}
+        elif t.storage == ENGRAM_DIR:
+            fates[t.name] = {"engram_dir": t.name}
     return {name: fates.get(name, NATIVE) for name in ck.tensors}
 
 
@@ -217,13 +271,62 @@ def _calibration(settings: PackSettings) -> dict | None:
     return {"rows": cal["rows"], "cols": cal["cols"]} if cal else None
 
 
-def _write_configs(ck: Checkpoint, plan: Plan, tensors: list[PackTensor], pack: Path, calibration: dict | None) -> dict:
-    source_config = json.loads((ck.root / "config.json").read_text())
+def _source_config(ck: Checkpoint) -> dict:
+    return json.loads((ck.root / "config.json").read_text())
+
+
+def _write_configs(ck: Checkpoint, plan: Plan, spec: PackSpec, tensors: list[PackTensor], pack: Path,
+                   calibration: dict | None) -> dict:
+    """config.json with the quantization_config the plan's engine reads (its profile's form), and
+    quantization_config.json with exllamav3's record plus tensor_storage. Returns exllamav3's record."""
+    source_config = _source_config(ck)
     codebook = parse_codebook(plan.codebook)
-    qcfg = quantization_config(source_config, achieved_bpw(ck.config, plan), _head_bits(plan), codebook, calibration)
-    write_json_atomic(pack / "config.json", pack_config(source_config, qcfg))
+    bpw = achieved_bpw(ck.config, plan)
+    qcfg = quantization_config(source_config, bpw, _head_bits(plan), codebook, calibration)
+    engine_qcfg = engine_quantization_config(load_profile(plan.loader), qcfg, source_config, ck.config, spec.linears)
+    write_json_atomic(pack / "config.json", pack_config(source_config, engine_qcfg))
     write_json_atomic(pack / "quantization_config.json", {**qcfg, "tensor_storage": tensor_storage(tensors, codebook)})
     return qcfg
+
+
+def engine_quantization_config(profile, qcfg: dict, source_config: dict, cfg, linears) -> dict:
+    """The quantization_config the profile's engine reads: exllamav3's record, or the profile's template
+    filled from the stored linears (pack/exl3_config.py). verify calls it on what the shards hold."""
+    if profile.quantization_config == EXLLAMAV3_FORM:
+        return qcfg
+    by_group: dict[str, list[float]] = defaultdict(list)
+    routed: list[tuple[int, float]] = []
+    for s in linears:
+        if s.K is not None and s.K != UNQUANTIZED:
+            by_group[s.target.group].append(s.K)
+            if s.target.group == ROUTED:
+                routed.append((s.target.layer, s.K))
+    head = by_group[HEAD_GROUP][0] if by_group[HEAD_GROUP] else None
+    values = profile_values(qcfg["bits"], qcfg["bpw"], qcfg["codebook"], head, by_group[DRAFT], routed,
+                            source_config, cfg.fp8_block, cfg.num_layers, profile.config_bits_range)
+    return fill_template(profile.quantization_config, values)
+
+
+def engram_dir_of(out: Path) -> Path:
+    """The sibling directory of a pack that holds the original Engram shards (profiles with
+    engram_tables "sibling": TensorFold reads them with --engram DIR / TF_DS_ENGRAM)."""
+    return out.with_name(out.name + ENGRAM_SUFFIX)
+
+
+def _write_engram_dir(ck: Checkpoint, spec: PackSpec, where: Path) -> dict | None:
+    """The source shards that hold the Engram tables, linked (copied where links fail) into `where`,
+    with an index naming the tables; None when the profile keeps the tables in the pack."""
+    tables = sorted(t.name for t in spec.tensors if t.storage == ENGRAM_DIR)
+    if not tables:
+        return None
+    where.mkdir()
+    files = sorted({ck.tensors[name].path for name in tables})
+    how = {p.name: link_or_copy(p, where / p.name) for p in files}
+    write_json_atomic(where / INDEX_NAME, {"metadata": {"total_size": sum(ck.tensors[n].nbytes for n in tables)},
+                                           "weight_map": {n: ck.tensors[n].path.name for n in tables}})
+    print(f"pack: Engram tables in {len(files)} source shard(s) {', '.join(sorted(set(how.values())))} into "
+          f"{where.name}/ beside the pack", file=sys.stderr)
+    return {"shards": sorted(how), "tables": len(tables)}
 
 
 def _head_bits(plan: Plan) -> float | int:
@@ -238,7 +341,8 @@ def _copy_side_files(src: Path, pack: Path) -> None:
             shutil.copyfile(f, pack / f.name)
 
 
-def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackSettings) -> Manifest:
+def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackSettings,
+              engram_dir: dict | None) -> Manifest:
     tensors = {t.name: TensorRecord(s.file, t.K, t.cls) for s in shards for t in s.tensors}
     aliases = {t.key: alias_of(plan, t.key) for t in targets(ck.config) if alias_of(plan, t.key)}
     features = (["per-expert-K"] if load_profile(plan.loader).per_expert_k else []) + (["expert-aliases"] if aliases else [])
@@ -252,9 +356,10 @@ def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackS
                 "fingerprint": source_fingerprint(ck),
                 # the pack's config.json carries EXL3's quantization_config, not the source's FP8 grid
                 "weight_block_size": list(ck.config.fp8_block),
-                "base_model": settings.base_model, "license": source_license(ck.root)},
+                "base_model": settings.base_model, "license": source_license(ck.root),
+                "quantization_config": _source_config(ck).get("quantization_config")},
         plan={"hash": plan.content_hash(), "loader": plan.loader, "codebook": plan.codebook,
-              "head_bits": qcfg["head_bits"]},
+              "head_bits": qcfg["head_bits"], "engram_dir": engram_dir},
         settings=dict(settings.job_settings),
         quantization={"bits": qcfg["bits"], "bpw": qcfg["bpw"], "k_histogram": _histogram(linears)},
         shards=records,

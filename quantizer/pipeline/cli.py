@@ -1,5 +1,5 @@
 """`quantizer build SRC (--bpw B | --sparks N [--context C] | --plan PLAN.json) --out PACK
-[--method ours|uniform|exl3] [--loader exllamav3|mixedk] [--text FILE | --tokens FILE | --no-calibrate] ...`
+[--method ours|uniform|exl3] [--loader vllm-exl3|tensorfold|exllamav3] [--text FILE | --tokens FILE | --no-calibrate] ...`
 
 Calibrates (the shipped calibration set by default), plans, quantizes, packs and verifies. Rerun the
 same command after an interruption and it continues where it stopped; a rerun with a different
@@ -24,7 +24,7 @@ from quantizer.fit.render import render as render_fit
 from quantizer.fit.target import FitTarget
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS
-from quantizer.plan.profiles import EXLLAMAV3, LOADERS
+from quantizer.plan.profiles import LOADERS, default_loader, load_profile
 from quantizer.textdata import model_rows, shipped_text_path
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.plan import Plan
@@ -46,9 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", help="with --sparks: engine profile (default: the hardware file's default_engine)")
     p.add_argument("--method", choices=METHODS, default=OURS,
                    help="ours: the allocator on the calibration (default); uniform; exl3: exllamav3's own allocator")
-    p.add_argument("--loader", choices=LOADERS, default=EXLLAMAV3,
-                   help="loader profile the pack must load in: exllamav3 (stock 1.6.5, default) or mixedk "
-                        "(per-expert K kernels, cold-expert aliases); the pack is verified against it")
+    p.add_argument("--loader", choices=LOADERS,
+                   help="engine profile the pack must load in (docs/loader-profiles.md): vllm-exl3 (vLLM + vllm-exl3, "
+                        "routed experts EXL3 with K per expert; default for V4.1), tensorfold (every linear EXL3 mul1, "
+                        "Engram tables in <out>-engram) or exllamav3 (stock 1.6.5; default for V4); the pack is "
+                        "verified against it")
     data = p.add_mutually_exclusive_group()
     data.add_argument("--text", help="calibration text (.txt, .jsonl, optionally .zst; default: the shipped set)")
     data.add_argument("--tokens", help="calibration token ids (.npy, or .safetensors with input_ids)")
@@ -91,13 +93,16 @@ def run(args: argparse.Namespace) -> int:
     if args.sparks is None and (args.context is not None or args.streams != 1 or args.engine):
         raise UserError("--context, --streams and --engine size the fit of --sparks N; add --sparks")
     ck = Checkpoint.open(args.src, revision=args.revision)
+    loader = plan.loader if plan else args.loader or default_loader(ck.config)
+    if plan and args.loader and args.loader != plan.loader:
+        raise UserError(f"--loader {args.loader} conflicts with {args.plan}, which is made for {plan.loader}")
     target = None
     if args.sparks:
         context = ck.config.max_position_embeddings if args.context is None else args.context
-        target = FitTarget(args.sparks, context, args.streams, args.engine)
+        target = FitTarget(args.sparks, context, args.streams, args.engine or load_profile(loader).fit_engine)
     req = BuildRequest(
         src=args.src, out=args.out, bpw=args.bpw, plan=plan, target=target, method=args.method,
-        allocation=AllocationSettings(loader=args.loader, codebook=args.codebook or "mul1"),
+        allocation=AllocationSettings(loader=loader, codebook=args.codebook or "mul1"),
         calibration_rows=None if args.no_calibrate else _calibration_rows(args, ck),
         calibration=CalibrationSettings(device=args.device, row_chunk=args.row_chunk), work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
@@ -157,9 +162,22 @@ def summary(r: BuildResult) -> str:
         _fit_lines(pack_fit_table(r.out)),
         *([] if r.fit is None else [render_fit(r.fit)]),
         f"verify: clean ({len(r.verify.findings)} checks)",
+        *_engine_lines(r),
         f"work directory {r.work} is kept (re-pack or resume from it); delete it when done",
     ]
     return "\n".join(lines)
+
+
+def _engine_lines(r: BuildResult) -> list[str]:
+    """How to point the plan's engine at the pack (and at its Engram directory, where it has one)."""
+    engram = r.manifest.plan.get("engram_dir")
+    lines = [f"engine: {load_profile(r.plan.loader).engine.split(':')[0]} (loader profile {r.plan.loader})"]
+    if engram:
+        where = r.out.parent / engram["dir"]
+        lines.append(f"Engram tables: {engram['tables']} tensors in {len(engram['shards'])} source shard(s) linked into "
+                     f"{where}; point TensorFold at it: --engram {where} (or TF_DS_ENGRAM={where}), "
+                     f"the model at {r.out}")
+    return lines
 
 
 def _calibration_line(r: BuildResult) -> str:

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Iterator
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
+from quantizer.pack.writer import discard_partial
 from quantizer.plan.plan import Plan, check_plan
 from quantizer.plan.spec import pack_spec
 from quantizer.report import size_text
@@ -101,12 +101,12 @@ def claim(out: Path, work: Path) -> Iterator[Path]:
         fd = lock_file(lock, f"{out}: another build is writing this pack (in {partial.name}); wait for it "
                              "to finish or choose another --out")
         try:
-            shutil.rmtree(partial, ignore_errors=True)  # this job's own, left by a kill: nothing in it is reused
+            discard_partial(partial)  # this job's own, left by a kill: nothing in it is reused
             partial.mkdir(parents=True)
             _refuse_other_writers(out, partial)
             yield partial
         finally:
-            shutil.rmtree(partial, ignore_errors=True)
+            discard_partial(partial)  # and its Engram sibling, unless the pack stage renamed them into place
             lock.unlink(missing_ok=True)
             os.close(fd)
 

@@ -8,8 +8,9 @@ are the segments of the lower convex hull of its (bits, cost) options, so a rate
 worse than the one after it (a non-convex step) does not stop the unit. All segments, best
 cost-per-bit first, are taken while they fit; this prefix is the Lagrangian optimum, exact for
 the bits it spends. What is left is filled by the best upgrades (any rate, hull or not) that still
-fit. The loader profile (profiles.py) decides the units: one tensor where the loader takes K per
-expert (`mixedk`); under `exllamav3` the routed experts of one layer share one K per projection and
+fit. The loader profile (profiles.py) decides what is allocated (only the groups its engine quantizes:
+for `vllm-exl3` the routed experts, the rest is a fixed cost in bytes) and the units: one tensor where
+the loader takes K per expert (`vllm-exl3`, `tensorfold`); under `exllamav3` the routed experts of one layer share one K per projection and
 gate and up share one K, so a layer's gate+up is one unit and its down another, cost and bits
 summed over their tensors. A profile's constraint is part of the problem, never a repair after it.
 
@@ -22,8 +23,8 @@ Cold experts (routed share below `alias_below` x the layer's mean, with an alias
 calibration) may be served by their warm expert: 0 bits, cost = importance x aliasing error. The
 choice is Lagrangian: alias when that cost is below what keeping the expert costs, its bits priced
 at the marginal value of bits in the current solution; at most `alias_cap` per layer; re-solved
-until the alias set is stable. On by default where the profile's loader honours aliases (mixedk);
-refused where it does not (exllamav3).
+until the alias set is stable. On by default where the profile's loader honours aliases; no engine
+profile reads an alias map today (docs/loader-profiles.md), so `--alias` is refused with one line.
 """
 
 from __future__ import annotations
@@ -67,9 +68,15 @@ class AllocationSettings:
         """Whether cold experts may be aliased; UserError where the loader cannot serve aliases."""
         allowed = load_profile(self.loader).aliases
         if self.alias and not allowed:
-            raise UserError(f"--alias: the {self.loader} loader reads every expert's own tensors and has no alias "
-                            "map; use --loader mixedk")
+            raise UserError(alias_refusal(self.loader))
         return allowed if self.alias is None else self.alias
+
+
+def alias_refusal(loader: str) -> str:
+    """The one line that refuses cold-expert aliases for a loader that reads no alias map."""
+    return (f"--alias: the {loader} engine reads every expert's own tensors and no engine profile reads an alias "
+            "map (docs/loader-profiles.md, cold-expert aliases), so a pack with aliased experts would miss them; "
+            "drop --alias")
 
 
 class Allocator:
@@ -88,22 +95,25 @@ class Allocator:
             raise UserError(f"--floor {floor:g}: choose an integer rate 1..8")
         self.cfg, self.sens, self.settings, self.profile = cfg, sens, settings, profile
         tmap = target_map(cfg)
-        self.targets = [tmap[k] for k in sens.keys]
+        # only what the engine quantizes is allocated; a group it keeps in source form is a fixed cost in bytes
+        keep = [i for i, key in enumerate(sens.keys) if profile.budgets(tmap[key])]
+        keys = tuple(sens.keys[i] for i in keep)
+        self.targets = [tmap[k] for k in keys]
         self.rates = np.asarray(sens.rates)
         self.numel = np.array([t.numel for t in self.targets], dtype=float)
-        by_kind = {}  # the profile's rule depends on the target only through integer_only
+        by_kind = {}  # the profile's rule depends on the target only through its group and integer_only
         for t in self.targets:
-            if t.integer_only not in by_kind:
-                by_kind[t.integer_only] = [profile.allows_k(float(r), settings.codebook, t) for r in self.rates]
-        allowed = np.array([by_kind[t.integer_only] for t in self.targets], dtype=bool).reshape(
+            if (t.group, t.integer_only) not in by_kind:
+                by_kind[t.group, t.integer_only] = [profile.allows_k(float(r), settings.codebook, t) for r in self.rates]
+        allowed = np.array([by_kind[t.group, t.integer_only] for t in self.targets], dtype=bool).reshape(
             len(self.targets), len(self.rates))
         for i, t in enumerate(self.targets):
             if t.group in FLOORED:
                 allowed[i] &= self.rates >= floor
-        self.cost = np.where(allowed, sens.cost, np.inf)
+        self.cost = np.where(allowed, sens.cost[keep], np.inf)
         self.bits = self.numel[:, None] * self.rates[None, :]
-        self.row = {k: i for i, k in enumerate(sens.keys)}
-        self.expert_rows = _expert_rows(sens.keys)
+        self.row = {k: i for i, k in enumerate(keys)}
+        self.expert_rows = _expert_rows(keys)
         self.candidates = self._alias_candidates() if settings.aliasing else ()
         self.total_numel = float(self.numel.sum())
 
@@ -218,9 +228,11 @@ class Allocator:
         k: dict[str, float | None] = {key: float(self.rates[choice[i]]) for key, i in self.row.items()}
         for t in targets(self.cfg):
             if t.group == HEAD_GROUP:
-                k[t.key] = s.head_bits
+                k[t.key] = self.profile.group_k(HEAD_GROUP, s.head_bits)
             elif t.group == DRAFT:
-                k[t.key] = drafter_k(s.drafter_bits, t.integer_only)
+                k[t.key] = drafter_k(self.profile.group_k(DRAFT, s.drafter_bits), t.integer_only)
+            elif t.key not in k:
+                k[t.key] = None  # a group the engine keeps in source form
         bpw = budget_bits / self.total_numel if target_bpw is None else target_bpw
         made_by = (f"allocate(bpw={bpw:.4g}, loader={s.loader}, floor={s.floor:g}, codebook={s.codebook}, "
                    f"aliases={len(aliased)}, calibration={'synthetic' if self.sens.synthetic else 'measured'}, "

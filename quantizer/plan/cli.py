@@ -1,5 +1,5 @@
 """`quantizer plan SRC|--model-config C (--bpw B | --sparks N [--context C] [--streams S] [--engine E])
-[--calibration WORK_OR_SUMMARY | --synthetic] [--loader exllamav3|mixedk] [--method ours|uniform|exl3]
+[--calibration WORK_OR_SUMMARY | --synthetic] [--loader vllm-exl3|tensorfold|exllamav3] [--method ours|uniform|exl3]
 [--alias/--no-alias] [--out plan.json] [--recipe-out recipe.yaml]`
 
 Methods: `ours` (allocate.py: least estimated error under the budget, from a calibration summary
@@ -29,7 +29,7 @@ from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettin
 from quantizer.plan.exl3_baseline import HQ
 from quantizer.plan.methods import EXL3, METHODS, OURS, UNIFORM, planner
 from quantizer.plan.plan import TOTAL, TOTAL_RESIDENT, Plan, check_plan
-from quantizer.plan.profiles import EXLLAMAV3, LOADERS, load_profile
+from quantizer.plan.profiles import LOADERS, default_loader, load_profile
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plots import plot_path, save_figure
@@ -56,11 +56,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the --synthetic summary")
     p.add_argument("--method", choices=METHODS,
                    help="allocator (default: ours with --calibration/--synthetic, else uniform)")
-    p.add_argument("--loader", choices=LOADERS, default=EXLLAMAV3,
-                   help="loader profile the plan must load in: exllamav3 (stock 1.6.5: one K per projection per "
-                        "layer, gate = up, no aliases) or mixedk (K per expert, aliases)")
+    p.add_argument("--loader", choices=LOADERS,
+                   help="engine profile the plan must load in (docs/loader-profiles.md): vllm-exl3 (routed experts "
+                        "EXL3 with K per expert, the rest in source FP8; default for V4.1), tensorfold (every linear "
+                        "EXL3 mul1) or exllamav3 (stock 1.6.5: one K per projection per layer, gate = up; default for V4)")
     p.add_argument("--alias", action=argparse.BooleanOptionalAction, default=None,
-                   help="alias cold experts to warm ones (default: on where the loader honours aliases)")
+                   help="alias cold experts to warm ones: refused, no engine profile reads an alias map "
+                        "(docs/loader-profiles.md)")
     p.add_argument("--alias-below", type=float, default=ALIAS_BELOW,
                    help="alias candidates: routed share below this fraction of the layer's mean")
     p.add_argument("--alias-cap", type=int, help="at most this many aliased experts per layer (default: 1/16 of them)")
@@ -82,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--plot-against draws into --plot FILE.png: give --plot too")
     plot = plot_path(args.plot) if args.plot else None
     cfg = load_model_config(args.src, args.model_config)
+    args.loader = args.loader or default_loader(cfg)
     against = [Plan.load(p) for p in args.plot_against]
     for other in against:
         check_plan(cfg, other)
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         check_bpw(args.bpw, args.codebook)
     plan_at, lo = _planner(cfg, args, method)
     target = FitTarget(args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
-                       args.streams, args.engine) if args.sparks else None
+                       args.streams, args.engine or load_profile(args.loader).fit_engine) if args.sparks else None
     report = None
     if args.bpw is not None:
         plan = plan_at(args.bpw)
@@ -143,7 +146,7 @@ def load_summary(cfg: ModelConfig, args: argparse.Namespace) -> CalibrationSumma
 
 def recipe_header(args: argparse.Namespace, plan: Plan, method: str = UNIFORM, target: FitTarget | None = None) -> str:
     model = args.model_config or "<checkpoint>/config.json"
-    extra = "" if args.codebook == "mul1" else f" --codebook {args.codebook}"
+    extra = f" --loader {plan.loader}" + ("" if args.codebook == "mul1" else f" --codebook {args.codebook}")
     budget = f"--bpw {args.bpw:g}" if args.bpw is not None else _fit_flags(target)
     if method != UNIFORM:
         extra += _method_flags(args, method)
@@ -176,7 +179,6 @@ def _method_flags(args: argparse.Namespace, method: str) -> str:
     if method == EXL3:
         return f" --method exl3 --hq {args.hq}"
     flags = f" --synthetic --seed {args.seed}" if args.synthetic else f" --calibration {args.calibration}"
-    flags += f" --loader {args.loader}"
     flags += "" if args.alias is None else (" --alias" if args.alias else " --no-alias")
     flags += "" if args.floor is None else f" --floor {args.floor:g}"
     return flags

@@ -14,9 +14,10 @@ from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import rate_grid
-from quantizer.plan.allocate import AllocationSettings, Allocator
+from quantizer.plan.allocate import AllocationSettings, Allocator, alias_refusal
 from quantizer.plan.exl3_baseline import HQ, exl3_plan
 from quantizer.plan.plan import Plan
+from quantizer.plan.profiles import EXLLAMAV3, load_profile
 from quantizer.plan.sensitivity import sensitivity
 from quantizer.plan.uniform import uniform_plan
 
@@ -32,12 +33,17 @@ def planner(cfg: ModelConfig, method: str, settings: AllocationSettings = Alloca
     lowest = rate_grid(settings.codebook)[0]
     if method not in METHODS:
         raise UserError(f"method {method!r}; choose from {', '.join(METHODS)}")
+    if settings.alias and not load_profile(settings.loader).aliases:
+        raise UserError(alias_refusal(settings.loader))
     if method != OURS and settings.alias:
         raise UserError(f"--alias applies to --method ours; {method} plans store every expert")
     if method == UNIFORM:
         return (lambda b: uniform_plan(cfg, b, settings.codebook, settings.head_bits, settings.drafter_bits,
                                        floor, settings.loader)), lowest
     if method == EXL3:
+        if settings.loader != EXLLAMAV3:
+            raise UserError(f"--method exl3 plans exllamav3's own layout (half rates, every linear of its model); "
+                            f"the {settings.loader} engine loads another: use --method ours or uniform")
         return (lambda b: exl3_plan(cfg, b, settings.codebook, settings.head_bits, hq, settings.drafter_bits,
                                     settings.loader)), lowest
     if summary is None:

@@ -3,8 +3,9 @@ follow. It is the contract between planning (uniform or allocator) and the quant
 
 K None means the tensor keeps its native storage; 16 means an unquantized fp16 linear. A plan is
 made for one loader profile (profiles.py): `exllamav3` (stock exllamav3 1.6.5: one K per projection
-per layer, gate and up tied, no aliases) or `mixedk` (per-expert kernels); `make_plan` refuses a plan
-that breaks its profile's rules.
+per layer, gate and up tied), `vllm-exl3` (routed experts EXL3 with K per expert, the rest in source
+form) or `tensorfold` (every linear EXL3 mul1); `make_plan` refuses a plan that breaks its profile's
+rules.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def check_plan(cfg: ModelConfig, plan: Plan) -> None:
     profile = load_profile(plan.loader)
     if plan.arch != cfg.arch:
         raise UserError(f"plan is for arch {plan.arch}, the model is {cfg.arch}")
+    profile.check_arch(cfg)
     tmap = target_map(cfg)
     unknown = sorted(set(plan.k) - set(tmap))
     if unknown:
@@ -159,11 +161,13 @@ def expected_bytes(cfg: ModelConfig, plan: Plan) -> dict[str, int]:
 
 
 def achieved_bpw(cfg: ModelConfig, plan: Plan) -> float:
-    """exllamav3's `bits` over the budgeted targets; a native target counts at its source precision,
-    an aliased cold expert at 0 (it stores nothing)."""
+    """exllamav3's `bits` over the targets the plan's loader budgets (profiles.py: for vllm-exl3 the
+    routed experts only); a native target counts at its source precision, an aliased cold expert at 0
+    (it stores nothing)."""
     cold = aliased_keys(plan)
+    profile = load_profile(plan.loader)
     return budget_bpw([
         (t.numel, 0.0 if t.key in cold else plan.k[t.key] if plan.k[t.key] is not None
          else 8 * t.native_bytes / t.numel)
-        for t in targets(cfg) if t.budgeted
+        for t in targets(cfg) if profile.budgets(t)
     ])

@@ -1,41 +1,70 @@
-"""Loader profiles: the constraints an engine puts on the EXL3 tensors of a pack, read from
-`configs/loaders/<name>.json` (each rule with the engine source it comes from; docs/loader-profiles.md).
+"""Loader profiles: what an engine takes in a pack, read from `configs/loaders/<name>.json` (every rule
+with the engine source it comes from; docs/loader-profiles.md). A profile covers the pack's layout as
+well as K: which target groups are EXL3 and which stay in the source's form byte for byte, the dtype
+plain tensors must have, dtypes the model directory may not hold, where the Engram tables go, and the
+`quantization_config` the engine reads from config.json.
 
-The allocator optimises inside a profile (allocate.py), `make_plan` refuses a plan that breaks it,
-and `quantizer verify --loader` checks a written pack against it. The rules are checked on the
-stored linears, each with its K (None: native storage, 16: fp16) and codebook:
+The allocator optimises inside a profile (allocate.py) and budgets only the groups it quantizes,
+`make_plan` refuses a plan that breaks it, the pack spec (spec.py) lays a pack out by it, and
+`quantizer verify --loader` checks a written pack against it. The rules on stored linears, each with
+its K (None: source form, 16: fp16) and codebook:
 
+- `layout`: a group the engine reads as EXL3 is EXL3, a group it reads in source form stays so;
 - `codebook`: quantized linears use a codebook the engine's kernels decode;
 - `k_range`: quantized K within [k_min, k_max] (16 = fp16 where `fp16_linears`);
 - `half_rates`: half-integer K only with `half_rate_codebooks`;
 - `integer_attention`: DSV4 attention, compressor and indexer linears take integer K;
+- `head_bits`: an integer K for the head where the engine reads head_bits as an integer;
 - `one_k_per_projection`: the routed experts of one layer share one K per projection;
 - `gate_up_tied`: gate (w1) and up (w3) of a layer's routed experts share one K;
 - `aliases`: whether cold experts may be served by another expert's tensors.
+Pack-level rules (verify.py): `plain_dtypes`, `forbidden_dtypes`, `engram_tables`,
+`quantization_config`, `required_config_keys`, `index`.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
+from quantizer.checkpoint.config import V4, ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED
-from quantizer.model.targets import DRAFT, ROUTED, Target
-from quantizer.plan.spec import StoredLinear
+from quantizer.model.targets import DRAFT, GROUPS, HEAD_GROUP, ROUTED, Target
 from quantizer.shipped import shipped
 
+if TYPE_CHECKING:
+    from quantizer.plan.spec import StoredLinear
+
 EXLLAMAV3 = "exllamav3"
-MIXEDK = "mixedk"
-LOADERS = (EXLLAMAV3, MIXEDK)
-RULES = ("codebook", "k_range", "half_rates", "integer_attention", "one_k_per_projection", "gate_up_tied", "aliases")
+VLLM_EXL3 = "vllm-exl3"
+TENSORFOLD = "tensorfold"
+LOADERS = (EXLLAMAV3, VLLM_EXL3, TENSORFOLD)
+EXL3_FORM, SOURCE_FORM, EITHER = "exl3", "source", "either"
+ENGRAM_IN_PACK, ENGRAM_SIBLING = "pack", "sibling"
+RULES = ("layout", "codebook", "k_range", "half_rates", "integer_attention", "head_bits",
+         "one_k_per_projection", "gate_up_tied", "aliases", "plain_dtypes", "forbidden_dtypes", "engram_tables",
+         "quantization_config", "required_config_keys", "index")
+
+
+@dataclass(frozen=True)
+class PlainDtype:
+    """A plain (non-linear) tensor the engine reads in one of `accept`; stored as `dtype` otherwise."""
+
+    match: str  # fnmatch pattern on the tensor name
+    dtype: str
+    accept: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class LoaderProfile:
     name: str
     engine: str
+    archs: tuple[str, ...]  # model architectures the engine runs
+    fit_engine: str  # the engine profile of configs/hardware the fit charges (runtime, KV)
     codebooks: tuple[str, ...]
     k_min: float
     k_max: float
@@ -45,18 +74,60 @@ class LoaderProfile:
     per_expert_k: bool
     tie_gate_up: bool
     aliases: bool
+    layout: dict[str, str]  # target group -> exl3 | source | either
+    integer_head: bool
+    default_drafter_bits: float | None  # where the drafter must be EXL3
+    engram_tables: str  # pack (linked into the pack) | sibling (a directory beside it)
+    pack_align: int  # shard tensor alignment: 64 with pad tensors, or 1 (no pad tensor in any header)
+    forbidden_dtypes: tuple[str, ...]  # dtypes no tensor of the model directory may have
+    plain_dtypes: tuple[PlainDtype, ...]
+    quantization_config: dict | str  # a template (placeholders `$...`, pack/exl3_config.py) or "exllamav3"
+    config_bits_range: tuple[int, int]  # what the engine accepts as the config's integer `bits`
+    required_config_keys: tuple[str, ...]  # config.json keys the engine reads ("text_config.x": in text_config)
     sources: dict[str, str]
 
+    def quantizes(self, group: str) -> bool:
+        """Whether the engine may read this target group as EXL3."""
+        return self.layout[group] != SOURCE_FORM
+
+    def budgets(self, t: Target) -> bool:
+        """Whether `t` counts against the bpw budget: exllamav3's budgeted set, less what the engine keeps
+        in source form (for vllm-exl3 the routed experts alone; the rest is a fixed cost in bytes)."""
+        return t.budgeted and self.quantizes(t.group)
+
     def integer_only(self, t: Target) -> bool:
-        return self.integer_attention and t.integer_only
+        return (self.integer_attention and t.integer_only) or (self.integer_head and t.group == HEAD_GROUP)
 
     def allows_k(self, k: float, codebook: str, t: Target) -> bool:
         """Whether one linear of target `t` may hold K `k` under this profile (a unit's own rule)."""
+        if not self.quantizes(t.group):
+            return False
         if k == UNQUANTIZED:
             return self.fp16_linears
         half = k != int(k)
         return (codebook in self.codebooks and self.k_min <= k <= self.k_max
                 and not (half and (codebook not in self.half_rate_codebooks or self.integer_only(t))))
+
+    def group_k(self, group: str, wanted: float | None) -> float | None:
+        """K for the head or drafter group: None where the engine keeps it in source form, the
+        profile's default where it must be EXL3 and none was asked for."""
+        if not self.quantizes(group):
+            return None
+        if wanted is None and self.layout[group] == EXL3_FORM and group == DRAFT:
+            return self.default_drafter_bits
+        return wanted
+
+    def plain_dtype(self, name: str, dtype: str) -> str:
+        """The dtype a plain tensor is stored in: its own, or the one the engine's loader converts from."""
+        for rule in self.plain_dtypes:
+            if fnmatchcase(name, rule.match):
+                return dtype if dtype in rule.accept else rule.dtype
+        return dtype
+
+    def check_arch(self, cfg: ModelConfig) -> None:
+        if cfg.arch not in self.archs:
+            raise UserError(f"--loader {self.name}: {self.engine.split(':')[0]} runs {' and '.join(self.archs)} "
+                            f"models, this one is {cfg.arch}; use --loader {default_loader(cfg)}")
 
 
 @lru_cache(maxsize=None)
@@ -64,13 +135,28 @@ def load_profile(name: str) -> LoaderProfile:
     if name not in LOADERS:
         raise UserError(f"loader profile {name!r}; choose one of {', '.join(LOADERS)}")
     data = json.loads(shipped("configs", "loaders", f"{name}.json").read_text())
+    layout = dict(data["layout"])
+    if set(layout) != set(GROUPS) or not set(layout.values()) <= {EXL3_FORM, SOURCE_FORM, EITHER}:
+        raise ValueError(f"configs/loaders/{name}.json: layout must give exl3|source|either for {GROUPS}")
     return LoaderProfile(
-        name=data["name"], engine=data["engine"], codebooks=tuple(data["codebooks"]),
-        k_min=float(data["k_min"]), k_max=float(data["k_max"]), fp16_linears=bool(data["fp16_linears"]),
-        half_rate_codebooks=tuple(data["half_rate_codebooks"]), integer_attention=bool(data["integer_attention"]),
-        per_expert_k=bool(data["per_expert_k"]), tie_gate_up=bool(data["tie_gate_up"]),
-        aliases=bool(data["aliases"]), sources=dict(data["sources"]),
+        name=data["name"], engine=data["engine"], archs=tuple(data["archs"]), fit_engine=data["fit_engine"],
+        codebooks=tuple(data["codebooks"]), k_min=float(data["k_min"]), k_max=float(data["k_max"]),
+        fp16_linears=bool(data["fp16_linears"]), half_rate_codebooks=tuple(data["half_rate_codebooks"]),
+        integer_attention=bool(data["integer_attention"]), per_expert_k=bool(data["per_expert_k"]),
+        tie_gate_up=bool(data["tie_gate_up"]), aliases=bool(data["aliases"]), layout=layout,
+        integer_head=bool(data["integer_head"]),
+        default_drafter_bits=None if data["default_drafter_bits"] is None else float(data["default_drafter_bits"]),
+        engram_tables=data["engram_tables"], pack_align=int(data["pack_align"]), forbidden_dtypes=tuple(data["forbidden_dtypes"]),
+        plain_dtypes=tuple(PlainDtype(r["match"], r["dtype"], tuple(r["accept"])) for r in data["plain_dtypes"]),
+        quantization_config=data["quantization_config"],
+        config_bits_range=(int(data["config_bits_range"][0]), int(data["config_bits_range"][1])),
+        required_config_keys=tuple(data["required_config_keys"]), sources=dict(data["sources"]),
     )
+
+
+def default_loader(cfg: ModelConfig) -> str:
+    """The engine a source of this architecture runs in: exllamav3 for V4, vLLM + vllm-exl3 for V4.1."""
+    return EXLLAMAV3 if cfg.arch == V4 else VLLM_EXL3
 
 
 @dataclass(frozen=True)
@@ -90,6 +176,15 @@ def violations(profile: LoaderProfile, linears: list[StoredLinear], aliases: dic
     """Every rule of `profile` that `linears` (aliased experts left out) and `aliases` break."""
     found: list[Violation] = []
     for s in linears:
+        form = profile.layout[s.target.group]
+        if form == EXL3_FORM and (s.K is None or s.K == UNQUANTIZED):
+            found.append(Violation(s.key, "layout", f"{_show(s.K)} linear of group {s.target.group}, which this "
+                                                    "engine reads as EXL3 only"))
+            continue
+        if form == SOURCE_FORM and s.K is not None:
+            found.append(Violation(s.key, "layout", f"{_show(s.K)} linear of group {s.target.group}, which this "
+                                                    "engine reads in the source's form only"))
+            continue
         if s.K is None or s.K == UNQUANTIZED:
             if s.K == UNQUANTIZED and not profile.fp16_linears:
                 found.append(Violation(s.key, "k_range", "fp16 linear (K 16), which this loader does not take"))
@@ -100,7 +195,9 @@ def violations(profile: LoaderProfile, linears: list[StoredLinear], aliases: dic
         if not profile.k_min <= s.K <= profile.k_max:
             found.append(Violation(s.key, "k_range", f"K {s.K:g} outside {profile.k_min:g}..{profile.k_max:g}"))
         if s.K != int(s.K):
-            if profile.integer_only(s.target):
+            if profile.integer_head and s.target.group == HEAD_GROUP:
+                found.append(Violation(s.key, "head_bits", f"half-integer head K {s.K:g}; the engine reads an integer"))
+            elif profile.integer_attention and s.target.integer_only:
                 found.append(Violation(s.key, "integer_attention", f"half-integer K {s.K:g} on a DSV4 attention linear"))
             elif s.codebook not in profile.half_rate_codebooks:
                 found.append(Violation(s.key, "half_rates", f"half-integer K {s.K:g} with codebook {s.codebook}"))
@@ -137,4 +234,4 @@ def _layer_of(s: StoredLinear) -> str:
 
 
 def _show(k: float | None) -> str:
-    return "native" if k is None else f"K {k:g}"
+    return "source-form" if k is None else "fp16" if k == UNQUANTIZED else f"K {k:g}"

@@ -15,14 +15,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.checkpoint.safetensors_file import tensor_nbytes
 from quantizer.exl3 import UNQUANTIZED, exl3_bytes, leaf_layout
 from quantizer.model.targets import Target, classified_layout, stored_parts, targets
+from quantizer.model.tensor_classes import ENGRAM_TABLE
+from quantizer.plan.profiles import ENGRAM_SIBLING, load_profile
 
 if TYPE_CHECKING:
     from quantizer.plan.plan import Plan
 
 EXL3 = "exl3"
 NATIVE = "native"
+CONVERTED = "converted"  # a plain tensor stored in the dtype its engine reads (profile plain_dtypes)
+ENGRAM_DIR = "engram-dir"  # an Engram table kept in the sibling Engram directory, not the pack's
 REPLACED_LEAVES = (".weight", ".scale")  # what an encoded linear replaces of its native tensors
 ENCODED_PROBE = 4.0  # any EXL3 rate: stored_parts only asks whether a target is encoded
 
@@ -58,7 +63,8 @@ class StoredTensor(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     cls: str  # tensor class (model/tensor_classes.py)
-    storage: str  # EXL3 (a leaf of an EXL3 linear) or NATIVE (passed through, or an fp16 weight)
+    storage: str  # EXL3 (a leaf of an EXL3 linear), NATIVE (passed through, or an fp16 weight), CONVERTED
+    # (a plain tensor in the dtype the engine reads) or ENGRAM_DIR (an Engram table of the sibling directory)
     K: float | None  # trellis K of the EXL3 linear this leaf belongs to; None for native and fp16
     linear: str | None  # stored key of the encoded linear it belongs to (EXL3 or fp16); None: passed through
 
@@ -68,6 +74,11 @@ class PackSpec:
     linears: tuple[StoredLinear, ...]  # every non-aliased target's stored linears, native ones included
     tensors: tuple[StoredTensor, ...]  # the pack's tensors: passed-through natives, then encoded leaves
     replaced: frozenset[str]  # native tensors the pack does not hold (encoded, or served by an alias)
+
+    @property
+    def model_dir(self) -> list[StoredTensor]:
+        """The tensors of the pack directory itself (Engram tables of a sibling directory left out)."""
+        return [t for t in self.tensors if t.storage != ENGRAM_DIR]
 
     @property
     def encoded(self) -> list[StoredLinear]:
@@ -105,15 +116,29 @@ def pack_spec(cfg: ModelConfig, plan: "Plan") -> PackSpec:
                            s.K if s.K != UNQUANTIZED else None, s.key)
               for s in linears if s.K is not None
               for suffix, shape, dtype, nbytes in leaf_layout(s.in_features, s.out_features, s.K, plan.codebook)]
-    natives = [n for n in native_tensors(cfg) if n.name not in replaced]
+    profile = load_profile(plan.loader)
+    placed = profile.plain_dtypes or profile.engram_tables == ENGRAM_SIBLING  # else every native as it is
+    natives = [_placed(n, plan.loader) if placed else n for n in native_tensors(cfg) if n.name not in replaced]
     return PackSpec(tuple(linears), tuple(natives + leaves), frozenset(replaced))
+
+
+def _placed(n: StoredTensor, loader: str) -> StoredTensor:
+    """A passed-through tensor as the loader profile stores it: an Engram table in the sibling directory
+    where the engine reads them from there, a plain tensor in the dtype the engine's loader takes."""
+    profile = load_profile(loader)
+    if n.cls == ENGRAM_TABLE and profile.engram_tables == ENGRAM_SIBLING:
+        return n._replace(storage=ENGRAM_DIR)
+    dtype = profile.plain_dtype(n.name, n.dtype)
+    if dtype == n.dtype:
+        return n
+    return n._replace(dtype=dtype, nbytes=tensor_nbytes(dtype, n.shape), storage=CONVERTED)
 
 
 def spec_bytes(cfg: ModelConfig, plan: "Plan") -> dict[str, int]:
     """`pack_spec(cfg, plan).bytes_by_class()` without building the tensor list (planning searches
     ask it for many plans of the full model): native bytes, less what encoded targets replace, plus
     their linears' leaves."""
-    natives, replaced_bytes = _native_bytes(cfg)
+    natives, replaced_bytes = _native_bytes(cfg, plan.loader)
     cold = aliased_keys(plan) if plan.aliases else ()
     parts = _parts(cfg)
     out = defaultdict(int, natives)
@@ -156,15 +181,16 @@ def native_tensors(cfg: ModelConfig) -> tuple[StoredTensor, ...]:
 _BYTES: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
 
 
-def _native_bytes(cfg: ModelConfig) -> tuple[dict[str, int], dict[str, int]]:
-    """(native bytes per class, bytes of each target's `.weight` and `.scale`), once per model shape."""
-    shape_key = repr(cfg)
+def _native_bytes(cfg: ModelConfig, loader: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(native bytes per class as the loader stores them, bytes of each target's `.weight` and `.scale`),
+    once per model shape and loader."""
+    shape_key = repr(cfg) + loader
     if shape_key not in _BYTES:
         _BYTES.clear()
         by_class: dict[str, int] = defaultdict(int)
         by_name = {}
         for n in native_tensors(cfg):
-            by_class[n.cls] += n.nbytes
+            by_class[n.cls] += _placed(n, loader).nbytes
             by_name[n.name] = n.nbytes
         replaced = {t.key: sum(by_name.get(t.key + leaf, 0) for leaf in REPLACED_LEAVES) for t in targets(cfg)}
         _BYTES[shape_key] = (dict(by_class), replaced)

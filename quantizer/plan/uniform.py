@@ -5,8 +5,11 @@ rate_floor(bpw + 2), at least 4 (exllamav3 -hq 1 clamps modules with select_hq_b
 rate_floor(bpw + 2); DSV4 attention takes integer K only). The head gets head_bits (6). The
 routed experts take the rest of the budget (bpw x the budgeted weights): one rate per layer,
 two adjacent rates across layers, the layers nearest either end of the stack promoted first
-(exllamav3 groups all experts of a layer and bumps end layers first). The DSpark drafter stays
-native unless drafter_bits is given (quantizing it costs draft acceptance).
+(exllamav3 groups all experts of a layer and bumps end layers first); under a profile that takes K
+per expert (vllm-exl3) the unit is one expert, so a layer may hold both rates. The DSpark drafter stays
+native unless drafter_bits is given (quantizing it costs draft acceptance). The loader profile decides
+what is budgeted: a group its engine keeps in source form (vllm-exl3: all but the routed experts) stays
+native and outside the budget, and the head and drafter follow the profile (profiles.group_k).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from quantizer.errors import UserError
 from quantizer.exl3 import check_k, rate_grid
 from quantizer.model.targets import DRAFT, HEAD_GROUP, ROUTED, targets
 from quantizer.plan.plan import Plan, make_plan
-from quantizer.plan.profiles import EXLLAMAV3
+from quantizer.plan.profiles import EXLLAMAV3, load_profile
 
 MIN_FLOOR = 4.0
 
@@ -41,19 +44,19 @@ def uniform_plan(
     floor: float | None = None,
     loader: str = EXLLAMAV3,
 ) -> Plan:
-    """One K per projection per layer (any loader takes it), whose budgeted bits come to at most `bpw`
-    (exllamav3's `bits` accounting)."""
+    """One K per layer's routed experts (per expert where the profile takes K per expert, so the budget
+    is spent to the expert), whose budgeted bits come to at most `bpw` (exllamav3's `bits` accounting)."""
     all_targets = targets(cfg)
-    budgeted = [t for t in all_targets if t.budgeted]
+    profile = load_profile(loader)
+    budgeted = [t for t in all_targets if profile.budgets(t)]
     routed = [t for t in budgeted if t.group == ROUTED]
     others = [t for t in budgeted if t.group != ROUTED]
     fixed = floor_rate(bpw) if floor is None else check_k(floor, codebook, True, "floor")
     budget = bpw * sum(t.numel for t in budgeted) - fixed * sum(t.numel for t in others)
-    layer_numel: dict[int, int] = {}
-    for t in routed:
-        layer_numel[t.layer] = layer_numel.get(t.layer, 0) + t.numel
-    grid = rate_grid(codebook)
-    average = budget / sum(layer_numel.values())
+    routed_numel = sum(t.numel for t in routed)
+    grid = tuple(r for r in rate_grid(codebook) if profile.k_min <= r <= profile.k_max
+                 and (r == int(r) or codebook in profile.half_rate_codebooks))  # make_plan checks the codebook
+    average = budget / routed_numel
     if average < grid[0]:
         raise UserError(
             f"--bpw {bpw:g} is too low: the K {fixed:g} floor of attention, shared experts and indexer "
@@ -61,25 +64,32 @@ def uniform_plan(
         )
     low = rate_floor(min(average, grid[-1]), grid)
     high = grid[min(grid.index(low) + 1, len(grid) - 1)]
-    spare = budget - low * sum(layer_numel.values())
-    layer_k = {layer: low for layer in layer_numel}
-    for layer in sorted(layer_numel, key=lambda L: (min(L, cfg.num_layers - 1 - L), L)):
-        cost = (high - low) * layer_numel[layer]
+    # the unit that takes one K: a layer's experts, or one expert where the engine takes K per expert
+    unit = (lambda t: (t.layer, t.expert)) if profile.per_expert_k else (lambda t: (t.layer, None))
+    unit_numel: dict[tuple, int] = {}
+    for t in routed:
+        unit_numel[unit(t)] = unit_numel.get(unit(t), 0) + t.numel
+    spare = budget - low * routed_numel
+    unit_k = {u: low for u in unit_numel}
+    for u in sorted(unit_numel, key=lambda u: (min(u[0], cfg.num_layers - 1 - u[0]), u)):
+        cost = (high - low) * unit_numel[u]
         if high == low or cost > spare + 1e-6:
             break
-        layer_k[layer] = high
+        unit_k[u] = high
         spare -= cost
     k: dict[str, float | None] = {}
     for t in all_targets:
         if t.group == ROUTED:
-            k[t.key] = layer_k[t.layer]
-        elif t.budgeted:
+            k[t.key] = unit_k[unit(t)]
+        elif profile.budgets(t):
             k[t.key] = fixed
         elif t.group == HEAD_GROUP:
-            k[t.key] = head_bits
+            k[t.key] = profile.group_k(HEAD_GROUP, head_bits)
         elif t.group == DRAFT:
-            k[t.key] = drafter_k(drafter_bits, t.integer_only)
-    made_by = (f"uniform_plan(bpw={bpw:g}, codebook={codebook}, head_bits={head_bits}, "
+            k[t.key] = drafter_k(profile.group_k(DRAFT, drafter_bits), t.integer_only)
+        else:
+            k[t.key] = None  # a group the engine keeps in source form
+    made_by = (f"uniform_plan(bpw={bpw:g}, codebook={codebook}, head_bits={k.get('head')}, "
                f"drafter_bits={drafter_bits}, floor={fixed:g})")
     return make_plan(cfg, k, codebook, loader, target_bpw=bpw, made_by=made_by)
 

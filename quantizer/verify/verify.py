@@ -25,16 +25,20 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, SafetensorsHeader, TensorEntry, read_header
 from quantizer.checkpoint.source import INDEX_NAME, is_engram_table
 from quantizer.errors import UserError
-from quantizer.exl3 import PACK_ALIGN, UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
+from quantizer.exl3 import UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
 from quantizer.model.targets import target_map
 from quantizer.fit.memory import pack_fit_table
+from quantizer.model.tensor_classes import ENGRAM_TABLE as ENGRAM_TABLE_CLASS
 from quantizer.pack.card import CARD_NAME, render_card, without_fit
+from quantizer.pack.exl3_config import EXLLAMAV3_FORM
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, sha256_file
-from quantizer.plan.profiles import load_profile, violations
+from quantizer.pack.writer import ENGRAM_SUFFIX, engine_quantization_config
+from quantizer.plan.profiles import ENGRAM_SIBLING, LoaderProfile, Violation, load_profile, violations
 from quantizer.plan.plan import Plan
-from quantizer.plan.spec import StoredLinear, expert_of, pack_spec
+from quantizer.plan.spec import StoredLinear, expert_of, native_tensors, pack_spec
 
 EXL3_SCALES = ("suh", "svh")
+EXL3_LEAVES = (".trellis", ".suh", ".svh", ".mul1", ".mcg")
 
 
 @dataclass(frozen=True)
@@ -78,27 +82,32 @@ def verify_pack(pack: str | Path, full: bool = False, loader: str | None = None)
     manifest = Manifest.load(pack)
     profile = load_profile(loader or manifest.plan["loader"])
     report = VerifyReport(pack)
-    headers = _check_shards(pack, manifest, report)
+    headers = _check_shards(pack, manifest, profile, report)
     _check_extra_files(pack, manifest, report)
     _check_tensors(manifest, headers, report)
-    _check_index(pack, headers, report)
+    _check_index(pack, headers, profile, report)
     _check_exl3(manifest, headers, report)
     _check_aliases(manifest, report)
     _check_sources(manifest, report)
-    _check_configs(pack, manifest, report)
+    _check_storage_config(pack, manifest, report)
     _check_claims(manifest, report)
     _check_card(pack, manifest, report)
     cfg = _model_config(pack, manifest, report)
     if cfg is not None:
         _check_spec(cfg, manifest, headers, report)
-        _check_loader(cfg, manifest, headers, profile, report)
+        linears = _check_loader(cfg, manifest, headers, profile, report)
+        _check_contract(pack, cfg, manifest, headers, profile, linears, report)
     if full:
         _check_hashes(pack, manifest, report)
     return report
 
 
-def _check_shards(pack: Path, manifest: Manifest, report: VerifyReport) -> dict[str, SafetensorsHeader]:
-    """Existence, byte size, header bounds and 64-byte alignment of every shard the manifest lists."""
+def _check_shards(pack: Path, manifest: Manifest, profile: LoaderProfile,
+                  report: VerifyReport) -> dict[str, SafetensorsHeader]:
+    """Existence, byte size, header bounds and alignment of every shard the manifest lists: 64-byte
+    aligned with pad tensors, or (a profile whose engine hands every header entry to the model, pack_align
+    1) back to back with no pad tensor."""
+    align = profile.pack_align
     headers: dict[str, SafetensorsHeader] = {}
     for shard in manifest.shards:
         path = pack / shard.file
@@ -114,11 +123,16 @@ def _check_shards(pack: Path, manifest: Manifest, report: VerifyReport) -> dict[
             report.fault(shard.file, _without_path(str(e), path))
             continue
         headers[shard.file] = header
-        misaligned = [e.name for e in _real(header) if e.offset % PACK_ALIGN]
+        misaligned = [e.name for e in _real(header) if e.offset % align]
+        pads = [n for n in header.tensors if n.startswith(PAD_PREFIX)]
         if misaligned:
-            report.fault(shard.file, f"{len(misaligned)} tensor(s) not {PACK_ALIGN}-byte aligned, e.g. {misaligned[0]}")
+            report.fault(shard.file, f"{len(misaligned)} tensor(s) not {align}-byte aligned, e.g. {misaligned[0]}")
+        elif pads and align == 1:
+            report.fault(shard.file, Violation(shard.file, "index", f"{len(pads)} pad tensor(s) such as {pads[0]}, which "
+                                               "the engine would hand to the model").reason(profile))
         elif size == shard.bytes:
-            report.ok(shard.file, f"{size:,} bytes, {len(_real(header))} tensors, header in bounds, {PACK_ALIGN}-byte aligned")
+            report.ok(shard.file, f"{size:,} bytes, {len(_real(header))} tensors, header in bounds"
+                                  + (f", {align}-byte aligned" if align > 1 else ", no pad tensors"))
     return headers
 
 
@@ -152,18 +166,23 @@ def _check_tensors(manifest: Manifest, headers: dict[str, SafetensorsHeader], re
         report.ok("tensors", f"all {len(manifest.tensors):,} manifest tensors in their shards, none unlisted")
 
 
-def _check_index(pack: Path, headers: dict[str, SafetensorsHeader], report: VerifyReport) -> None:
-    """The index maps exactly the tensors the shards hold, each to the shard that holds it."""
+def _check_index(pack: Path, headers: dict[str, SafetensorsHeader], profile: LoaderProfile,
+                 report: VerifyReport) -> None:
+    """The index maps exactly the tensors the shards hold, each to the shard that holds it (a fault
+    names the engine file behind the rule)."""
+    def fault(what: str) -> None:
+        report.fault(INDEX_NAME, Violation(INDEX_NAME, "index", what).reason(profile))
+
     path = pack / INDEX_NAME
     try:
         index = json.loads(path.read_text())
         weight_map = index["weight_map"]
         total = index["metadata"]["total_size"]
     except FileNotFoundError:
-        report.fault(INDEX_NAME, "missing")
+        fault("missing")
         return
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        report.fault(INDEX_NAME, f"not a valid index ({type(e).__name__}: {e})")
+        fault(f"not a valid index ({type(e).__name__}: {e})")
         return
     held = {name: shard for shard, h in headers.items() for name in _names(h)}
     faults = 0
@@ -173,16 +192,16 @@ def _check_index(pack: Path, headers: dict[str, SafetensorsHeader], report: Veri
         if held.get(name) != shard:
             faults += 1
             if faults <= 10:
-                report.fault(INDEX_NAME, f"maps {name} to {shard}, which does not hold it")
+                fault(f"maps {name} to {shard}, which does not hold it")
     for name, shard in held.items():
         if name not in weight_map:
             faults += 1
             if faults <= 10:
-                report.fault(INDEX_NAME, f"does not name {name} (held by {shard})")
+                fault(f"does not name {name} (held by {shard})")
     payload = sum(e.nbytes for h in headers.values() for e in _real(h))
     if set(weight_map.values()) <= headers.keys() and total != payload:
         faults += 1
-        report.fault(INDEX_NAME, f"total_size {total:,} but the shards hold {payload:,} bytes of tensors")
+        fault(f"total_size {total:,} but the shards hold {payload:,} bytes of tensors")
     if not faults:
         report.ok(INDEX_NAME, f"names exactly the {len(held):,} tensors of the shards")
 
@@ -251,6 +270,10 @@ def _check_sources(manifest: Manifest, report: VerifyReport) -> None:
             ok = name in manifest.tensors and manifest.tensors[name].K == NATIVE
         elif "exl3" in fate:
             ok = bool(fate["exl3"]) and all(k in stored for k in fate["exl3"])
+        elif "converted" in fate:
+            ok = name in manifest.tensors
+        elif "engram_dir" in fate:
+            ok = bool(manifest.plan.get("engram_dir"))  # the tables themselves: _check_engram_dir
         else:
             ok = (fate.get("fp16") or fate.get("alias")) in stored
         if not ok:
@@ -260,22 +283,12 @@ def _check_sources(manifest: Manifest, report: VerifyReport) -> None:
     if len(lost) > 10:
         report.fault("sources", f"{len(lost)} source tensors missing from the pack in all")
     if not lost:
-        report.ok("sources", f"all {len(manifest.sources):,} source tensors accounted for (native, EXL3, fp16 or alias)")
+        report.ok("sources", f"all {len(manifest.sources):,} source tensors accounted for (native, EXL3, fp16, "
+                             "converted, Engram directory or alias)")
 
 
-def _check_configs(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
-    """config.json announces EXL3 with the manifest's bits/bpw; quantization_config.json agrees on K."""
-    try:
-        qcfg = json.loads((pack / "config.json").read_text())["quantization_config"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
-        report.fault("config.json", f"no readable quantization_config ({type(e).__name__})")
-        return
-    want = {"quant_method": "exl3", "bits": manifest.quantization["bits"], "bpw": manifest.quantization["bpw"]}
-    wrong = {k: qcfg.get(k) for k, v in want.items() if qcfg.get(k) != v}
-    if wrong or not isinstance(qcfg.get("bits"), int):
-        report.fault("config.json", f"quantization_config has {wrong or qcfg.get('bits')}, manifest expects {want}")
-    else:
-        report.ok("config.json", f"quant_method exl3, bits {want['bits']}, bpw {want['bpw']}")
+def _check_storage_config(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """quantization_config.json (exllamav3's record) agrees with the manifest on K."""
     try:
         storage = json.loads((pack / "quantization_config.json").read_text())["tensor_storage"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
@@ -329,6 +342,91 @@ def _check_card(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
     else:
         report.fault(CARD_NAME, "is not the card of this manifest (edited by hand, or the manifest changed since); "
                                 f"regenerate it with `quantizer card {pack}`")
+def _check_contract(pack: Path, cfg: ModelConfig, manifest: Manifest, headers: dict[str, SafetensorsHeader],
+                    profile: LoaderProfile, linears: list[StoredLinear], report: VerifyReport) -> None:
+    """The pack-level rules of the loader profile: the quantization_config its engine reads, dtypes the
+    model directory may not hold, the dtypes of plain tensors, where the Engram tables are. A fault names
+    the rule and the engine file it comes from."""
+    def fault(subject: str, rule: str, what: str) -> None:
+        report.fault(subject, Violation(subject, rule, what).reason(profile))
+
+    try:
+        config = json.loads((pack / "config.json").read_text())
+        qcfg = config["quantization_config"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
+        fault("config.json", "quantization_config", f"no readable quantization_config ({type(e).__name__})")
+        config, qcfg = {}, None
+    text = config.get("text_config") or config
+    missing = [k for k in profile.required_config_keys
+               if (text if k.startswith("text_config.") else config).get(k.removeprefix("text_config.")) is None]
+    if missing:
+        fault("config.json", "required_config_keys", f"no {', '.join(missing[:5])}"
+                                                     f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}")
+    elif profile.required_config_keys:
+        report.ok("config.json", f"all {len(profile.required_config_keys)} keys the {profile.name} engine reads")
+    if qcfg is not None:
+        record = {"bits": manifest.quantization["bits"], "bpw": manifest.quantization["bpw"],
+                  "codebook": manifest.plan["codebook"], "head_bits": manifest.plan["head_bits"]}
+        source = {"quantization_config": manifest.source.get("quantization_config")}
+        want = engine_quantization_config(profile, record, source, cfg, linears)
+        fields = want if profile.quantization_config != EXLLAMAV3_FORM else {k: record[k] for k in ("bits", "bpw")}
+        wrong = {k: qcfg.get(k) for k, v in fields.items() if qcfg.get(k) != v}
+        if wrong or (profile.quantization_config == EXLLAMAV3_FORM and not isinstance(qcfg.get("bits"), int)):
+            fault("config.json", "quantization_config", f"quantization_config has {wrong or qcfg.get('bits')}, "
+                                                        f"the engine reads {fields}")
+        else:
+            report.ok("config.json", f"quantization_config is the {profile.name} engine's: "
+                                     f"{json.dumps(fields, separators=(',', ':'))}")
+    held = {name: (shard, e) for shard, h in headers.items() for name, e in h.tensors.items()
+            if not name.startswith(PAD_PREFIX)}
+    bad = [(n, e.dtype) for n, (_, e) in held.items() if e.dtype in profile.forbidden_dtypes]
+    for name, dtype in bad[:10]:
+        fault(name, "forbidden_dtypes", f"{dtype} tensor in the model directory, which the engine cannot read")
+    if profile.forbidden_dtypes and not bad:
+        report.ok("dtypes", f"no {'/'.join(profile.forbidden_dtypes)} tensor in the model directory")
+    plain = [(n, e.dtype, profile.plain_dtype(n, e.dtype)) for n, (_, e) in held.items()
+             if not n.endswith(EXL3_LEAVES) and profile.plain_dtype(n, e.dtype) != e.dtype]
+    for name, dtype, wanted in plain[:10]:
+        fault(name, "plain_dtypes", f"{dtype}; the engine's loader reads it as {wanted}")
+    if profile.plain_dtypes and not plain:
+        report.ok("plain dtypes", f"every plain tensor in a dtype the {profile.name} loader converts")
+    _check_engram_dir(pack, cfg, manifest, held, profile, fault, report)
+
+
+def _check_engram_dir(pack: Path, cfg: ModelConfig, manifest: Manifest, held: dict, profile: LoaderProfile,
+                      fault, report: VerifyReport) -> None:
+    """Engram tables: in the pack's own shards, or (sibling) none there and every one in the sibling
+    directory's shards as the source holds it, listed in its index."""
+    tables = [t for t in native_tensors(cfg) if t.cls == ENGRAM_TABLE_CLASS]
+    if profile.engram_tables != ENGRAM_SIBLING:
+        missing = [t.name for t in tables if t.name not in held]
+        for name in missing[:10]:
+            fault(name, "engram_tables", "Engram table not in the pack's shards")
+        if tables and not missing:
+            report.ok("engram", f"{len(tables)} Engram table tensors in the pack's shards, in the index")
+        return
+    inside = [t.name for t in tables if t.name in held]
+    for name in inside[:10]:
+        fault(name, "engram_tables", "Engram table inside the model directory; the engine reads it from its own directory")
+    info = manifest.plan.get("engram_dir") or {}
+    where = pack.parent / info.get("dir", pack.name + ENGRAM_SUFFIX)
+    if not where.is_dir():  # a pack checked before it is published: its sibling still has the partial's name
+        where = pack.with_name(pack.name + ENGRAM_SUFFIX)
+    try:
+        weight_map = json.loads((where / INDEX_NAME).read_text())["weight_map"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
+        fault(str(where), "engram_tables", f"no readable Engram directory index ({type(e).__name__})")
+        return
+    wrong = []
+    for t in tables:
+        shard = weight_map.get(t.name)
+        entry = read_header(where / shard).tensors.get(t.name) if shard and (where / shard).is_file() else None
+        if entry is None or entry.dtype != t.dtype or tuple(entry.shape) != t.shape:
+            wrong.append(t.name)
+    for name in wrong[:10]:
+        fault(name, "engram_tables", f"not in {where.name}/ as the source holds it")
+    if not wrong and not inside:
+        report.ok("engram", f"{len(tables)} Engram table tensors in {where.name}/ (point the engine at it), none in the pack")
 
 
 def _model_config(pack: Path, manifest: Manifest, report: VerifyReport) -> ModelConfig | None:
@@ -355,7 +453,7 @@ def _check_spec(cfg: ModelConfig, manifest: Manifest, headers: dict[str, Safeten
         k[key] = _held(first, entries)[0]
     aliases = {expert_of(cold): expert_of(warm) for cold, warm in manifest.aliases.items()}
     plan = Plan(cfg.arch, manifest.plan["codebook"], manifest.plan["loader"], k, aliases=aliases)
-    want = {t.name: t for t in pack_spec(cfg, plan).tensors}
+    want = {t.name: t for t in pack_spec(cfg, plan).model_dir}
     faults = [f"missing ({t.dtype}{list(t.shape)})" if n not in entries else None for n, t in want.items()]
     problems = {n: f for n, f in zip(want, faults) if f}
     problems |= {n: f"is {e.dtype}{list(e.shape)}, the layout says {want[n].dtype}{list(want[n].shape)}"
@@ -370,8 +468,9 @@ def _check_spec(cfg: ModelConfig, manifest: Manifest, headers: dict[str, Safeten
 
 
 def _check_loader(cfg: ModelConfig, manifest: Manifest, headers: dict[str, SafetensorsHeader], profile,
-                  report: VerifyReport) -> None:
-    """Every rule of the loader profile, on the K and codebook the shards hold for each linear."""
+                  report: VerifyReport) -> list[StoredLinear]:
+    """Every rule of the loader profile on the stored linears, with the K and codebook the shards hold
+    for each (layout: EXL3 or source form per group); returns those linears."""
     tmap = target_map(cfg)
     entries = {name: e for h in headers.values() for name, e in h.tensors.items()}
     linears = []
@@ -390,6 +489,7 @@ def _check_loader(cfg: ModelConfig, manifest: Manifest, headers: dict[str, Safet
     if not broken:
         report.ok(f"loader {profile.name}", f"{len(linears):,} linears keep every rule of the {profile.name} profile "
                                             f"({profile.engine})")
+    return linears
 
 
 def _held(key: str, entries: dict[str, TensorEntry]) -> tuple[float | None, str | None]:
