@@ -17,7 +17,7 @@ from quantizer.plan.allocate import AllocationSettings, allocate
 from quantizer.plan.exl3_baseline import exl3_plan, exl3_strategy, v4_twin_config
 from quantizer.plan.plan import Plan, achieved_bpw, check_plan
 from quantizer.plan.spec import aliased_keys
-from quantizer.plan.profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3
+from quantizer.plan.profiles import EXLLAMAV3
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
 from quantizer.shipped import model_config_path
 from test_allocate import budget_bytes  # tests/ is on sys.path (pytest prepend import mode)

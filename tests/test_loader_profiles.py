@@ -8,14 +8,13 @@ import pytest
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.cli import main
 from quantizer.errors import UserError
 from quantizer.model.targets import ROUTED, target_map, targets
 from quantizer.plan.allocate import AllocationSettings, Allocator
 from quantizer.plan.methods import METHODS, OURS, planner
 from quantizer.plan.plan import make_plan
 from quantizer.plan.spec import pack_spec
-from quantizer.plan.profiles import EXLLAMAV3, LOADERS, TENSORFOLD, VLLM_EXL3, load_profile, violations
+from quantizer.plan.profiles import EXLLAMAV3, LOADERS, TENSORFOLD, load_profile, violations
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
 from quantizer.shipped import model_config_path

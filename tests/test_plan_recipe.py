@@ -13,7 +13,7 @@ from quantizer.errors import UserError
 from quantizer.exl3 import exl3_bytes
 from quantizer.model.targets import stored_parts, target_map
 from quantizer.plan.plan import make_plan
-from quantizer.plan.profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3
+from quantizer.plan.profiles import EXLLAMAV3, TENSORFOLD
 from quantizer.plan.recipe import _KeyPool, plan_from_recipe, read_recipe, recipe_entries, write_recipe
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path, shipped

@@ -56,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--tokens", help="calibration token ids (.npy, or .safetensors with input_ids)")
     data.add_argument("--no-calibrate", action="store_true",
                       help="no calibration: linears quantized without Hessians (uniform, exl3 or --plan only)")
-    p.add_argument("--calib-rows", type=count, help=f"calibration rows (default: up to {DEFAULT_ROWS}, as many as the text holds)")
+    p.add_argument("--calib-rows", type=count,
+                   help=f"calibration rows (default: up to {DEFAULT_ROWS}, as many as the text holds)")
     p.add_argument("--calib-cols", type=count,
                    help=f"tokens per calibration row (default: a 2-D token file's width, else {DEFAULT_COLS})")
     p.add_argument("--row-chunk", type=count,

@@ -10,9 +10,9 @@ cost-per-bit first, are taken while they fit; this prefix is the Lagrangian opti
 the bits it spends. What is left is filled by the best upgrades (any rate, hull or not) that still
 fit. The loader profile (profiles.py) decides what is allocated (only the groups its engine quantizes:
 for `vllm-exl3` the routed experts, the rest is a fixed cost in bytes) and the units: one tensor where
-the loader takes K per expert (`vllm-exl3`, `tensorfold`); under `exllamav3` the routed experts of one layer share one K per projection and
-gate and up share one K, so a layer's gate+up is one unit and its down another, cost and bits
-summed over their tensors. A profile's constraint is part of the problem, never a repair after it.
+the loader takes K per expert (`vllm-exl3`, `tensorfold`); under `exllamav3` the routed experts of one
+layer share one K per projection and gate and up share one K, so a layer's gate+up is one unit and
+its down another, cost and bits summed over their tensors. A profile's constraint is part of the problem, never a repair after it.
 
 Rules: the profile's (codebook, K range, integer K for DSV4 attention, compressor and indexer; half
 rates only with mul1), and attention, indexer, shared experts and Engram's wkv start at `floor`.

@@ -10,7 +10,6 @@ the environment and the working directory. So `tests/gpu` gives the same results
 from __future__ import annotations
 
 import pytest
-import torch
 
 from process_state import snapshot, state_changes
 from quantizer import caches
