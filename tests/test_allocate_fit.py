@@ -67,7 +67,7 @@ def test_two_sparks_at_1m_plans_in_few_probes_and_fits(v41, tmp_path, capsys, mo
     assert report.fits and min(r.free_gib for r in report.ranks) < 0.01 * 550e9 / 8 / 2 / (1 << 30)
     header = (tmp_path / "r.yaml").read_text()
     assert "Budget: the most bits that fit 2 Sparks at 1,048,576 tokens" in header
-    assert "--loader exllamav3 --sparks 2 --context 1048576 --engine vllm --synthetic --seed 0" in header
+    assert "--sparks 2 --context 1048576 --engine vllm --loader exllamav3 --synthetic --seed 0" in header
     assert plan_from_recipe(v41, read_recipe(tmp_path / "r.yaml")).k == plan.k
     assert main(["fit", "--model-config", "deepseek-v4.1-flash", "--plan", str(tmp_path / "p.json"),
                  "--sparks", "2", "--context", "1M"]) == 0
@@ -113,8 +113,9 @@ def test_a_target_that_cannot_fit_says_by_how_much(capsys):
     # one search, through the command (the in-process call made the same search; its message is the test)
     assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "1", "--context", "1M",
                  "--streams", "16", "--synthetic"]) == 2
+    # the V4.1 default profile, vllm-exl3, loads routed K 2 at the lowest
     assert re.search(r"does not fit 1 Spark at 1,048,576 tokens x 16 streams .* even at the "
-                     r"lowest rates \(1\.\d+ bpw\): the worst rank is short by [\d.]+ GiB", capsys.readouterr().err)
+                     r"lowest rates \(2\.000 bpw\): the worst rank is short by [\d.]+ GiB", capsys.readouterr().err)
 
 
 def test_plan_cli_methods_on_a_small_model(tmp_path, capsys):

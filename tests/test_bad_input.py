@@ -357,7 +357,7 @@ def test_inspect_on_a_pack_says_it_is_a_pack(clean_pack, capsys):
 
 @pytest.mark.parametrize("edit", [
     lambda m: m["source"].__setitem__("fingerprint", "sha256:" + "0" * 64),
-    lambda m: m["plan"].__setitem__("loader", "mixedk"),
+    lambda m: m["plan"].__setitem__("loader", "tensorfold" if m["plan"]["loader"] != "tensorfold" else "exllamav3"),
     lambda m: m.pop("claims_sha256"),
 ])
 def test_verify_finds_an_edit_of_the_manifests_claims(clean_pack, tmp_path, capsys, edit):

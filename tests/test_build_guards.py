@@ -288,8 +288,8 @@ def test_a_full_disk_while_packing_is_one_line_and_leaves_no_half_pack(tiny_v41,
                                                                      monkeypatch):
     from quantizer.pack import shards
 
-    def full(path, shard, progress=None):
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(args[0]))
 
     monkeypatch.setattr(shards, "write_shard", full)
     assert _build(tiny_v41, plan_file, tmp_path / "pack") == 2
