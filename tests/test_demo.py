@@ -140,7 +140,7 @@ def test_unknown_method_and_empty_evaluation_are_user_errors(capsys):
     assert main(["demo", "--eval-rows", "0"]) == 2
     assert "--eval-rows 0: rows must be at least 1" in capsys.readouterr().err
     assert main(["demo", "--loader", "vllm"]) == 2
-    assert "unknown loader(s) vllm" in capsys.readouterr().err
+    assert "loader(s) vllm not in the demo; choose from exllamav3, vllm-exl3" in capsys.readouterr().err
     assert main(["demo", "--model", "small-v5"]) == 2
     assert "unknown --model 'small-v5'; choose from small-v41, small-v4" in capsys.readouterr().err
 
