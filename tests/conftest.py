@@ -5,6 +5,7 @@ their pack specs and the synthetic-summary sensitivity (about a second of CPU ea
 from __future__ import annotations
 
 import functools
+import shutil
 
 import pytest
 
@@ -62,3 +63,9 @@ def real_v41_uniform_spec(real_v41, real_v41_uniform):
 def real_v41_synthetic_sensitivity(real_v41):
     """sensitivity(real_v41, synthetic_summary(real_v41)): what `--synthetic` plans allocate on."""
     return sensitivity(real_v41, synthetic_summary(real_v41))
+
+
+@pytest.fixture
+def src(tiny_v41, tmp_path):
+    """A copy of the tiny V4.1 checkpoint a test may change."""
+    return shutil.copytree(tiny_v41, tmp_path / "src")

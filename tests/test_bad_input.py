@@ -28,6 +28,7 @@ from quantizer.model.targets import targets
 from quantizer.plan.plan import make_plan
 from quantizer.quantize import results as results_module
 from quantizer.quantize.results import RESULTS_DIR
+from test_build_guards import _build  # tests/ is on sys.path (pytest prepend import mode)
 
 build_module = importlib.import_module("quantizer.pipeline.build")  # the package exports the function `build`
 FP16_KEYS = [f"layers.{layer}.attn.{p}" for layer in (0, 1) for p in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")]
@@ -54,13 +55,6 @@ def clean_pack(tiny_v41, plan_file, tmp_path_factory):
     return out
 
 
-@pytest.fixture
-def src(tiny_v41, tmp_path):
-    return shutil.copytree(tiny_v41, tmp_path / "src")
-
-
-def _build(src, plan, out, *extra):
-    return main(["build", str(src), "--plan", str(plan), "--out", str(out), "--no-calibrate", *extra])
 
 
 def _one_line(err: str, *needles: str) -> None:

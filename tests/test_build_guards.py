@@ -41,11 +41,6 @@ def plan_file(tiny_v41, tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def src(tiny_v41, tmp_path):
-    return shutil.copytree(tiny_v41, tmp_path / "src")
-
-
 def _build(src, plan, out, *extra):
     return main(["build", str(src), "--plan", str(plan), "--out", str(out), "--no-calibrate", *extra])
 
