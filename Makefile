@@ -23,7 +23,7 @@ demo: setup
 	$(VENV)/bin/quantizer demo
 
 # The README's figures, the demo rows the notebook reads, and the notebook with its outputs. The demo
-# encodes every (tensor, K) its plans need: about 11 minutes on 2 cores.
+# encodes every (tensor, K) its plans need: about 5 minutes on 2 idle cores.
 FIGURES := docs/figures
 figures: setup
 	$(VENV)/bin/quantizer fit --model-config deepseek-v4.1-flash --recipe configs/recipes/2.9.yaml --sparks 2 \

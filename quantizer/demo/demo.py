@@ -16,7 +16,7 @@ size; our builds then allocate on the proxy errors the references' encodings mea
 same work directory encodes nothing and plans the same. Each pack is verified, fitted and
 compared with the native model on held-out text (KL, top-1 agreement, paired NLL delta).
 
-Needs under 1 GiB of RAM, about 90 MB of disk in the work directory and about 11 minutes on 2 AVX2 cores
+Needs under 1 GiB of RAM, about 90 MB of disk in the work directory and about 5 minutes on 2 idle AVX2 cores
 (17 M weights through the encoder's C++ kernel; several times that on the pure-torch fallback).
 """
 
