@@ -58,6 +58,13 @@ def group_key(t: Target) -> str | None:
     return t.key  # wo_a (pooled over its slices), wo_b, indexer wk, w2s, engram wkv
 
 
+def stored_group(key: str, t: Target) -> str | None:
+    """The Hessian group a stored linear `key` of target `t` is encoded with: its target's group, except
+    that each wo_a slice has its own; None for the drafter (not calibrated)."""
+    group = group_key(t)
+    return key if group is not None and SLICE in key else group
+
+
 def wo_a_slices(cfg: ModelConfig, key: str) -> list[str]:
     return [f"{key}{SLICE}{g}" for g in range(cfg.o_groups)]
 

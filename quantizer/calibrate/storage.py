@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from quantizer.calibrate.groups import HEAD_KEY, SLICE, group_key, wo_a_slices
+from quantizer.calibrate.groups import HEAD_KEY, SLICE, stored_group, wo_a_slices
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.safetensors_file import (
@@ -154,8 +154,7 @@ class HessianStore:
         target = self._target_of(key)
         if target is None:
             raise KeyError(f"{key!r} is not an EXL3 target of this model")
-        group = group_key(target)  # None: not calibrated (the drafter), slices included
-        return key if group is not None and SLICE in key else group
+        return stored_group(key, target)  # None: not calibrated (the drafter); slices their own
 
     def _header(self, path: Path) -> tuple[SafetensorsHeader, dict]:
         if path.name not in self._headers:

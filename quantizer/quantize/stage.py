@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from quantizer.calibrate.groups import SLICE, group_key
+from quantizer.calibrate.groups import stored_group
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
@@ -252,13 +252,12 @@ def quantize_needs(todo, by_key, codebook, depth: int, device: str) -> tuple[int
 
 def _one_per_hessian(members: list[StoredLinear]) -> list[StoredLinear]:
     """A unit's members with one per Hessian group (calibrate/groups.py: a layer's routed gate and up
-    projections share one input Hessian; down projections and slices have their own)."""
+    projections share one input Hessian; down projections and slices have their own; the drafter none)."""
     seen, out = set(), []
     for s in members:
-        group = group_key(s.target)
-        key = s.key if group is None or SLICE in s.key else group
-        if key not in seen:
-            seen.add(key)
+        group = stored_group(s.key, s.target)
+        if group is not None and group not in seen:
+            seen.add(group)
             out.append(s)
     return out
 
