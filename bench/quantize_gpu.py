@@ -40,8 +40,8 @@ from quantizer.checkpoint.safetensors_file import planned, write_safetensors
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.exl3 import rate_grid
 from quantizer.model.targets import targets
-from quantizer.plan.plan import make_plan
-from quantizer.plan.profiles import MIXEDK
+from quantizer.plan.plan import Plan
+from quantizer.plan.profiles import VLLM_EXL3
 from quantizer.quantize.rates import RATES_FORMAT
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import quantize
@@ -107,7 +107,9 @@ def direct(weights, hessians, K: float, device: torch.device) -> float:
 
 def ours(src: Path, work: Path, hessian, K: float, device: torch.device) -> float:
     ck = Checkpoint.open(src)
-    plan = make_plan(ck.config, {t.key: (K if t.key in KEYS else None) for t in targets(ck.config)}, loader=MIXEDK)
+    # Only these 16 experts' w1, at every K of the grid (half rates too): no engine loads such a plan, so
+    # it is made without a profile's checks; the per-expert layout of vllm-exl3 decides the units.
+    plan = Plan(ck.config.arch, "mul1", VLLM_EXL3, {t.key: (K if t.key in KEYS else None) for t in targets(ck.config)})
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     quantize(ck, plan, work, QuantizeSettings(device="cuda"), hessian=lambda key: hessian)

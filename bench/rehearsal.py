@@ -261,10 +261,17 @@ def full_layer_rate(path: Path | None) -> dict | None:
     """Seconds of one full-size layer at FULL_LAYER_ROWS rows, as bench/calibrate_gpu_layer.py projected them."""
     if path is None:
         return None
-    report = json.loads(path.read_text())
-    if "tiny" in report["config"]:
+    try:
+        report = json.loads(path.read_text())
+        rate = {"seconds": float(report["projected_layer_seconds_at_250_rows"]), "cols": int(report["cols"]),
+                "device": report["device"]}
+        tiny = "tiny" in report["config"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"{path}: not a calibrate_gpu_layer.json ({type(e).__name__}: {e}); "
+                 "write one with OUT=DIR python bench/calibrate_gpu_layer.py")
+    if tiny:
         sys.exit(f"{path}: measured on tiny shapes; run bench/calibrate_gpu_layer.py at full size on this GPU")
-    return {"seconds": report["projected_layer_seconds_at_250_rows"], "cols": report["cols"], "device": report["device"]}
+    return rate
 
 
 def real_needs(bpw: float, run_table: RateTable, stage_over_direct: float, run: dict) -> dict:
@@ -312,11 +319,12 @@ def main() -> None:
     ap.add_argument("--layer-rate", type=Path, help="calibrate_gpu_layer.json from bench/calibrate_gpu_layer.py on this "
                     "GPU: project calibration from its full-size layer instead of the slice")
     args = ap.parse_args()
+    full_layer = full_layer_rate(args.layer_rate)  # before minutes of GPU work, so a bad file stops at once
     if not torch.cuda.is_available():
         sys.exit("rehearsal.py needs a CUDA GPU (and exllamav3)")
     root = Path(tempfile.mkdtemp(prefix="rehearsal-", dir=args.tmp))
     try:
-        report = rehearse(args, root)
+        report = rehearse(args, root, full_layer)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print_report(report)
@@ -324,7 +332,7 @@ def main() -> None:
         args.out_json.write_text(json.dumps(report, indent=1) + "\n")
 
 
-def rehearse(args, root: Path) -> dict:
+def rehearse(args, root: Path, full_layer: dict | None) -> dict:
     src, out = root / "src", root / "pack"
     raw = slice_config(args.layers, args.experts)
     meter = Meter([root / "pack.work", out])
@@ -362,7 +370,7 @@ def rehearse(args, root: Path) -> dict:
     ratio = direct_s / stage_s
     run = {"layers": args.layers, "experts": args.experts, "tokens": args.rows * args.cols, "pack_bytes": pack_bytes,
            "stages": {k: vars(v) for k, v in stages.items()},
-           "calibration_rate": calibration_rate(ck, tokens, root), "full_layer": full_layer_rate(args.layer_rate)}
+           "calibration_rate": calibration_rate(ck, tokens, root), "full_layer": full_layer}
     est, got = printed_estimates(ck, result.plan, args, root / "pack.work"), measured(stages, pack_bytes)
     run_table = RateTable(torch.cuda.get_device_name(), tuple(rows))
     return {
