@@ -64,6 +64,13 @@ def _terminate(signum, frame) -> None:
     raise Terminated()
 
 
+def _say(line: str) -> None:
+    """One write per line: torchrun ranks share one stderr, and print() writes the text and its newline
+    separately, so two ranks' lines could run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -75,16 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        print(f"quantizer {args.command}{who}: error: {e}", file=sys.stderr)
+        _say(f"quantizer {args.command}{who}: error: {e}")
         return 2
     except OSError as e:
         if e.errno not in OS_ERRORS:
             raise
-        print(f"quantizer {args.command}: error: {e.filename or 'writing'}: {OS_ERRORS[e.errno]}", file=sys.stderr)
+        _say(f"quantizer {args.command}{who}: error: {e.filename or 'writing'}: {OS_ERRORS[e.errno]}")
         return 2
     except KeyboardInterrupt as e:
         how = " by SIGTERM" if isinstance(e, Terminated) else ""
-        print(f"quantizer {args.command}{who}: interrupted{how}; rerun the same command to resume", file=sys.stderr)
+        _say(f"quantizer {args.command}{who}: interrupted{how}; rerun the same command to resume")
         return 128 + signal.SIGTERM if how else 130
     finally:
         if main_thread:

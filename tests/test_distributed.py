@@ -135,6 +135,17 @@ def test_ranks_that_disagree_on_a_setting_are_refused_naming_it(build_args, tmp_
     assert not (tmp_path / "pack.work" / "calibration").exists()
 
 
+def test_an_error_line_reaches_stderr_in_one_write(monkeypatch, tmp_path):
+    """Ranks share one stderr: a line written in two pieces (text, then newline) can run into the other
+    rank's line, as it did on CI. Each error line is one write that ends the line."""
+    writes = []
+    monkeypatch.setattr(sys, "stderr", type("Recorder", (), {"write": lambda self, s: writes.append(s),
+                                                              "flush": lambda self: None})())
+    assert main(["inspect", str(tmp_path / "missing")]) == 2
+    assert len(writes) == 1 and writes[0].startswith("quantizer inspect: error: ") and writes[0].endswith("\n")
+    assert writes[0].count("\n") == 1
+
+
 def test_ranks_that_do_not_share_the_work_directory_are_refused(build_args, tmp_path):
     args = build_args + ["--out", str(tmp_path / "pack")]
     code, out = torchrun(tmp_path, args, rank1_extra=f"--work {tmp_path / 'elsewhere'}")
