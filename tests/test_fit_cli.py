@@ -145,3 +145,18 @@ def test_a_bpw_that_is_no_rate_exits_2_before_any_work(capsys, command, value):
     assert main([*command, value]) == 2
     err = capsys.readouterr().err
     assert f"{command[-1]} {float(value):g}: must be a number above 0 and at most 8" in err and "Traceback" not in err
+
+
+
+def test_fit_of_a_plan_charges_the_engine_its_loader_profile_runs_in(tmp_path, capsys):
+    """A tensorfold plan is fitted against TensorFold's runtime and KV, not the hardware file's default
+    engine (vLLM); --engine still overrides."""
+    assert main(["plan", "--model-config", str(TINY), "--bpw", "3", "--loader", "tensorfold",
+                 "--out", str(tmp_path / "p.json")]) == 0
+    capsys.readouterr()
+    engines = []
+    for extra in ([], ["--engine", "vllm"]):
+        assert main(["fit", "--model-config", str(TINY), "--plan", str(tmp_path / "p.json"), "--sparks", "2",
+                     "--json", *extra]) == 0
+        engines.append(json.loads(capsys.readouterr().out)["engine"])
+    assert engines == ["tensorfold", "vllm"]

@@ -6,6 +6,7 @@ Prints a per-rank table and a verdict; exit 0 when it fits, 1 when it does not, 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from quantizer.arguments import add_model_arguments, add_plan_arguments, count, load_model_config, tokens
 from quantizer.errors import UserError
@@ -15,7 +16,9 @@ from quantizer.fit.memory import TOPOLOGIES, fit
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES
 from quantizer.fit.render import render
 from quantizer.fit.stored import stored_from_pack
+from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.plan.plan import Plan, check_plan
+from quantizer.plan.profiles import load_profile
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.uniform import uniform_plan
 from quantizer.plots import plot_path, save_figure
@@ -35,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sparks", type=int, choices=TOPOLOGIES, default=2, help="DGX Sparks (tensor-parallel ranks)")
     p.add_argument("--context", type=tokens, help="tokens per stream (default: the model's max positions)")
     p.add_argument("--streams", type=count, default=1, help="concurrent streams, each holding --context tokens")
-    p.add_argument("--engine", help="engine profile from the hardware file (default: its default_engine)")
+    p.add_argument("--engine", help="engine profile from the hardware file (default: the one a pack's or --plan's "
+                                    "loader profile runs in, else the hardware file's default_engine)")
     p.add_argument("--split", choices=SPLITS, default="tp",
                    help="routed experts: tensor-parallel slices (tp) or whole experts per rank (ep)")
     p.add_argument("--engram", choices=ENGRAM_MODES, default="nvme")
@@ -54,9 +58,12 @@ def run(args: argparse.Namespace) -> int:
     plot = plot_path(args.plot) if args.plot else None
     hw = load_hardware(args.hardware)
     stored_at_bpw = None
+    engine = args.engine
     if args.src and not (args.recipe or args.bpw is not None or args.plan):
         cfg, stored = stored_from_pack(args.src)
         source = str(args.src)
+        if engine is None and (Path(args.src) / MANIFEST_NAME).is_file():
+            engine = load_profile(Manifest.load(Path(args.src)).plan["loader"]).fit_engine
     else:
         cfg = load_model_config(args.src, args.model_config)
         if args.recipe:
@@ -64,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.plan:
             plan, source = Plan.load(args.plan), args.plan
             check_plan(cfg, plan)
+            engine = engine or load_profile(plan.loader).fit_engine
         elif args.bpw is not None:
             check_bpw(args.bpw, args.codebook)
             plan, source = _uniform(cfg, args, args.bpw), f"uniform plan at {args.bpw:g} bpw"
@@ -73,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         stored = pack_spec(cfg, plan).tensors
     report = fit(
         cfg, stored, args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
-        args.streams, args.engine, split=args.split, engram=args.engram, drafter=args.drafter,
+        args.streams, engine, split=args.split, engram=args.engram, drafter=args.drafter,
         vision=args.vision, guard_gib=args.guard, kv_bits=args.kv_bits, hardware=hw, source=source,
         stored_at_bpw=stored_at_bpw, bpw=args.bpw,
     )
