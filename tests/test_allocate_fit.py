@@ -70,7 +70,7 @@ def test_two_sparks_at_1m_plans_in_few_probes_and_fits(v41, tmp_path, capsys, mo
     assert "--sparks 2 --context 1048576 --engine vllm --loader exllamav3 --synthetic --seed 0" in header
     assert plan_from_recipe(v41, read_recipe(tmp_path / "r.yaml")).k == plan.k
     assert main(["fit", "--model-config", "deepseek-v4.1-flash", "--plan", str(tmp_path / "p.json"),
-                 "--sparks", "2", "--context", "1M"]) == 0
+                 "--sparks", "2", "--context", "1M", "--engine", "vllm"]) == 0  # the engine it was planned for
     capsys.readouterr()
 
 
