@@ -16,7 +16,7 @@ from quantizer.model.engram import compressed_token_map, engram_primes
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.layout import native_layout
 from quantizer.model.transformer import DeepseekModel, init_parameters
-from quantizer.shipped import model_config_path
+from quantizer.shipped import model_config_path, shipped
 
 LENGTH = 200
 
@@ -93,6 +93,20 @@ def test_later_tokens_do_not_change_earlier_logits(model, tokens, logits):
         out = model(changed)
     torch.testing.assert_close(out[:, :150], logits[:, :150], rtol=0, atol=1e-5)
     assert (out[:, 150:] - logits[:, 150:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("model_name", ["small_model", "small_model_v4"])
+def test_a_rows_logits_do_not_depend_on_its_length(model_name):
+    """The trained bundled models score many compressed entries exactly 0 (the indexer's ReLU), so the
+    top-k tie-break decides; it must not change with how many entries later tokens add (it did: a
+    96-token prefix of a 160-token row differed by up to 3.6 in its logits)."""
+    ck = Checkpoint.open(shipped(model_name))
+    model = DeepseekModel.from_checkpoint(ck)
+    row = torch.randint(5, ck.config.vocab_size - 100, (1, 160), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = model(row)
+        for length in (48, 96):
+            torch.testing.assert_close(model(row[:, :length]), whole[:, :length], rtol=0, atol=1e-4)
 
 
 def test_compressed_attention_reaches_beyond_every_window(model, tokens, logits):

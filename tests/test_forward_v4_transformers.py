@@ -39,8 +39,18 @@ def reference(tiny_v4, tokens):
         tiny_v4, attn_implementation="eager",
         quantization_config=transformers.FineGrainedFP8Config(dequantize=True, scale_fmt="ue8m0", expert_dtype="fp4"),
     ).float().eval()
-    with torch.no_grad():
+    with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "topk", _topk_ties_lowest_id_first)
         return model(tokens).logits
+
+
+def _topk_ties_lowest_id_first(self, k, dim=-1, largest=True, sorted=True):
+    """Tensor.topk with equal values taken lowest index first, the rule our forward uses
+    (model/compression.top_ids). torch.topk leaves the order of ties unspecified, and the indexer's
+    ReLU scores tie often here (exact zeros); with the same rule on both sides the comparison checks
+    the arithmetic, not two arbitrary tie-breaks."""
+    values, ids = torch.sort(self, dim=dim, descending=largest, stable=True)
+    return torch.return_types.topk((values.narrow(dim, 0, k), ids.narrow(dim, 0, k)))
 
 
 def _agreement(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:

@@ -31,7 +31,7 @@ from quantizer.model.compression import (
     candidate_mask,
     ids_to_mask,
     rope_entries,
-    top_entries,
+    top_ids,
     visibility_mask,
     visible_counts,
 )
@@ -115,7 +115,7 @@ class Attention(nn.Module):
             counts = visible_counts(c0, c1, m, x.device)
             scores = self.indexer.scores(q[:, c0:c1], weights[:, c0:c1], keys)
             scores = scores.masked_fill(~visibility_mask(counts, n)[None], float("-inf"))
-            return ids_to_mask(top_entries(scores, self.cfg.index_topk), n)
+            return ids_to_mask(top_ids(scores, self.cfg.index_topk), n)
 
         return entries, select
 
@@ -156,7 +156,7 @@ class Attention(nn.Module):
             elif self.candidate_consumer and state.candidates is not None:
                 allowed = candidate_mask(state.candidates[:, c0:c1], cfg.candidate_block_size, n)
                 scores = scores.masked_fill(~allowed, float("-inf"))
-            chosen[:, c0:c1] = top_entries(scores, cfg.index_topk)
+            chosen[:, c0:c1] = top_ids(scores, cfg.index_topk)
             return ids_to_mask(chosen[:, c0:c1], n)
 
         return entries, select

@@ -57,10 +57,15 @@ def ids_to_mask(ids: torch.Tensor, n: int) -> torch.Tensor:
     return mask[..., :n]
 
 
-def top_entries(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k entry ids of [B, C, n] scores (already -inf where excluded); -1 where fewer remain."""
-    top = scores.topk(min(k, scores.shape[-1]), dim=-1)
-    return torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
+def top_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids of the k highest of [..., n] scores (-inf where excluded), equal scores taken lowest id first; -1 where fewer than k
+    are above -inf. The indexer's ReLU makes exact ties (often at 0) common, and topk breaks them in an
+    order that depends on n: a query's choice then changed with how many entries *later* tokens added,
+    so a row's logits depended on the row's length. A stable sort makes the choice depend only on the
+    scores a query can see."""
+    values, ids = scores.sort(dim=-1, descending=True, stable=True)
+    values, ids = values[..., :k], ids[..., :k]
+    return torch.where(values > float("-inf"), ids, torch.full_like(ids, -1))
 
 
 def candidate_blocks(scores: torch.Tensor, counts: torch.Tensor, block: int, keep: int) -> torch.Tensor:
@@ -69,9 +74,7 @@ def candidate_blocks(scores: torch.Tensor, counts: torch.Tensor, block: int, kee
     nb = -(-n // block)
     best = F.pad(scores, (0, nb * block - n), value=float("-inf")).view(B, C, nb, block).amax(-1)
     newest = ((counts - 1).clamp_min(0) // block).view(1, C, 1).expand(B, C, 1)
-    best = best.scatter(-1, newest, float("inf"))
-    top = best.topk(min(keep, nb), dim=-1)
-    return torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
+    return top_ids(best.scatter(-1, newest, float("inf")), keep)
 
 
 def candidate_mask(block_ids: torch.Tensor, block: int, n: int) -> torch.Tensor:
