@@ -9,7 +9,8 @@ calibrate/needs.py models (Engram, attention, MoE, site gains, finishing a layer
 metered as a phase; per point the table gives the estimate and the measured peak of each, the run's
 peak and its parts (weights, Hessian sums, this chunk's activations, streams + state + kept inputs),
 and the process's resident-set growth as a second opinion (it adds the allocator's and Python's
-own memory, and the bytes copies of the files written).
+own memory, and the bytes copies of the files written). Then `quantizer ppl`'s perplexity runs on the
+same slice and its peak is printed beside the streamed forward's estimate (LayerStreamer.estimate).
 
 On the CPU the model runs in float32 (what `calibrate --device cpu` uses) or, with dtype bf16, in
 bfloat16: the CUDA path's tensors, measured on the CPU (the attention's key padding of CUDA is
@@ -17,8 +18,8 @@ not applied there, so the estimate is computed without it). With --device cuda (
 meters CUDA tensors as the device and CPU tensors as the host staging, beside
 torch.cuda.max_memory_allocated.
 
-    python bench/calibrate_memory.py                 # the CPU points, about 2 minutes on 2 cores
-    python bench/calibrate_memory.py --real          # and the real width, 1 row x 256 tokens (~6 GiB)
+    python bench/calibrate_memory.py                 # the CPU points, about 2.5 minutes on 2 cores
+    python bench/calibrate_memory.py --real          # and the real width, 1 row x 256 tokens (~5 GiB)
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from quantizer.checkpoint.source import Checkpoint  # noqa: E402
 from quantizer.model import attention, block, engram, moe  # noqa: E402
 from quantizer.model.engram import engram_primes  # noqa: E402
 from quantizer.model.streaming import CheckpointSource, LayerStreamer, MemoryEstimate  # noqa: E402
+from quantizer.ppl.perplexity import perplexity  # noqa: E402
 from quantizer.report import table  # noqa: E402
 from quantizer.shipped import model_config_path  # noqa: E402
 from quantizer.tiny.make import random_values  # noqa: E402
@@ -169,12 +171,12 @@ def measure(ck: Checkpoint, tokens: torch.Tensor, work: Path, settings: Calibrat
 
 def measure_streamer(ck: Checkpoint, tokens: torch.Tensor, settings: CalibrationSettings, chunk: int,
                      device_types: tuple[str, ...]) -> tuple[LiveBytes, MemoryEstimate]:
-    """The streamed forward that ppl and eval run (no Hessians), metered, and its estimate."""
+    """`quantizer ppl`'s perplexity over the streamed forward (no Hessians), metered, and the streamer's
+    estimate (which counts ppl's log-probabilities of a row beside the next row's logits)."""
     streamer = LayerStreamer(CheckpointSource(ck), settings.device, settings.dtype, row_chunk=chunk, progress=False,
                              report=lambda line: None)
     with LiveBytes(device_types) as live:
-        for logits in streamer.row_logits(tokens.to(settings.device)):
-            del logits
+        perplexity(streamer, tokens.to(settings.device))
     return live, streamer.estimate(*tokens.shape)
 
 
@@ -287,14 +289,14 @@ def print_point(r: dict) -> None:
                  f"max_memory_allocated {r['max_memory_allocated'] / MIB:,.1f} MiB")
     print(line)
     t = r["streamer"]
-    print(f"streamed forward (ppl, eval): {t['estimate'] / MIB:,.1f} MiB estimated at {t['moment']}, "
+    print(f"ppl's streamed forward: {t['estimate'] / MIB:,.1f} MiB estimated at {t['moment']}, "
           f"{t['measured'] / MIB:,.1f} MiB measured: ratio {_ratio(t['estimate'], t['measured'])}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--real", action="store_true", help="also the real width at 1 x 256 tokens (about 6 GiB)")
+    ap.add_argument("--real", action="store_true", help="also the real width at 1 x 256 tokens (about 5 GiB)")
     ap.add_argument("--only", type=int, help="run only this point (index into the list)")
     ap.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--out-json", type=Path)

@@ -210,7 +210,8 @@ def estimate_stream_memory(cfg: ModelConfig, rows: int, length: int, dtype: torc
                            cuda: bool = False) -> MemoryEstimate:
     """LayerStreamer.row_logits' peak: the highest of every block's moments (block_activations) and the
     logits. While a layer runs, the streams before it stay alive until the last chunk is through
-    (the new list of parts is built from the old), so the streams count twice but one chunk's."""
+    (the new list of parts is built from the old), so the streams count twice but one chunk's. The
+    logits moment: a chunk's final hidden (and its norm), and per row what ppl holds (below)."""
     weights = block_weight_bytes(cfg, dtype)
     streams, other = state_bytes(cfg, rows, length)
     chunk_streams = streams * row_chunk // rows
@@ -222,8 +223,11 @@ def estimate_stream_memory(cfg: ModelConfig, rows: int, length: int, dtype: torc
                                f"layer {layer} {name}")
         best = max(best, found, key=lambda e: e.total)
     root = sum(v for k, v in weights.items() if not k.startswith(("layers", "embed")))
+    # per vocabulary entry of a row: its logits and the last row's (still held by the consumer's zip
+    # while the next is made), ppl's finiteness check (|x| fp32, three bool masks), the last row's
+    # log-probabilities (fp32): 4 + 4 + 7 + 4 bytes
     logits = MemoryEstimate(root, streams + other, row_chunk * length * cfg.hidden_size * 4 * 2
-                            + length * cfg.vocab_size * 4 * 3, "logits")
+                            + length * cfg.vocab_size * 19, "logits")
     return max(best, logits, key=lambda e: e.total)
 
 
