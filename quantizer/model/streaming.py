@@ -223,11 +223,11 @@ def estimate_stream_memory(cfg: ModelConfig, rows: int, length: int, dtype: torc
                                f"layer {layer} {name}")
         best = max(best, found, key=lambda e: e.total)
     root = sum(v for k, v in weights.items() if not k.startswith(("layers", "embed")))
-    # per vocabulary entry of a row: its logits and the last row's (still held by the consumer's zip
-    # while the next is made), ppl's finiteness check (|x| fp32, three bool masks), the last row's
-    # log-probabilities (fp32): 4 + 4 + 7 + 4 bytes
+    # per vocabulary entry of a row: its logits (fp32), ppl's finiteness check (|x| fp32, three bool
+    # masks) and, after the first row, the last row's logits (still held by the consumer's zip while
+    # the next is made) and log-probabilities: 4 + 7 (+ 4 + 4) bytes
     logits = MemoryEstimate(root, streams + other, row_chunk * length * cfg.hidden_size * 4 * 2
-                            + length * cfg.vocab_size * 19, "logits")
+                            + length * cfg.vocab_size * (19 if rows > 1 else 11), "logits")
     return max(best, logits, key=lambda e: e.total)
 
 
