@@ -52,6 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import calibrate_memory  # noqa: E402
 from quantize_gpu import direct  # noqa: E402
 from quantizer.pipeline.build import BuildRequest, build  # noqa: E402
 from quantizer.calibrate.needs import calibration_needs  # noqa: E402
@@ -61,7 +62,6 @@ from quantizer.tiny.native_writer import write_native_checkpoint  # noqa: E402
 from quantizer.checkpoint.source import Checkpoint  # noqa: E402
 from quantizer.exl3 import exl3_bytes  # noqa: E402
 from quantizer.checkpoint.config import ModelConfig  # noqa: E402
-from quantizer.model.engram import engram_primes  # noqa: E402
 from quantizer.model.layout import native_layout  # noqa: E402
 from quantizer.plan.plan import TOTAL, expected_bytes  # noqa: E402
 from quantizer.plan.uniform import uniform_plan  # noqa: E402
@@ -81,7 +81,6 @@ from quantizer.tiny.make import random_values  # noqa: E402
 REAL = "deepseek-v4.1-flash.json"
 REAL_ROWS, REAL_COLS = 250, 2048  # the calibration a real build runs by default
 FULL_LAYER_ROWS = 250  # the rows bench/calibrate_gpu_layer.py projects one layer at
-ENGRAM_HASH_VOCAB = 40_000  # about a million 256-wide table rows instead of 384 million
 SHARD_BYTES = 2 << 30  # source shards of about this size
 HEAD_SAMPLE_WEIGHTS = 64 << 20
 GPU_COUNTS = (1, 2, 4, 8)
@@ -91,21 +90,7 @@ STAGES = ("calibrate", "plan", "quantize", "pack", "verify")
 def slice_config(layers: int, experts: int) -> dict:
     """The real config.json with `layers` trunk layers of `experts` experts, one drafter block and one
     Engram layer (layer 1), compressed layers alternating ratio 2 and 1 from layer 0."""
-    raw = json.loads(model_config_path(REAL).read_text())
-    text = raw["text_config"]
-    ratios = [2 if i % 2 == 0 else 1 for i in range(layers)]
-    sources = list(range(min(2, layers)))
-    text.update({
-        "num_hidden_layers": layers, "n_routed_experts": experts, "compress_ratios": ratios + [0],
-        "num_nextn_predict_layers": 1, "kv_source_layer_ids": sources, "index_source_layer_ids": sources,
-        "candidate_source_layer_id": 1 if layers > 1 else None,
-        "dspark_target_layer_ids": [layers - 1], "dspark_n_routed_experts": min(experts, text["dspark_n_routed_experts"]),
-        "engram_layer_ids": [min(1, layers - 1)], "engram_vocab_size": ENGRAM_HASH_VOCAB,
-        "engram_num_embeddings": [0], "engram_compressed_vocab_size": text["vocab_size"],
-    })
-    rows = sum(engram_primes(ModelConfig.from_dict(raw))[0])
-    text["engram_num_embeddings"] = [rows]
-    return raw
+    return calibrate_memory.slice_config(layers, experts, 1)
 
 
 @dataclass

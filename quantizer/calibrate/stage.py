@@ -198,6 +198,7 @@ def _run(ck: Checkpoint, chunks: list[torch.Tensor], directory: Path, settings: 
         if ranks.main:
             result = collector.finish(block)
             write_stats_file(directory / layer_file(layer), result.hessians, result.meta())
+        collector.hooks = None  # bound to the collector: without this cycle its kept inputs go at once, not at a GC
         del block, collector
         if (layer + 1) % resume_every == 0 and layer + 1 < cfg.num_layers:  # the head follows the last at once
             for c, part in zip(mine, parts):

@@ -27,6 +27,7 @@ from quantizer.checkpoint.config import V41, ModelConfig
 from quantizer.checkpoint.dequant import dequantize
 from quantizer.checkpoint.safetensors_file import TORCH_DTYPES, TensorEntry
 from quantizer.checkpoint.source import is_engram_table
+from quantizer.model.attention import CUDA_KEY_ALIGN, query_chunk
 from quantizer.model.block import Block
 from quantizer.model.engram import RowReader, token_map_for
 from quantizer.model.hooks import ForwardHooks
@@ -83,19 +84,20 @@ def gather_rows(entry: TensorEntry, rows: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Peak device memory of a streamed forward, in bytes (an estimate, rounded up)."""
+    """Peak device memory of a streamed forward, in bytes: the parts alive at its highest moment."""
 
-    weights: int  # the largest set of tensors resident at once: one block, or embed/head
-    states: int  # hc streams and carried state of all rows
-    activations: int  # one row chunk through one block (or one row's logits)
+    weights: int  # the tensors loaded then: one block, or embed / norm + head
+    states: int  # hc streams and carried state of all rows (old and new streams while a layer runs)
+    activations: int  # one row chunk's tensors inside the block at that moment (or one row's logits)
+    moment: str = ""  # where it peaks, e.g. "layer 3 attention"
 
     @property
     def total(self) -> int:
         return self.weights + self.states + self.activations
 
     def describe(self) -> str:
-        return (f"peak memory estimate {gib(self.total)} GiB = weights {gib(self.weights)} (largest block) "
-                f"+ states {gib(self.states)} + activations {gib(self.activations)}")
+        return (f"peak memory estimate {gib(self.total)} GiB = weights {gib(self.weights)} "
+                f"+ states {gib(self.states)} + activations {gib(self.activations)} ({self.moment})")
 
 
 def block_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
@@ -112,33 +114,121 @@ def block_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
     return out
 
 
-def estimate_stream_memory(cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype, row_chunk: int,
-                           attn_chunk_elements: int = DEFAULT_ATTN_CHUNK_ELEMENTS) -> MemoryEstimate:
-    size = torch.empty(0, dtype=dtype).element_size()
-    weights = block_weight_bytes(cfg, dtype)
-    root = max(weights.get("embed.weight", 0), sum(v for k, v in weights.items() if not k.startswith(("layers", "embed"))))
-    block = max((v for k, v in weights.items() if k.startswith("layers.")), default=0)
-    D, n, H, hd = cfg.hidden_size, cfg.hc_mult, cfg.num_heads, cfg.head_dim
-    per_token_state = n * D * 4 + n * 4
+def state_bytes(cfg: ModelConfig, rows: int, length: int) -> tuple[int, int]:
+    """(hc streams, everything else the rows carry between blocks), float32 streams [rows, length,
+    hc_mult, D]; V4.1 adds per kv source its compressed entries (and index keys), per index source
+    its top-k selections, the candidate blocks, and the pending pre-mix (state.py)."""
+    tokens = rows * length
+    streams = tokens * cfg.hc_mult * cfg.hidden_size * 4
+    per_token = 8 + cfg.hc_mult * 4  # token ids, pre-mix
     if cfg.arch == V41:
         for layer in range(cfg.num_layers):
             r = cfg.ratio(layer)
             if cfg.is_kv_source(layer):
-                per_token_state += (hd + (cfg.index_head_dim if cfg.owns_index_keys(layer) else 0)) * 4 // r
+                per_token += (cfg.head_dim + (cfg.index_head_dim if cfg.owns_index_keys(layer) else 0)) * 4 // r
             if cfg.is_index_source(layer):
-                per_token_state += min(cfg.index_topk, length // r) * 8
-        per_token_state += cfg.candidate_topk_blocks * 8
-    tokens = row_chunk * length
-    # q, roped q, attention output, de-rotated output; routed inputs, outputs and per-pair outputs;
-    # three generations of streams; indexer queries; fp32 sublayer outputs
-    per_token_act = (4 * H * hd * size + 3 * cfg.experts_per_token * D * size + 3 * n * D * 4
-                     + cfg.index_n_heads * cfg.index_head_dim * 4 + 2 * D * 4)
-    expert_hidden = tokens * cfg.moe_intermediate_size * size * 3  # worst case: one expert takes every token
-    scores = row_chunk * max(H, cfg.index_n_heads) * length * (2 * length + cfg.sliding_window)
-    attention_chunk = min(attn_chunk_elements, scores) * 4 * 4  # scores, probabilities, masks
-    block_act = tokens * per_token_act + expert_hidden + attention_chunk
-    logits_act = length * cfg.vocab_size * 4 * 3
-    return MemoryEstimate(max(block, root), rows * length * per_token_state, max(block_act, logits_act))
+                per_token += min(cfg.index_topk, length // r) * 8
+        cand = cfg.candidate_source_layer_id
+        if cand is not None and cfg.candidate_topk_blocks > 0 and cfg.is_index_source(cand):
+            per_token += min(cfg.candidate_topk_blocks, -(-(length // cfg.ratio(cand)) // cfg.candidate_block_size)) * 8
+    return streams, tokens * per_token
+
+
+def entries_seen(cfg: ModelConfig, layer: int, length: int) -> int:
+    """Compressed entries a query of `layer` may attend to (its kv source's)."""
+    r = cfg.ratio(layer)
+    return length // r if r else 0
+
+
+def block_activations(cfg: ModelConfig, layer: int, rows: int, length: int, dtype: torch.dtype,
+                      attn_chunk_elements: int = DEFAULT_ATTN_CHUNK_ELEMENTS, cuda: bool = False,
+                      hooked: bool = False, all_experts: bool = False) -> dict[str, int]:
+    """Bytes one chunk of `rows` rows holds inside block `layer`, beyond the block's weights and the
+    rows' state, at each moment where the forward peaks (the tensors alive then, read off the code):
+
+    engram     kv projection (fp32), the streams plus the gated value (two stream copies), gathered rows
+    attention  the block input collapsed (V4.1 layer 0 uses a view) and normed, q latent, RoPE'd q and
+               kv, indexer queries; in attend: the finished query chunks' outputs, and of the current
+               chunk its queries, keys and masks with either scores (fp32), softmax (fp32) and
+               probabilities (model dtype; the last chunk's too), or scores, probabilities, their
+               product with the keys and that times the sink gate; or the indexer's scores for the
+               chunk, the last chunk's scores still alive
+    moe        streams after attention, FFN input (collapsed, normed), attention output; the routed
+               pairs' inputs, outputs, outputs in order and per pair (two while index_copy runs),
+               router scores; with all_experts the last expert's hidden for every token
+    output     the FFN site's hc_expand: streams after attention, post x y, comb^T streams and their
+               sum; the collapsed FFN input and the FFN output
+    hooked (a calibration, calibrate/collect.py): its hooks hold the Engram output, the attention output
+    and the MoE input until the chunk ends, and `output` is superseded by its site gains: the block's
+    output, and the FFN site's hc_expand redone (four stream copies), FFN and attention outputs; then
+    its check that the rebuilt output equals the block's (`site check`).
+    """
+    item = dtype.itemsize
+    wide = item if item != 4 else 0  # a fp32 copy of a tensor in the model dtype (none when that is fp32)
+    D, n, S = cfg.hidden_size, cfg.hc_mult, length
+    N = rows * S
+    stream = N * n * D * 4
+    engram = layer in cfg.engram_layer_ids
+    out: dict[str, int] = {}
+    if engram:
+        cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+        out["engram"] = N * ((n + 1) * D * 4 + cols * (cfg.engram_head_dim * item + 8)) + 2 * stream
+    H, hd, E = cfg.num_heads, cfg.head_dim, cfg.experts_in("layers")
+    entries = entries_seen(cfg, layer, S)
+    indexer = cfg.is_index_source(layer) and entries > 0
+    collapsed = 0 if (cfg.arch == V41 and layer == 0) else N * D * 4
+    before = (stream if engram else 0) + collapsed + N * D * item + N * cfg.q_lora_rank * 4
+    q = N * (H * hd + hd) * item + (N * cfg.index_n_heads * (cfg.index_head_dim + 1) * 4 if indexer else 0)
+    chunk = query_chunk(rows, H, S, cfg.sliding_window, entries, attn_chunk_elements)
+    keys = min(S, chunk + cfg.sliding_window - 1) + entries
+    keys += -keys % CUDA_KEY_ALIGN if cuda else 0
+    chunks = -(-S // chunk)
+    elements = rows * H * chunk * keys
+    done = N * H * hd * item * (chunks - 1) // chunks  # the finished query chunks' outputs
+    per_chunk = rows * (chunk * H + keys) * hd * item + rows * entries * hd * wide + 3 * rows * chunk * keys
+    scores = max(elements * (8 + wide + (item if chunks > 1 else 0)),  # the softmax
+                 elements * (4 + item) + 2 * rows * H * chunk * hd * item)  # probabilities x keys, x sink gate
+    selecting = (elements * (4 + item) if chunks > 1 else 0) + (
+        3 * rows * chunk * cfg.index_n_heads * entries * 4 if indexer else 0)
+    out["attention"] = before + q + done + per_chunk + max(scores, selecting)
+    k, attn_out, ffn_in = cfg.experts_per_token, N * D * item, N * D * 4 + N * D * item
+    kept_engram = stream if hooked and engram else 0
+    out["moe"] = (stream + kept_engram + ffn_in + attn_out + 5 * N * k * D * item + N * E * 4
+                  + (N * cfg.moe_intermediate_size * item if all_experts else 0))
+    if hooked:  # collect.py's site gains, after the block: its hc_expand of the FFN site redone
+        out["site gains"] = 5 * stream + kept_engram + N * D * 4 + 2 * N * D * item
+        # then torch.allclose(rebuilt, output): ATen's isclose holds |a - b|, its temporary a - b and
+        # atol + |rtol * b| (fp32) and a bool result, beside the two
+        out["site check"] = int(5.25 * stream) + kept_engram + N * D * 4 + 2 * N * D * item
+    else:
+        out["output"] = 4 * stream + 2 * N * D * 4
+    return out
+
+
+def estimate_stream_memory(cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype, row_chunk: int,
+                           attn_chunk_elements: int = DEFAULT_ATTN_CHUNK_ELEMENTS,
+                           cuda: bool = False) -> MemoryEstimate:
+    """LayerStreamer.row_logits' peak: the highest of every block's moments (block_activations) and the
+    logits. While a layer runs, the streams before it stay alive until the last chunk is through
+    (the new list of parts is built from the old), so the streams count twice but one chunk's. The
+    logits moment: a chunk's final hidden (and its norm), and per row what ppl holds (below)."""
+    weights = block_weight_bytes(cfg, dtype)
+    streams, other = state_bytes(cfg, rows, length)
+    chunk_streams = streams * row_chunk // rows
+    best = MemoryEstimate(0, 0, 0)
+    for layer in range(cfg.num_layers):
+        moments = block_activations(cfg, layer, row_chunk, length, dtype, attn_chunk_elements, cuda)
+        name, act = max(moments.items(), key=lambda kv: kv[1])
+        found = MemoryEstimate(weights.get(f"layers.{layer}", 0), 2 * streams - chunk_streams + other, act,
+                               f"layer {layer} {name}")
+        best = max(best, found, key=lambda e: e.total)
+    root = sum(v for k, v in weights.items() if not k.startswith(("layers", "embed")))
+    # per vocabulary entry of a row: its logits (fp32), ppl's finiteness check (|x| fp32, three bool
+    # masks) and, after the first row, the last row's logits (still held by the consumer's zip while
+    # the next is made) and log-probabilities: 4 + 7 (+ 4 + 4) bytes
+    logits = MemoryEstimate(root, streams + other, row_chunk * length * cfg.hidden_size * 4 * 2
+                            + length * cfg.vocab_size * (19 if rows > 1 else 11), "logits")
+    return max(best, logits, key=lambda e: e.total)
 
 
 def load_block(source: WeightSource, layer: int, dtype: torch.dtype, device) -> Block:
@@ -171,7 +261,7 @@ class LayerStreamer:
 
     def estimate(self, rows: int, length: int) -> MemoryEstimate:
         return estimate_stream_memory(self.cfg, rows, length, self.dtype, min(rows, self.row_chunk or rows),
-                                      self.attn_chunk_elements)
+                                      self.attn_chunk_elements, self.device.type == "cuda")
 
     @torch.no_grad()
     def row_logits(self, tokens: torch.Tensor) -> Iterator[torch.Tensor]:
