@@ -12,7 +12,8 @@ ram    = what the host stages for writes and reads: one layer file's packed Hess
          streams (twice: tensor and bytes) and the largest native tensor read; plus device on the CPU.
 disk   = every layer file + the head file + the resume file twice (old and new while it is replaced);
          once complete the resume file is deleted. A layer file holds per group in * 4 (diagonal) +
-         in * (in + 1) / 2 * (4, or 2 for float16 routed down projections) bytes.
+         in * (in + 1) / 2 * (4, or 2 for float16 routed groups) bytes. With --expert-hessians other
+         than shared every routed expert adds a hidden_size-wide group (its own gate/up input) to both.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def calibration_needs(cfg: ModelConfig, rows: int, cols: int, settings: Calibrat
     chunk = settings.chunk_rows(rows, cols)
     stream = estimate_stream_memory(cfg, rows, cols, dtype, chunk)
     chunk_tokens = chunk * cols
-    layers = [layer_groups(cfg, layer) for layer in range(cfg.num_layers)]
+    layers = [layer_groups(cfg, layer, settings.expert_inputs) for layer in range(cfg.num_layers)]
     head = head_group(cfg)
     sums = max((sum(8 * g.size ** 2 for g in groups) for groups in layers), default=0)
     if head is not None:
