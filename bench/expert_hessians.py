@@ -8,8 +8,11 @@ profile, on the CPU with our codec. `shared` (today's default) is built first an
 packs holds exactly the same bytes and differs only in the Hessians the encoder saw. The trellis
 search is chaotic (any change of H moves its path), so `shared` is also rebuilt with another job seed
 (--noise-seed): its ratio is the noise floor a weighting's ratio is judged against. Ratios are
-against `shared` at the default seed, in the same run. On 2 busy cores, 16 x 512 calibration tokens
-and 4 held-out rows take about 20 minutes:
+against `shared` at the default seed, in the same run; each pack's numbers are also printed as a
+JSON line as soon as it is measured. With 16 x 512 calibration tokens and 4 held-out rows, the four
+weightings, two methods and two sizes took about 80 minutes on 2 cores shared with other jobs (the
+default calibration's unit-KL measurement, which `ours` plans on, about 12 of them; --no-measure-kl
+plans on stream-energy site gains instead, as for the real model):
 
     python bench/expert_hessians.py [--calib-rows 16] [--cols 512] [--eval-rows 4] [--json OUT]
 """
@@ -56,6 +59,9 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=["ours", "uniform"])
     p.add_argument("--hessians", nargs="+", default=list(EXPERT_HESSIANS), help="weightings to compare")
     p.add_argument("--noise-seed", type=int, default=1, help="job seed of the noise-floor rebuild (-1: none)")
+    p.add_argument("--measure-kl", action=argparse.BooleanOptionalAction, default=None,
+                   help="the default calibration's unit KL for ours (default: measured, the model fits in memory; "
+                        "--no-measure-kl plans on stream-energy site gains, as for the real model)")
     p.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     args = p.parse_args()
@@ -86,7 +92,7 @@ def main() -> None:
                         src=str(ck.root), out=out, bpw=None if plan else size, plan=plan, method=method,
                         allocation=AllocationSettings(loader=EXLLAMAV3), calibration_rows=calibration,
                         calibration=CalibrationSettings(device="cpu", expert_hessians=hessians,
-                                                        measure_kl=None if plan is None else False),
+                                                        measure_kl=args.measure_kl if plan is None else False),
                         work=out.parent / "build", quantize=QuantizeSettings(seed=seed, device="cpu")))
                     plans.setdefault((method, size), built.plan)
                     c = compare(reference, row_predictions(_streamer(PackSource(Checkpoint.open(out))), held))
@@ -94,6 +100,7 @@ def main() -> None:
                                     "bytes": sum(s.bytes for s in built.manifest.shards), "kl": c.kl,
                                     "kl_stderr": c.kl_stderr, "top1": c.top1, "ppl": c.pack.ppl,
                                     "native_ppl": c.source.ppl})
+                    print(json.dumps(results[-1]), flush=True)  # each pack as it is measured
     base = {(r["method"], r["bpw"]): r for r in results if r["hessians"] == DEFAULT}
     lines = []
     for r in sorted(results, key=lambda r: (r["bpw"], r["method"])):
