@@ -1,6 +1,7 @@
 """Command-line arguments several commands share: a model shape (a checkpoint or --model-config),
-the plan options (--codebook, --head-bits, --drafter-bits), token counts such as 1M and counts of at
-least 1 (a context of 0 tokens or -1 streams is refused while the arguments are read).
+the plan options (--codebook, --head-bits, --drafter-bits), the calibration's --expert-hessians, token
+counts such as 1M and counts of at least 1 (a context of 0 tokens or -1 streams is refused while the
+arguments are read).
 
 Command modules (`<stage>/cli.py`) import this, never each other.
 """
@@ -11,6 +12,7 @@ import argparse
 import re
 from pathlib import Path
 
+from quantizer.calibrate.settings import EXPERT_HESSIANS, CalibrationSettings
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
@@ -51,6 +53,16 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codebook", choices=CODEBOOKS, default="mul1")
     p.add_argument("--head-bits", type=_bits, default=6.0, help="K of the LM head (or native)")
     p.add_argument("--drafter-bits", type=_bits, default=None, help="K of the DSpark drafter (default native)")
+
+
+def add_expert_hessians(p: argparse.ArgumentParser) -> None:
+    """`calibrate` and `build`'s --expert-hessians; an unknown name is refused by CalibrationSettings
+    (one line, exit 2)."""
+    p.add_argument("--expert-hessians", default=CalibrationSettings.expert_hessians, metavar="|".join(EXPERT_HESSIANS),
+                   help="how routed experts' Hessians weight their tokens by the routing weight g (docs/calibration.md): "
+                        "shared (default): gate/up read the layer's all-token MoE input, down the g^2-weighted "
+                        "routed tokens; gate2, gate, count: gate/up and down both from the expert's routed tokens "
+                        "weighted by g^2, g or 1, plus the all-token prior")
 
 
 def _bits(text: str) -> float | None:

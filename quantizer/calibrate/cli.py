@@ -1,5 +1,5 @@
 """`quantizer calibrate SRC [--text FILE | --tokens FILE] [--rows R --cols C] [--work DIR] [--device cpu|cuda]
-[--measure-kl/--no-measure-kl] [--kl-rows N --kl-cols C]`
+[--expert-hessians shared|gate2|gate|count] [--measure-kl/--no-measure-kl] [--kl-rows N --kl-cols C]`
 
 Without --text or --tokens, the shipped calibration set (calibration/calibration.jsonl) is tokenized
 with SRC's tokenizer.json. Text gets one BOS per row and EOS between documents; token files (.npy,
@@ -15,7 +15,10 @@ from pathlib import Path
 
 import torch
 
-from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, DEVICES, EXPERT_HESSIAN_DTYPES, CalibrationSettings
+from quantizer.arguments import add_expert_hessians
+from quantizer.calibrate.settings import (
+    DEFAULT_COLS, DEFAULT_ROWS, DEVICES, EXPERT_HESSIAN_DTYPES, CalibrationSettings,
+)
 from quantizer.calibrate.stage import CalibrationResult, calibrate
 from quantizer.calibrate.summary import KL_UNITS, MEASURED_KL
 from quantizer.checkpoint.source import Checkpoint
@@ -43,6 +46,7 @@ def register(subparsers) -> None:
     p.add_argument("--prior-tokens", type=float, default=DEFAULTS.prior_tokens,
                    help="weight, in routed tokens, of the all-token prior in each expert's down-projection H "
                         f"(default {DEFAULTS.prior_tokens:g}; 0 = routed tokens only)")
+    add_expert_hessians(p)
     p.add_argument("--row-chunk", type=int, help="rows pushed through a block together (default: 16384 tokens' worth)")
     p.add_argument("--expert-hessian-dtype", choices=EXPERT_HESSIAN_DTYPES, default=DEFAULTS.expert_hessian_dtype,
                    help="storage of the routed experts' down-projection Hessians (others are float32)")
@@ -66,6 +70,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     settings = CalibrationSettings(device=args.device, all_experts=args.all_experts, prior_tokens=args.prior_tokens,
                                    row_chunk=args.row_chunk, expert_hessian_dtype=args.expert_hessian_dtype,
+                                   expert_hessians=args.expert_hessians,
                                    cold_share=args.cold_share, measure_kl=args.measure_kl, kl_rows=args.kl_rows,
                                    kl_cols=args.kl_cols)
     ck = Checkpoint.open(args.src, revision=args.revision)

@@ -18,6 +18,14 @@ beta = prior_tokens * w2 / tokens (w2: the layer's mean squared routing weight, 
 Without it, the routed part comes from the routed rows and the prior, after the layer ran, from
 `sample_tokens` evenly spaced MoE inputs pushed through each expert.
 
+CalibrationSettings.expert_hessians sets the power p of w in those weights (2 by default: w^2, beta and
+w2 then use w^p and its layer mean) and, when not `shared`, gives each expert's gate/up projections a
+group of their own: S_e = sum_routed w^p x x^T over the MoE inputs x routed to e (w1's report, of its
+routed rows only; in all-experts mode the rows routed to e are picked out of the all-token report),
+plus, after the last chunk, prior_tokens * mean(w^p) times the layer's all-token MoE-input mean
+(`ffn.input`): the same blend as the down projection's, with the prior computed exactly instead of
+pushed through the expert. The allocator's statistics keep reading the shared `ffn.input` for gate/up.
+
 Routing: per expert the top-k selections and the sum of squared routing weights. Site gains: the
 write energy of each mHC site into the residual streams relative to the streams it writes into,
 gain = sum_t ||post_t (x) y_t||^2 / sum_t ||streams_t||^2 = sum_t ||post_t||^2 ||y_t||^2 / sum_t ||streams_t||^2
@@ -82,7 +90,7 @@ class LayerCollector:
         self.cfg, self.layer, self.settings = cfg, layer, settings
         self.total_tokens, self.chunks, self.device = total_tokens, chunks, device
         self.ranks, self.chunk = ranks, first_chunk  # the global index of the chunk being run
-        self.groups = layer_groups(cfg, layer)
+        self.groups = layer_groups(cfg, layer, settings.expert_inputs)
         self.by_reporter: dict[str, list[HGroup]] = {}
         for g in self.groups:
             self.by_reporter.setdefault(g.reporter, []).append(g)
@@ -91,13 +99,15 @@ class LayerCollector:
         self.rows = {g.key: 0 for g in self.groups}
         self.experts = cfg.experts_in("layers")
         self.expert_tokens = torch.zeros(self.experts, dtype=torch.float64, device=device)
-        self.expert_weight = torch.zeros(self.experts, dtype=torch.float64, device=device)
+        self.expert_weight = torch.zeros(self.experts, dtype=torch.float64, device=device)  # sum of w^2
+        self.hessian_weight = torch.zeros(self.experts, dtype=torch.float64, device=device)  # sum of w^p
         self.mean_w2: float | None = None  # the layer's mean squared routing weight (first chunk)
+        self.mean_wp = 0.0  # and its mean w^p (the prior's weight per token), from the same chunk
         self.samples: list[list[torch.Tensor]] = [[] for _ in range(self.experts)]  # routed MoE inputs
         self.sample_all: list[torch.Tensor] = []  # evenly spaced MoE inputs of every chunk
         self.site_energy = {site: torch.zeros(2, dtype=torch.float64, device=device) for site in ("attn", "ffn")}
         self._moe_input: torch.Tensor | None = None
-        self._routing: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids [N, k], w^2 [N, k]) of this chunk
+        self._routing: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids [N, k], w^p [N, k]) of this chunk
         self.hooks = ForwardHooks(linear_input=self._linear_input, routing=self._routed,
                                   all_experts=settings.all_experts)
 
@@ -126,13 +136,14 @@ class LayerCollector:
             for handle in handles:
                 handle.remove()
         if self.mean_w2 is None:  # a rank without chunks still takes part in sharing it
-            self._share_mean_w2(None)
+            self._share_means(None)
 
-    def _share_mean_w2(self, w2: torch.Tensor | None) -> None:
-        """The layer's mean squared routing weight from chunk 0 (on rank 0), on every rank."""
-        value = torch.tensor([float(w2.mean()) if w2 is not None else 0.0], dtype=torch.float64, device=self.device)
+    def _share_means(self, w: torch.Tensor | None) -> None:
+        """The layer's mean w^2 and w^p over chunk 0's routing weights w (on rank 0), on every rank."""
+        means = [float(w.square().mean()), float(w.pow(self.settings.gate_power).mean())] if w is not None else [0, 0]
+        value = torch.tensor(means, dtype=torch.float64, device=self.device)
         self.ranks.from_main(value)
-        self.mean_w2 = float(value)
+        self.mean_w2, self.mean_wp = value.tolist()
 
     def reduce(self) -> None:
         """Sums, counts, energies and samples of every rank summed (or gathered in chunk order) on
@@ -140,7 +151,8 @@ class LayerCollector:
         if not self.ranks.joined:
             return
         rows = torch.tensor([self.rows[g.key] for g in self.groups], dtype=torch.float64, device=self.device)
-        for t in [*self.sums.values(), self.expert_tokens, self.expert_weight, *self.site_energy.values(), rows]:
+        for t in [*self.sums.values(), self.expert_tokens, self.expert_weight, self.hessian_weight,
+                  *self.site_energy.values(), rows]:
             self.ranks.sum_to_main(t)
         self.rows = {g.key: int(n) for g, n in zip(self.groups, rows.tolist())}
         width = self.cfg.hidden_size
@@ -156,32 +168,40 @@ class LayerCollector:
             self._moe_input = x
         for g in groups or ():
             if g.routed:
-                self._routed_down(g, x)
+                self._routed_rows(g, x)
                 continue
             rows = (x[..., g.slice, :] if g.slice is not None else x).reshape(-1, g.size)
             accumulate(self.sums[g.key], rows)
             self.rows[g.key] += rows.shape[0]
 
     def _routed(self, event: RoutingEvent) -> None:
-        ids, w2 = event.expert_ids, event.weights.float().square()
+        ids, w = event.expert_ids, event.weights.float()
         if self.mean_w2 is None:
-            self._share_mean_w2(w2)
+            self._share_means(w)
         flat = ids.reshape(-1)
+        wp = w.pow(self.settings.gate_power)
         self.expert_tokens += torch.bincount(flat, minlength=self.experts).double()
-        self.expert_weight.index_add_(0, flat, w2.reshape(-1).double())
-        self._routing = (ids, w2)
+        self.expert_weight.index_add_(0, flat, w.square().reshape(-1).double())
+        self.hessian_weight.index_add_(0, flat, wp.reshape(-1).double())
+        self._routing = (ids, wp)
         self._keep_samples(ids)
 
-    def _routed_down(self, g: HGroup, h: torch.Tensor) -> None:
-        ids, w2 = self._routing
-        if self.settings.all_experts:
-            beta = self.settings.prior_tokens * self.mean_w2 / self.total_tokens
-            weights = beta + (w2 * (ids == g.expert)).sum(1)
+    def _routed_rows(self, g: HGroup, x: torch.Tensor) -> None:
+        """A routed group's rows, each weighted by its token's w^p for the expert (plus, for a down
+        projection in all-experts mode, the prior's beta on every token)."""
+        ids, wp = self._routing
+        if self.settings.all_experts:  # the report holds every token
+            weights = (wp * (ids == g.expert)).sum(1)
+            if g.expert_input:  # its prior is added exactly in finish(): only the routed rows here
+                routed = (ids == g.expert).any(1)
+                x, weights = x[routed], weights[routed]
+            else:
+                weights = weights + self.settings.prior_tokens * self.mean_wp / self.total_tokens
         else:
-            weights = w2.reshape(-1)[ids.reshape(-1) == g.expert]  # the MoE's (stable) expert-sorted order
-            if weights.numel() != h.shape[0]:
-                raise RuntimeError(f"{g.key}: {h.shape[0]} routed rows but {weights.numel()} selections")
-        accumulate(self.sums[g.key], h, weights)
+            weights = wp.reshape(-1)[ids.reshape(-1) == g.expert]  # the MoE's (stable) expert-sorted order
+            if weights.numel() != x.shape[0]:
+                raise RuntimeError(f"{g.key}: {x.shape[0]} routed rows but {weights.numel()} selections")
+        accumulate(self.sums[g.key], x, weights)
 
     def _keep_samples(self, ids: torch.Tensor) -> None:
         """Up to alias_tokens routed MoE inputs per expert and sample_tokens of all of them, spread
@@ -224,8 +244,11 @@ class LayerCollector:
         """Mean Hessians (packed for storage), routing, per-tensor statistics and alias candidates."""
         if not self.settings.all_experts:
             self._sampled_prior(block)
+        self._input_prior()
         means, counts = self._means()
-        factors = {key: ldlq_factor(h) if counts[key] > 0 else 1.0 for key, h in means.items()}
+        own_inputs = {g.key for g in self.groups if g.expert_input}  # the statistics read `ffn.input`
+        factors = {key: ldlq_factor(h) if counts[key] > 0 else 1.0 for key, h in means.items()
+                   if key not in own_inputs}
         tensors = self._tensor_stats(block, means, factors)
         expert_dtype = STORAGE_DTYPES[self.settings.expert_hessian_dtype]
         packed: dict[str, torch.Tensor] = {}
@@ -238,20 +261,30 @@ class LayerCollector:
 
     def _sampled_prior(self, block: Block) -> None:
         sample = torch.cat(self.sample_all)
-        beta = self.settings.prior_tokens * self.mean_w2 / len(sample)
+        beta = self.settings.prior_tokens * self.mean_wp / len(sample)
         for g in self.groups:
-            if g.routed:
+            if g.routed and not g.expert_input:
                 hidden = block.ffn.experts[g.expert].hidden(sample, None)
                 accumulate(self.sums[g.key], hidden, torch.full((len(sample),), beta, device=sample.device))
+
+    def _input_prior(self) -> None:
+        """Each expert's own input sum += prior_tokens * mean(w^p) x the layer's all-token MoE-input mean."""
+        own = [g for g in self.groups if g.expert_input]
+        if not own:
+            return
+        shared = f"layers.{self.layer}.ffn.input"
+        prior = self.sums[shared] * (self.settings.prior_tokens * self.mean_wp / max(self.rows[shared], 1))
+        for g in own:
+            self.sums[g.key] += prior
 
     def _means(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Each group's sum divided, in place, by its weight; counts in tokens."""
         means, counts = {}, {}
-        prior_weight = self.settings.prior_tokens * self.mean_w2
+        prior_weight = self.settings.prior_tokens * self.mean_wp
         for g in self.groups:
             total = self.sums.pop(g.key)
             if g.routed:
-                weight = float(self.expert_weight[g.expert]) + prior_weight
+                weight = float(self.hessian_weight[g.expert]) + prior_weight
                 counts[g.key] = float(self.expert_tokens[g.expert]) + self.settings.prior_tokens
             else:
                 weight = counts[g.key] = float(self.rows[g.key])

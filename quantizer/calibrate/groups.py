@@ -11,7 +11,10 @@ A Hessian group is one input space seen by one or more linears. Per trunk layer:
 - `ffn.input`: the MoE input, read by the router, the shared expert's w1/w3 and every routed expert's
   w1/w3 (filled from the router's report, which always sees every token);
 - `ffn.experts.<e>.w2`: each routed expert's down projection, from its routed tokens weighted by the
-  squared routing weight, blended with an all-token prior (collect.py).
+  squared routing weight, blended with an all-token prior (collect.py);
+- `ffn.experts.<e>.input` (only with CalibrationSettings.expert_inputs): expert e's own H for its gate
+  and up projections, from its routed tokens weighted by the routing weight, with the all-token
+  `ffn.input` as its prior (filled from w1's report, which sees exactly the routed tokens).
 The head has one group (`head`, the final hidden). Drafter (mtp) targets have none: the drafter is
 not run by calibration.
 """
@@ -35,11 +38,16 @@ class HGroup:
     layer: int | None  # None for the head
     reporter: str  # native weight name whose reported input fills it
     slice: int | None = None  # wo_a: the group index within the reported [.., groups, in/group] input
-    expert: int | None = None  # routed w2: the expert
+    expert: int | None = None  # routed w2 or expert input: the expert
+    expert_input: bool = False  # the expert's own gate/up input (`ffn.experts.<e>.input`), not its w2
 
     @property
     def routed(self) -> bool:
         return self.expert is not None
+
+
+def expert_input_key(layer: int, expert: int) -> str:
+    return f"layers.{layer}.ffn.experts.{expert}.input"
 
 
 def group_key(t: Target) -> str | None:
@@ -58,9 +66,12 @@ def group_key(t: Target) -> str | None:
     return t.key  # wo_a (pooled over its slices), wo_b, indexer wk, w2s, engram wkv
 
 
-def stored_group(key: str, t: Target) -> str | None:
+def stored_group(key: str, t: Target, expert_inputs: bool = False) -> str | None:
     """The Hessian group a stored linear `key` of target `t` is encoded with: its target's group, except
-    that each wo_a slice has its own; None for the drafter (not calibrated)."""
+    that each wo_a slice has its own and, with `expert_inputs`, a routed expert's gate/up projections
+    their expert's own input group; None for the drafter (not calibrated)."""
+    if expert_inputs and t.group == ROUTED and t.proj in ("w1", "w3"):
+        return expert_input_key(t.layer, t.expert)
     group = group_key(t)
     return key if group is not None and SLICE in key else group
 
@@ -82,17 +93,18 @@ _CACHE: dict[str, tuple[tuple[HGroup, ...], ...]] = {}
 _CACHE_SIZE = 4
 
 
-def layer_groups(cfg: ModelConfig, layer: int) -> tuple[HGroup, ...]:
-    """The Hessian groups of trunk layer `layer`, in native target order."""
-    key = repr(cfg)
+def layer_groups(cfg: ModelConfig, layer: int, expert_inputs: bool = False) -> tuple[HGroup, ...]:
+    """The Hessian groups of trunk layer `layer`, in native target order; with `expert_inputs`, each
+    routed expert's own input group too (after its w2's)."""
+    key = f"{cfg!r}:{expert_inputs}"
     if key not in _CACHE:
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _model_groups(cfg)
+        _CACHE[key] = _model_groups(cfg, expert_inputs)
     return _CACHE[key][layer]
 
 
-def _model_groups(cfg: ModelConfig) -> tuple[tuple[HGroup, ...], ...]:
+def _model_groups(cfg: ModelConfig, expert_inputs: bool) -> tuple[tuple[HGroup, ...], ...]:
     per_layer: list[dict[str, HGroup]] = [{} for _ in range(cfg.num_layers)]
     for t in targets(cfg):
         key = group_key(t)
@@ -109,6 +121,10 @@ def _model_groups(cfg: ModelConfig) -> tuple[tuple[HGroup, ...], ...]:
         reporter = f"layers.{t.layer}.{_REPORTERS[local]}" if local in _REPORTERS else f"{t.key}.weight"
         expert = t.expert if t.group == ROUTED and t.proj == "w2" else None
         groups[key] = HGroup(key, t.in_features, t.layer, reporter, expert=expert)
+        if expert is not None and expert_inputs:
+            own = expert_input_key(t.layer, expert)
+            groups[own] = HGroup(own, cfg.hidden_size, t.layer, f"{t.key.rsplit('.', 1)[0]}.w1.weight",
+                                 expert=expert, expert_input=True)
     return tuple(tuple(groups.values()) for groups in per_layer)
 
 

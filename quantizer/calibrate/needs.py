@@ -22,7 +22,8 @@ ram on CUDA = the host's staging, the largest of: a tensor read from disk before
 ram on the CPU = the device moments above, or a write with its bytes copies, whichever is higher.
 disk = every layer file + the head file + the resume file twice (old and new while it is replaced);
   once complete the resume file is deleted. A layer file holds per group in * 4 (diagonal) +
-  in * (in + 1) / 2 * (4, or 2 for float16 routed down projections) bytes.
+  in * (in + 1) / 2 * (4, or 2 for float16 routed groups) bytes. With --expert-hessians other than
+  shared every routed expert adds a hidden_size-wide group (its own gate/up input) to the sums and files.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def calibration_needs(cfg: ModelConfig, rows: int, cols: int, settings: Calibrat
     files: list[int] = []
     writing = 0
     for layer in range(cfg.num_layers):
-        groups = layer_groups(cfg, layer)
+        groups = layer_groups(cfg, layer, settings.expert_inputs)
         block = weights.get(f"layers.{layer}", 0)
         sums = sum(8 * g.size ** 2 for g in groups)
         parts = [stored_bytes(g.size, expert_dtype if g.routed else torch.float32) for g in groups]

@@ -11,7 +11,8 @@ WORK/calibration/
 
 A Hessian is stored as its mean H = E[x x^T] in two tensors: `<group>.diag` (F32, the diagonal d) and
 `<group>.corr` (the packed upper triangle, row-major, of the correlation D^-1/2 H D^-1/2), F32 or,
-for the routed experts' down projections by default, F16. Correlations lie in [-1, 1], so F16 keeps
+for the routed experts' groups (down projections, and their own inputs when calibrated with
+--expert-hessians other than shared) by default, F16. Correlations lie in [-1, 1], so F16 keeps
 ~3.3 significant digits relative to sqrt(d_i d_j) for every entry, whatever the channel scales; the
 triangle halves the bytes again. Token counts are in the metadata.
 """
@@ -106,14 +107,19 @@ class HessianStore:
         if self.job["source"]["fingerprint"] != source_fingerprint(ck, self.dir / FINGERPRINT_CACHE):
             raise UserError(f"{self.dir}: calibrated from {self.job['source']['path']}, another checkpoint than "
                             f"{ck.root} (fingerprints differ); calibrate this one in another work directory")
+        # routed gate/up projections read their expert's own input group (settings.expert_inputs)
+        self.expert_inputs = self.job["settings"].get("expert_hessians", "shared") != "shared"
         self._headers: dict[str, tuple[SafetensorsHeader, dict]] = {}
         self._cache: OrderedDict[str, tuple[torch.Tensor, int]] = OrderedDict()
 
     @property
     def record(self) -> dict:
-        """What a quantize job pins: {"fingerprint", "rows", "cols"} of these Hessians."""
+        """What a quantize job pins: {"fingerprint", "rows", "cols"} of these Hessians, and
+        "expert_inputs": true where routed gate/up projections have their own (so the quantize stage
+        counts one H per expert in its memory estimate)."""
         tokens = self.job["tokens"]
-        return {"fingerprint": self.job["fingerprint"], "rows": tokens["rows"], "cols": tokens["cols"]}
+        record = {"fingerprint": self.job["fingerprint"], "rows": tokens["rows"], "cols": tokens["cols"]}
+        return {**record, "expert_inputs": True} if self.expert_inputs else record
 
     def summary(self) -> CalibrationSummary:
         return CalibrationSummary.load(self.dir / SUMMARY_FILE)
@@ -154,7 +160,7 @@ class HessianStore:
         target = self._target_of(key)
         if target is None:
             raise KeyError(f"{key!r} is not an EXL3 target of this model")
-        return stored_group(key, target)  # None: not calibrated (the drafter); slices their own
+        return stored_group(key, target, self.expert_inputs)  # None: the drafter; slices their own
 
     def _header(self, path: Path) -> tuple[SafetensorsHeader, dict]:
         if path.name not in self._headers:

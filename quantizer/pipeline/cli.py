@@ -12,7 +12,7 @@ import argparse
 import re
 from pathlib import Path
 
-from quantizer.arguments import count, tokens
+from quantizer.arguments import add_expert_hessians, count, tokens
 from quantizer.pipeline.build import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
@@ -63,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--row-chunk", type=count,
                    help="calibration rows pushed through a block together (default: 16384 tokens' worth); "
                         "under torchrun the chunks are what the ranks share")
+    add_expert_hessians(p)
     p.add_argument("--out", type=Path, required=True, help="pack directory to write (must not exist)")
     p.add_argument("--work", type=Path, help="work directory (default: <out>.work); rerun to resume, or share it "
                                               "between builds of one source and settings: encodings are reused")
@@ -88,6 +89,7 @@ def parse_size(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    calibration = CalibrationSettings(device=args.device, row_chunk=args.row_chunk, expert_hessians=args.expert_hessians)
     plan = Plan.load(args.plan) if args.plan else None
     if plan and args.codebook and args.codebook != plan.codebook:
         raise UserError(f"--codebook {args.codebook} conflicts with {args.plan}, which uses {plan.codebook}")
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         src=args.src, out=args.out, bpw=args.bpw, plan=plan, target=target, method=args.method,
         allocation=AllocationSettings(loader=loader, codebook=args.codebook or "mul1"),
         calibration_rows=None if args.no_calibrate else _calibration_rows(args, ck),
-        calibration=CalibrationSettings(device=args.device, row_chunk=args.row_chunk), work=args.work, revision=args.revision,
+        calibration=calibration, work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
         measured_from_work=args.measured_errors,
         plan_file=args.plan,

@@ -113,7 +113,8 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
     store = ResultStore(work)
     ranks = current()
     todo = ranks.on_main(lambda: _todo(store, units))
-    ram, disk = quantize_needs(todo, by_key, plan.codebook, depth, settings.device)
+    expert_inputs = bool((settings.calibration or {}).get("expert_inputs"))
+    ram, disk = quantize_needs(todo, by_key, plan.codebook, depth, settings.device, expert_inputs)
     if ranks.main:
         print(_needs_line(work, linears, units, todo, settings, ram, disk), file=sys.stderr)
     ranks.on_main(lambda: require_free_space(work, disk, "the quantized results"))
@@ -232,30 +233,31 @@ class UnitInputs:
         return PreparedUnit(members, weights, hessians, made)
 
 
-def quantize_needs(todo, by_key, codebook, depth: int, device: str) -> tuple[int, int]:
+def quantize_needs(todo, by_key, codebook, depth: int, device: str, expert_inputs: bool = False) -> tuple[int, int]:
     """(RAM, disk) of encoding `todo`. Disk: the results still to write. RAM on a CPU: the process plus
     the largest unit (its fp32 weights and Hessians) times the encoder's working copies and the units
     prepared ahead. On CUDA the weights are read and encoded on the GPU, but exllamav3's batch keeps
     host copies (its Cholesky factors move to the CPU, docs/exl3-format.md): the process with its CUDA
     context plus, for the unit encoding and each one prepared ahead, 4 bytes per weight and its float32
     Hessians (a shared one once): 1.04x and 1.09x the peaks bench/rehearsal.py measured on one layer of
-    32 and of 64 experts."""
+    32 and of 64 experts. expert_inputs: routed gate/up projections have one H per expert (calibrate/groups.py)."""
     members = [[by_key[k] for k in u.keys] for u in todo]
     disk = sum(exl3_bytes(s.in_features, s.out_features, s.K, codebook) for m in members for s in m)
     if device == "cuda":
-        largest = max((4 * sum(s.numel for s in m) + sum(4 * s.in_features**2 for s in _one_per_hessian(m))
+        largest = max((4 * sum(s.numel for s in m) + sum(4 * s.in_features**2 for s in _one_per_hessian(m, expert_inputs))
                        for m in members), default=0)
         return BASE_RAM_CUDA + (depth + 1) * largest, disk
     largest = max((4 * sum(s.numel + s.in_features**2 for s in m) for m in members), default=0)
     return BASE_RAM + (WORKING_COPIES + depth) * largest, disk
 
 
-def _one_per_hessian(members: list[StoredLinear]) -> list[StoredLinear]:
+def _one_per_hessian(members: list[StoredLinear], expert_inputs: bool) -> list[StoredLinear]:
     """A unit's members with one per Hessian group (calibrate/groups.py: a layer's routed gate and up
-    projections share one input Hessian; down projections and slices have their own; the drafter none)."""
+    projections share one input Hessian, or one per expert with `expert_inputs`; down projections and
+    slices have their own; the drafter none)."""
     seen, out = set(), []
     for s in members:
-        group = stored_group(s.key, s.target)
+        group = stored_group(s.key, s.target, expert_inputs)
         if group is not None and group not in seen:
             seen.add(group)
             out.append(s)
