@@ -82,7 +82,9 @@ def _streamer(source) -> LayerStreamer:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="2.5,2.9", help="comma-separated bpw")
-    ap.add_argument("--inputs", default="native,quantized", help="block-input modes to tune with, comma-separated")
+    ap.add_argument("--inputs", default="native,quantized",
+                    help="block-input modes to tune with, comma-separated; quantized/model: quantized inputs fitted "
+                         "to the native model's stream")
     ap.add_argument("--calib-rows", type=int, default=16)
     ap.add_argument("--cols", type=int, default=512)
     ap.add_argument("--eval-rows", type=int, default=4)
@@ -117,7 +119,9 @@ def main(argv=None) -> None:
                              f"{untuned.pack.ppl:.3f}", "-", "-", "-"])
             job = dict(base.manifest.settings)  # the quantize stage's record: names the units
             for mode in args.inputs.split(","):
-                settings = TuneSettings(steps=args.steps, lr=args.lr, batch_rows=args.batch_rows, inputs=mode)
+                inputs, _, target = mode.partition("/")
+                settings = TuneSettings(steps=args.steps, lr=args.lr, batch_rows=args.batch_rows, inputs=inputs,
+                                        target=target or "block")
                 with PeakRss() as rss:
                     t0 = time.monotonic()
                     result = tune(ck, base.plan, root / "build" / QUANTIZE_DIR, root / "build", calibration, settings, job)

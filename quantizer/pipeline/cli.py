@@ -30,7 +30,7 @@ from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.plan import Plan
 from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
 from quantizer.report import gib, table
-from quantizer.tune.settings import INPUTS, TuneSettings
+from quantizer.tune.settings import INPUTS, TARGETS, TuneSettings
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -80,6 +80,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tune-inputs", choices=INPUTS,
                    help=f"with --tune: block inputs from the native model or the tuned blocks before (default "
                         f"{TuneSettings.inputs})")
+    p.add_argument("--tune-target", choices=TARGETS,
+                   help="with --tune --tune-inputs quantized: fit each block to the native block on the same inputs "
+                        "(block, default) or to the native model's stream after it (model)")
     p.add_argument("--shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE, help="shard cap, e.g. 8G, 512M (default 8G)")
     p.add_argument("--codebook", choices=CODEBOOKS, help="EXL3 codebook of a uniform plan (default mul1)")
     p.add_argument("--revision", help="revision of a Hugging Face repo id")
@@ -105,8 +108,8 @@ def run(args: argparse.Namespace) -> int:
     loader = plan.loader if plan else args.loader or default_loader(ck.config)
     if plan and args.loader and args.loader != plan.loader:
         raise UserError(f"--loader {args.loader} conflicts with {args.plan}, which is made for {plan.loader}")
-    if not args.tune and (args.tune_steps is not None or args.tune_inputs is not None):
-        raise UserError("--tune-steps and --tune-inputs set the tune stage; add --tune")
+    if not args.tune and (args.tune_steps, args.tune_inputs, args.tune_target) != (None, None, None):
+        raise UserError("--tune-steps, --tune-inputs and --tune-target set the tune stage; add --tune")
     target = None
     if args.sparks:
         context = ck.config.max_position_embeddings if args.context is None else args.context
@@ -121,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
         plan_file=args.plan,
         base_model=args.base_model or (None if Path(args.src).expanduser().exists() else args.src),
         command=rebuild_command(args.argv),
-        tune=TuneSettings(steps=args.tune_steps or TuneSettings.steps, inputs=args.tune_inputs or TuneSettings.inputs)
-        if args.tune else None,
+        tune=TuneSettings(steps=args.tune_steps or TuneSettings.steps, inputs=args.tune_inputs or TuneSettings.inputs,
+                          target=args.tune_target or TuneSettings.target) if args.tune else None,
     )
     result = build(req)
     if current().main:

@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass
 from quantizer.errors import UserError
 
 INPUTS = ("native", "quantized")  # where block L's inputs come from: the native model, or the tuned blocks < L
+# What block L's output is fitted to: the native block on the same inputs, or the native model's own stream
+# after block L (with quantized inputs, the latter also asks block L to undo the error of the blocks before)
+TARGETS = ("block", "model")
 
 
 @dataclass(frozen=True)
@@ -21,11 +24,16 @@ class TuneSettings:
     eval_every: int = 5  # steps between held-out measurements
     patience: int = 2  # held-out measurements without improvement before a block stops
     inputs: str = "native"
+    target: str = "block"
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.inputs not in INPUTS:
             raise UserError(f"tune inputs {self.inputs!r}; choose {' or '.join(INPUTS)}")
+        if self.target not in TARGETS:
+            raise UserError(f"tune target {self.target!r}; choose {' or '.join(TARGETS)}")
+        if self.target == "model" and self.inputs != "quantized":
+            raise UserError("tune target model differs from block only with quantized inputs")
         if self.steps < 1 or self.batch_rows < 1 or self.eval_every < 1 or self.patience < 1 or self.lr <= 0:
             raise UserError("tune: steps, batch rows, eval interval and patience must be at least 1, lr above 0")
         if not 0 < self.heldout < 1:

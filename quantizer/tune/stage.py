@@ -64,13 +64,15 @@ class TuneResult:
 
 def tune_memory(cfg, rows: int, cols: int, settings: TuneSettings) -> int:
     """Bytes the stage holds at its peak: every row's block inputs and targets (two copies of the
-    streams) and state, the largest block three times (native, decoded codes, the weights of a step),
+    streams) and state (with target "model" also the native forward's streams and state), the largest
+    block three times (native, decoded codes, the weights of a step),
     and one autograd pass over `batch_rows` rows."""
     stream = estimate_stream_memory(cfg, rows, cols, DTYPE, rows)
     step = estimate_stream_memory(cfg, settings.batch_rows, cols, DTYPE, settings.batch_rows)
     block = max(v for k, v in block_weight_bytes(cfg, DTYPE).items() if k.startswith("layers."))
     streams = rows * cols * cfg.hc_mult * cfg.hidden_size * 4
-    return stream.states + streams + 3 * block + BACKWARD_FACTOR * step.activations
+    native_beside = stream.states if settings.target == "model" else 0  # the native forward's streams and state
+    return stream.states + native_beside + streams + 3 * block + BACKWARD_FACTOR * step.activations
 
 
 def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torch.Tensor, settings: TuneSettings,
@@ -100,6 +102,9 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
     with torch.no_grad():
         tune_in = [root.start(rows[i:min(i + b, n_tune)]) for i in range(0, n_tune, b)]
         held_in = [root.start(rows[i:i + b]) for i in range(n_tune, rows.shape[0], b)]
+    by_model = settings.target == "model"  # the native model's streams run beside the quantized ones
+    native_tune = [(x, fork(st)) for x, st in tune_in] if by_model else []
+    native_held = [(x, fork(st)) for x, st in held_in] if by_model else []
     files, errors, tuned = [], {}, 0
     for layer in range(cfg.num_layers):
         name = f"layers.{layer}"
@@ -107,8 +112,13 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
         block.requires_grad_(False)
         spec = layers[name][0] if name in layers else None
         qb = QuantizedBlock(block, spec, root.hasher) if spec else None
-        tune_t, tune_x, tune_in = _targets(block, root.hasher, tune_in, settings.inputs)
-        held_t, held_x, held_in = _targets(block, root.hasher, held_in, settings.inputs)
+        if by_model:
+            tune_t, _, native_tune = _targets(block, root.hasher, native_tune, "native")
+            held_t, _, native_held = _targets(block, root.hasher, native_held, "native")
+            tune_x, held_x = tune_in, held_in
+        else:
+            tune_t, tune_x, tune_in = _targets(block, root.hasher, tune_in, settings.inputs)
+            held_t, held_x, held_in = _targets(block, root.hasher, held_in, settings.inputs)
         weights = None if qb is None else qb.weights()
         if qb is not None and qb.linears.exl3:
             digest = digests[name]
