@@ -41,8 +41,9 @@ from quantizer.tune.store import TunedStore, block_digest
 
 DTYPE = torch.float32
 # Saved tensors of one autograd pass through a block, in multiples of one forward's peak activations
-# (estimate_stream_memory); measured with bench/tune_small.py.
-BACKWARD_FACTOR = 3
+# (estimate_stream_memory). bench/tune_small.py at 16 x 512 rows measured peaks of 250 and 292 MiB
+# against 210 MiB estimated with 3; with 4 the estimate is 261 MiB (docs/tuning.md).
+BACKWARD_FACTOR = 4
 
 
 @dataclass(frozen=True)
