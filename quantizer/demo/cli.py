@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from quantizer.demo.demo import (
-    DEMO_LOADERS, METHODS, MODELS, SIZES, DemoResult, DemoSettings, as_json_rows, run_demo,
+    DEMO_LOADERS, KNOWN_METHODS, METHODS, MODELS, SIZES, DemoResult, DemoSettings, as_json_rows, run_demo,
 )
 from quantizer.plots import plot_path, save_figure
 from quantizer.report import table
@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                              "(default: a temporary directory, deleted at the end)")
     p.add_argument("--sizes", type=_floats, default=SIZES, help="comma-separated bpw (default 2.5,2.9,3.5)")
     p.add_argument("--methods", type=lambda s: tuple(s.split(",")), default=METHODS,
-                   help=f"comma-separated, from {','.join(METHODS)}")
+                   help=f"comma-separated, from {','.join(KNOWN_METHODS)} (default {','.join(METHODS)}; ours-tuned: "
+                        "ours with build --tune)")
     p.add_argument("--loader", type=lambda s: tuple(s.split(",")), default=DEMO_LOADERS,
                    help=f"comma-separated loader profiles our allocator plans for (default {','.join(DEMO_LOADERS)}); "
                         "uniform and exl3 plans are made for exllamav3")

@@ -10,7 +10,8 @@ budget, so the exllamav3 packs of one size compare at equal bytes; under vllm-ex
 spent on the routed experts alone and the rest stays in the source's FP8 form (its engine's layout,
 docs/loader-profiles.md), so its row holds more bytes (the bytes column says how many). tensorfold
 packs keep their Engram tables in a directory of their own, which the demo's forward does not read,
-so the demo plans for the first two. The references are built first, for every
+so the demo plans for the first two. `--methods ...,ours-tuned` adds our packs with `build --tune`
+(opt-in: docs/tuning.md), the same codes and bytes as ours. The references are built first, for every
 size; our builds then allocate on the proxy errors the references' encodings measured (what
 `build --measured-errors` reads from a work directory that holds only those), so a rerun in the
 same work directory encodes nothing and plans the same. Each pack is verified, fitted and
@@ -51,10 +52,13 @@ from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import measured_proxies
 from quantizer.shipped import shipped
 from quantizer.textdata import model_rows, shipped_text_path
+from quantizer.tune.settings import TuneSettings
 
 SIZES = (2.5, 2.9, 3.5)
 UNIFORM, EXL3, OURS = "uniform", "exl3", "ours"
-METHODS = (UNIFORM, EXL3, OURS)
+METHODS = (UNIFORM, EXL3, OURS)  # the default rows
+TUNED = "ours-tuned"  # opt-in row: ours with `build --tune` (docs/tuning.md), same codes and bytes as ours
+KNOWN_METHODS = METHODS + (TUNED,)
 DEMO_LOADERS = (EXLLAMAV3, VLLM_EXL3)  # the engines whose packs the demo's forward reads as written
 BUILD_DIR = "build"  # the shared build work directory: calibration and the encoding cache
 # The bundled trained models, by the name `--model` takes, and the package folder that holds each.
@@ -133,9 +137,11 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
         _say(f"demo: build {out.name} at {bpw:.4g} bpw")
         shutil.rmtree(out, ignore_errors=True)  # a pack of an earlier demo run in this work directory
         built[size, method, loader] = build(BuildRequest(
-            src=str(ck.root), out=out, bpw=bpw, method=method, allocation=AllocationSettings(loader=loader),
-            calibration_rows=calibration, calibration=CalibrationSettings(device="cpu"), work=work / BUILD_DIR,
-            quantize=QuantizeSettings(seed=settings.seed, device="cpu", encoder="fast"), measured=measured))
+            src=str(ck.root), out=out, bpw=bpw, method=OURS if method == TUNED else method,
+            allocation=AllocationSettings(loader=loader), calibration_rows=calibration,
+            calibration=CalibrationSettings(device="cpu"), work=work / BUILD_DIR,
+            quantize=QuantizeSettings(seed=settings.seed, device="cpu", encoder="fast"), measured=measured,
+            tune=TuneSettings() if method == TUNED else None))
 
     def budget(size: float) -> float:
         return built[size, EXL3, EXLLAMAV3].plan.achieved_bpw if EXL3 in methods else size
@@ -150,9 +156,9 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
     if len(loaders) < len(settings.loaders):
         _say(f"demo: {cfg.arch} runs in {', '.join(loaders)} only of the loaders asked for")
     for size in settings.sizes:
-        if OURS in methods:
+        for method in (m for m in (OURS, TUNED) if m in methods):
             for loader in loaders:
-                make(size, OURS, loader, budget(size), measured)
+                make(size, method, loader, budget(size), measured)
 
     held = rows("heldout", settings.eval_rows)
     reference = list(row_predictions(_streamer(CheckpointSource(ck)), held))
@@ -161,7 +167,7 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
     for (size, method, _), result in built.items():
         c = compare(reference, row_predictions(_streamer(PackSource(Checkpoint.open(result.out))), held))
         out.append(_row(size, method, result.plan, result.manifest, result.out, c, not result.verify.faults))
-    rows_sorted = sorted(out, key=lambda r: (r.bpw, METHODS.index(r.method), LOADERS.index(r.loader)))
+    rows_sorted = sorted(out, key=lambda r: (r.bpw, KNOWN_METHODS.index(r.method), LOADERS.index(r.loader)))
     return DemoResult(rows_sorted, float(native_nll.mean().exp()), native_nll.numel(), time.monotonic() - start)
 
 
@@ -173,9 +179,9 @@ def _measured(cfg, work: Path, references: list[BuildResult]) -> dict[str, dict[
 
 
 def _available(methods: tuple[str, ...]) -> tuple[str, ...]:
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in KNOWN_METHODS]
     if unknown:
-        raise UserError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        raise UserError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(KNOWN_METHODS)}")
     if EXL3 in methods:
         if not all(importlib.util.find_spec(m) for m in ("exllamav3", "triton")):
             _say("demo: exllamav3 is not installed (pip install 'quantizer[dev]'); skipping the exl3 baseline, "

@@ -165,7 +165,20 @@ def _calibration(m: Manifest) -> str:
     if not cal:
         return "## Calibration\n\nnone: the linears were quantized without Hessians."
     return (f"## Calibration\n\n{cal['rows']:,} rows x {cal['cols']:,} tokens of {_calibration_text(m)}; "
-            f"Hessians fingerprint `{cal['fingerprint']}`.")
+            f"Hessians fingerprint `{cal['fingerprint']}`.{_tuning(m)}")
+
+
+def _tuning(m: Manifest) -> str:
+    """A sentence on the tune stage (build --tune), or nothing when the pack's scales are the encoder's."""
+    t = m.settings.get("tuning")
+    if not t:
+        return ""
+    ratios = list(t["heldout_error_ratio"].values())
+    mean = sum(ratios) / len(ratios) if ratios else 1.0
+    return (f"\n\nTuned (`build --tune`): each block's EXL3 `suh`/`svh` fitted to the native block's outputs "
+            f"({t['inputs']} inputs) on {t['tune_rows']:,} of these rows, up to {t['steps']} Adam steps at lr "
+            f"{t['lr']:g}, early-stopped on the other {t['heldout_rows']:,}; held-out block-output error x{mean:.3f} "
+            "on average. Codes, sizes and every native tensor are as without tuning.")
 
 
 def _calibration_text(m: Manifest) -> str:

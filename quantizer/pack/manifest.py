@@ -9,7 +9,8 @@ Schema (manifest_version 2):
   pack's own config.json carries EXL3's quantization_config, so verify reads the source grid here),
   `base_model` (its Hugging Face repo id, or null) and `license` (from its card's front matter, or null);
 - `plan`: hash, loader (the loader profile the pack is made for; verify checks it), codebook, head_bits;
-  `settings`: seed, device, encoder, calibration;
+  `settings`: seed, device, encoder, calibration, and `tuning` when the tune stage ran (its settings,
+  the tuning / held-out row split and each block's held-out error ratio, tuned over stored scales);
 - `quantization`: the integer `bits`, the `bpw` and the K histogram written into config.json;
 - `shards`: [{file, bytes, sha256, engram}] in file order;
 - `tensors`: every tensor in the shards (alignment pads excepted) -> {shard, K, class}; K is the

@@ -35,7 +35,9 @@ from quantizer.exl3 import UNQUANTIZED, parse_codebook
 from quantizer.model.layout import TensorSpec
 from quantizer.model.targets import targets
 from quantizer.model.tensor_classes import classify
-from quantizer.checkpoint.safetensors_file import TORCH_DTYPES, TensorEntry, planned, read_header, read_tensor, write_safetensors
+from quantizer.checkpoint.safetensors_file import (
+    PAD_PREFIX, TORCH_DTYPES, TensorEntry, planned, read_header, read_tensor, write_safetensors,
+)
 from quantizer.exl3 import PACK_ALIGN
 from quantizer.model.targets import DRAFT, HEAD_GROUP, ROUTED
 from quantizer.pack.card import CARD_NAME, source_license, write_card
@@ -68,6 +70,8 @@ class PackSettings:
     revision: str | None = None  # of a Hugging Face source, for the manifest
     base_model: str | None = None  # the source's Hugging Face repo id, for the card
     command: tuple[str, ...] | None = None  # the command line that built the pack, for the card
+    tuned_files: tuple[Path, ...] = ()  # the tune stage's block files: their suh/svh replace the unit store's
+    tuning: dict | None = None  # the tune stage's record (settings, rows, held-out error ratios), for the manifest
 
 
 def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, settings: PackSettings,
@@ -102,7 +106,8 @@ def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settin
            engram_dir: Path, engram_name: str) -> Manifest:
     spec = pack_spec(ck.config, plan)
     linears = spec.encoded
-    tensors, sources = _pack_tensors(ck, plan, spec, store, settings.job_settings, partial / CONVERTED_FILE)
+    tensors, sources = _pack_tensors(ck, plan, spec, store, settings.job_settings, partial / CONVERTED_FILE,
+                                     settings.tuned_files)
     align = load_profile(plan.loader).pack_align
     shards = assign_shards(tensors, settings.shard_size, reusable_sources(tensors, align))
     size = sum(s.nbytes for s in shards)
@@ -159,14 +164,18 @@ def check_new_pack_dir(out: Path) -> None:
         raise UserError(f"{out}: already exists and is not empty; delete it or choose another --out")
 
 
-def _pack_tensors(ck: Checkpoint, plan: Plan, spec: PackSpec, store: ResultStore, job: dict, converted: Path):
+def _pack_tensors(ck: Checkpoint, plan: Plan, spec: PackSpec, store: ResultStore, job: dict, converted: Path,
+                  tuned: tuple[Path, ...] = ()):
     """Every tensor of the pack directory with the bytes it copies, and what became of every source
     tensor. The checkpoint must hold exactly the tensors its config's layout has, and the cache a result
     of the spec's shape and dtype for every encoded leaf, from units made under `job` (the quantize
     settings' record). Plain tensors the loader reads in another dtype are converted into `converted`
-    (a scratch file the shards copy from)."""
+    (a scratch file the shards copy from). `tuned`: the tune stage's block files, whose suh/svh are taken
+    in place of the unit store's."""
     _check_source(ck, spec)
     results = store.entries(plan_units(spec, plan.codebook, job))
+    for path in tuned:  # tuned suh/svh: same names, shapes and dtype as the unit store's (tune/store.py)
+        results.update({n: e for n, e in read_header(path).tensors.items() if not n.startswith(PAD_PREFIX)})
     linears = {s.key: s for s in spec.encoded}
     changed = _convert(ck, [t for t in spec.tensors if t.storage == CONVERTED], converted)
     tensors: list[PackTensor] = []
@@ -360,7 +369,7 @@ def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackS
                 "quantization_config": _source_config(ck).get("quantization_config")},
         plan={"hash": plan.content_hash(), "loader": plan.loader, "codebook": plan.codebook,
               "head_bits": qcfg["head_bits"], "engram_dir": engram_dir},
-        settings=dict(settings.job_settings),
+        settings=dict(settings.job_settings) | ({"tuning": settings.tuning} if settings.tuning else {}),
         quantization={"bits": qcfg["bits"], "bpw": qcfg["bpw"], "k_histogram": _histogram(linears)},
         shards=records,
         tensors=tensors,

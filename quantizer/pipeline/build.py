@@ -10,6 +10,8 @@ quantize stage has accepted the job. Before any stage runs, everything that can 
 against its config, places and disk. Every rank's source bytes are pinned before the first stage and
 checked after each (source_guard.py), so a checkpoint changed during the build is refused and what was
 made from it deleted.
+With `tune` (--tune, off by default) the tune stage (WORK/tuned) fits each block's EXL3 suh/svh to the
+native block's outputs on the calibration rows after quantize, and the pack takes the tuned vectors.
 Without calibration rows the linears are quantized without Hessians (uniform, exl3 or a saved plan).
 Every stage resumes from its own directory, so a rerun continues where the last one stopped.
 Under torchrun every rank runs build(): calibration splits the rows and quantization the units over
@@ -54,6 +56,8 @@ from quantizer.quantize.rates import plan_estimate
 from quantizer.quantize.results import measured_encodings
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import QuantizeResult, measured_proxies, quantize
+from quantizer.tune.settings import TuneSettings
+from quantizer.tune.stage import TuneResult, tune
 from quantizer.verify.verify import VerifyReport, verify_pack
 
 QUANTIZE_DIR = "quantize"
@@ -80,6 +84,7 @@ class BuildRequest:
     plan_file: Path | None = None  # where `plan` was read from, for the messages that name it
     base_model: str | None = None  # the source's Hugging Face repo id, named in the pack's card
     command: tuple[str, ...] | None = None  # the command line, which the card gives as the way to rebuild
+    tune: TuneSettings | None = None  # tune each block's EXL3 scales after quantize (needs calibration rows)
 
     @property
     def work_dir(self) -> Path:
@@ -94,6 +99,7 @@ class BuildResult:
     fit: FitReport | None  # the fit of the plan to req.target, when one was asked for
     calibration: CalibrationSummary | None
     quantized: QuantizeResult
+    tuned: TuneResult | None  # the tune stage's result, when the request asked for it
     manifest: Manifest
     verify: VerifyReport
     seconds: float
@@ -133,10 +139,17 @@ def build(req: BuildRequest) -> BuildResult:
         quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None,
                              on_start=lambda: save_plan(ck.config, plan, req.work_dir), source_check=pin.check_read)
         require_unchanged(pin, "quantize", made, req.work_dir)
-        pack = PackSettings(settings.record(), req.shard_size, req.revision, req.base_model, req.command)
+        tuned = None
+        if req.tune is not None:
+            tuned = ranks.on_main(lambda: tune(ck, plan, req.work_dir / QUANTIZE_DIR, req.work_dir,
+                                               req.calibration_rows, req.tune, settings.record()))
+            require_unchanged(pin, "tune", made, req.work_dir)
+        pack = PackSettings(settings.record(), req.shard_size, req.revision, req.base_model, req.command,
+                            tuned_files=tuple(tuned.files) if tuned else (), tuning=tuned.record() if tuned else None)
         manifest, verified = ranks.on_main(lambda: pack_and_publish(ck, plan, req, pack, partial, pin))
         ranks.barrier()
-    return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, manifest, verified, time.monotonic() - start)
+    return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, tuned, manifest, verified,
+                       time.monotonic() - start)
 
 
 def pack_and_publish(ck: Checkpoint, plan: Plan, req: BuildRequest, settings: PackSettings, partial: Path,
@@ -178,6 +191,8 @@ def check_request(req: BuildRequest) -> None:
         raise UserError("--method ours allocates from a calibration; drop --no-calibrate, or use --method uniform")
     if req.bpw is not None:
         check_bpw(req.bpw, req.allocation.codebook)
+    if req.tune is not None and req.calibration_rows is None:
+        raise UserError("--tune fits the pack's scales to calibration rows; drop --no-calibrate (or drop --tune)")
     if (req.measured is not None or req.measured_from_work) and (req.method != OURS or req.plan is not None):
         raise UserError("--measured-errors feeds our allocator; it needs --method ours and no --plan")
 
@@ -194,7 +209,7 @@ def request_record(ck: Checkpoint, req: BuildRequest) -> dict:
         "allocation": asdict(req.allocation), "calibration": req.calibration.record(),
         "quantize": req.quantize.record(), "shard_size": req.shard_size, "revision": req.revision,
         "measured": None if req.measured is None else json.dumps(req.measured, sort_keys=True),
-        "measured_from_work": req.measured_from_work,
+        "measured_from_work": req.measured_from_work, "tune": None if req.tune is None else req.tune.record(),
     }
 
 

@@ -30,6 +30,7 @@ from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.plan import Plan
 from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
 from quantizer.report import gib, table
+from quantizer.tune.settings import INPUTS, TARGETS, TuneSettings
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -73,6 +74,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu: our codec; cuda: exllamav3")
     p.add_argument("--encoder", choices=ENCODERS, default="fast", help="CPU encoder's Viterbi mode")
     p.add_argument("--seed", type=int, default=0, help="job seed; each linear's seed derives from it and its key")
+    p.add_argument("--tune", action="store_true",
+                   help="after quantize, fit each block's EXL3 suh/svh to the native block's outputs on the calibration "
+                        "rows (codes fixed; same pack bytes; off by default, docs/tuning.md)")
+    p.add_argument("--tune-steps", type=count, help=f"with --tune: Adam steps per block at most (default {TuneSettings.steps})")
+    p.add_argument("--tune-inputs", choices=INPUTS,
+                   help=f"with --tune: block inputs from the native model or the tuned blocks before (default "
+                        f"{TuneSettings.inputs})")
+    p.add_argument("--tune-target", choices=TARGETS,
+                   help="with --tune --tune-inputs quantized: fit each block to the native block on the same inputs "
+                        "(block, default) or to the native model's stream after it (model)")
     p.add_argument("--shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE, help="shard cap, e.g. 8G, 512M (default 8G)")
     p.add_argument("--codebook", choices=CODEBOOKS, help="EXL3 codebook of a uniform plan (default mul1)")
     p.add_argument("--revision", help="revision of a Hugging Face repo id")
@@ -99,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     loader = plan.loader if plan else args.loader or default_loader(ck.config)
     if plan and args.loader and args.loader != plan.loader:
         raise UserError(f"--loader {args.loader} conflicts with {args.plan}, which is made for {plan.loader}")
+    if not args.tune and (args.tune_steps, args.tune_inputs, args.tune_target) != (None, None, None):
+        raise UserError("--tune-steps, --tune-inputs and --tune-target set the tune stage; add --tune")
     target = None
     if args.sparks:
         context = ck.config.max_position_embeddings if args.context is None else args.context
@@ -113,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         plan_file=args.plan,
         base_model=args.base_model or (None if Path(args.src).expanduser().exists() else args.src),
         command=rebuild_command(args.argv),
+        tune=TuneSettings(steps=args.tune_steps or TuneSettings.steps, inputs=args.tune_inputs or TuneSettings.inputs,
+                          target=args.tune_target or TuneSettings.target) if args.tune else None,
     )
     result = build(req)
     if current().main:
@@ -161,6 +176,7 @@ def summary(r: BuildResult) -> str:
         _calibration_line(r),
         f"linears by K (16 = fp16): {hist or 'none'}",
         _proxy_line(r.quantized.proxy_err),
+        *_tune_lines(r),
         table(["class", "tensors", "bytes", "GiB", "bpw"], rows),
         _fit_lines(pack_fit_table(r.out)),
         *([] if r.fit is None else [render_fit(r.fit)]),
@@ -188,6 +204,16 @@ def _calibration_line(r: BuildResult) -> str:
     if c is None:
         return "calibration: none (linears quantized without Hessians)"
     return f"calibration: {c.rows} rows x {c.cols} tokens, site sensitivity {c.gains}"
+
+
+def _tune_lines(r: BuildResult) -> list[str]:
+    t = r.tuned
+    if t is None:
+        return []
+    ratios = [a / max(e, 1e-30) for e, a in t.errors.values()]
+    mean = sum(ratios) / len(ratios) if ratios else 1.0
+    return [f"tune: {t.blocks} blocks ({t.tuned} this run) on {t.tune_rows} rows, {t.heldout_rows} held out; held-out "
+            f"block-output MSE x{mean:.3f} on average (tuned / stored scales)"]
 
 
 def _proxy_line(proxy_err: dict[str, float | None]) -> str:

@@ -76,19 +76,12 @@ def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0))
 
 
-@pytest.mark.parametrize("which", ["cuda", "cpu"])
-def test_exllamav3_loads_our_pack_and_decodes_as_we_do(packs, which, tiny_v4):
+def check_linears_decode_as_ours(model, pack: Path, keys: list[str]) -> None:
+    """Each of these EXL3 linears, loaded in exllamav3, holds the pack's trellis and scales, reconstructs
+    our rotated-basis decode bit for bit, and its original-basis weight matches ours to fp16 rounding."""
     from quantizer.codec.exllamav3_adapter import reconstruct_rotated
 
-    pack = packs[which]
-    keys = sorted(n[: -len(".trellis")] for n in Checkpoint.open(pack).tensors if n.endswith(".trellis"))
-    if which == "cpu":
-        assert keys == ["layers.0.attn.wo_a.slice.0", "layers.0.attn.wo_a.slice.1", "layers.0.attn.wq_a"]
-    else:
-        assert any(".ffn.experts." in k for k in keys) and "head" in keys
-    model = _load(pack)
-    checked = keys if which == "cpu" else keys[:: max(1, len(keys) // 24)]
-    for key in checked:
+    for key in keys:
         q = _stored(pack, key)
         inner = model.find_module(key).inner
         assert torch.equal(inner.trellis.cpu(), q.trellis), key
@@ -96,6 +89,18 @@ def test_exllamav3_loads_our_pack_and_decodes_as_we_do(packs, which, tiny_v4):
         theirs = inner.get_weight_tensor().float().cpu()  # (in, out), fp16 steps in between
         ours = dequantize(q).t()
         assert (theirs - ours).abs().max() <= 4e-3 * ours.abs().max(), key
+
+
+@pytest.mark.parametrize("which", ["cuda", "cpu"])
+def test_exllamav3_loads_our_pack_and_decodes_as_we_do(packs, which, tiny_v4):
+    pack = packs[which]
+    keys = sorted(n[: -len(".trellis")] for n in Checkpoint.open(pack).tensors if n.endswith(".trellis"))
+    if which == "cpu":
+        assert keys == ["layers.0.attn.wo_a.slice.0", "layers.0.attn.wo_a.slice.1", "layers.0.attn.wq_a"]
+    else:
+        assert any(".ffn.experts." in k for k in keys) and "head" in keys
+    model = _load(pack)
+    check_linears_decode_as_ours(model, pack, keys if which == "cpu" else keys[:: max(1, len(keys) // 24)])
     model.unload()
     ids = torch.randint(3, 4000, (1, 64), generator=torch.Generator().manual_seed(0))
     logits, native = _logits(pack, ids), _logits(tiny_v4, ids)

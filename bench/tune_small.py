@@ -1,0 +1,153 @@
+"""What block-wise tuning (`build --tune`) gives on the bundled small V4.1 model, in our forward (CPU).
+
+For each size: one `ours` build for the exllamav3 profile without tuning, then the same build with
+tuning for each block-input mode asked for, all in one work directory (one calibration, one set of
+encodings, so every pack holds the same codes and the same bytes). Each pack is compared with the native
+model on held-out rows of the shipped held-out text: KL, top-1 agreement, perplexity, and the ratio
+tuned KL / untuned KL (the reference measured in the same run). The tune stage runs once on its own
+first, so its time and peak RAM (RSS sampled every 10 ms, above the RSS before it) are its alone; the
+tuned build then reuses its blocks. The RAM columns compare the stage's estimate with that peak; only
+the first tune of a run measures cleanly (later ones reuse memory the allocator kept), so later rows
+show no peak.
+
+    python bench/tune_small.py                                  # 2.5 and 2.9 bpw, small settings
+    python bench/tune_small.py --sizes 2.5,2.9,3.5 --calib-rows 32 --eval-rows 8 --inputs native,quantized
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quantizer.calibrate.settings import CalibrationSettings
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.model.streaming import CheckpointSource, LayerStreamer
+from quantizer.pipeline.build import QUANTIZE_DIR, BuildRequest, build
+from quantizer.plan.allocate import AllocationSettings
+from quantizer.plan.profiles import EXLLAMAV3
+from quantizer.ppl.compare import compare
+from quantizer.ppl.pack_source import PackSource
+from quantizer.ppl.perplexity import row_predictions
+from quantizer.quantize.settings import QuantizeSettings
+from quantizer.report import table
+from quantizer.shipped import shipped
+from quantizer.textdata import model_rows, shipped_text_path
+from quantizer.tune.settings import TuneSettings
+from quantizer.tune.stage import tune, tune_memory
+from quantizer.tune.store import TunedStore
+
+
+class PeakRss:
+    """Peak resident memory of this process above where it stood at start, sampled every 10 ms."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def added(self) -> int:
+        return self.peak - self.base
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _streamer(source) -> LayerStreamer:
+    return LayerStreamer(source, progress=False, report=lambda line: None)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="2.5,2.9", help="comma-separated bpw")
+    ap.add_argument("--inputs", default="native,quantized",
+                    help="block-input modes to tune with, comma-separated; quantized/model: quantized inputs fitted "
+                         "to the native model's stream")
+    ap.add_argument("--calib-rows", type=int, default=16)
+    ap.add_argument("--cols", type=int, default=512)
+    ap.add_argument("--eval-rows", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=TuneSettings.steps)
+    ap.add_argument("--lr", type=float, default=TuneSettings.lr)
+    ap.add_argument("--batch-rows", type=int, default=TuneSettings.batch_rows)
+    ap.add_argument("--work", type=Path, help="keep the work here (default: a temporary directory)")
+    args = ap.parse_args(argv)
+    ck = Checkpoint.open(shipped("small_model"))
+    cfg = ck.config
+
+    def rows(name: str, count: int) -> torch.Tensor:
+        return model_rows(ck.root, cfg, text=shipped_text_path(name), rows=count, cols=args.cols, default_cols=args.cols)
+
+    calibration, held = rows("calibration", args.calib_rows), rows("heldout", args.eval_rows)
+    root = args.work or Path(tempfile.mkdtemp(prefix="tune-bench-"))
+    reference = list(row_predictions(_streamer(CheckpointSource(ck)), held))
+    out_rows, first = [], True
+    try:
+        for size in (float(s) for s in args.sizes.split(",")):
+            def request(name: str, tuning: TuneSettings | None) -> BuildRequest:
+                out = root / "packs" / f"{size:g}-{name}"
+                shutil.rmtree(out, ignore_errors=True)
+                return BuildRequest(src=str(ck.root), out=out, bpw=size, method="ours",
+                                    allocation=AllocationSettings(loader=EXLLAMAV3), calibration_rows=calibration,
+                                    calibration=CalibrationSettings(device="cpu"), work=root / "build",
+                                    quantize=QuantizeSettings(device="cpu"), tune=tuning)
+
+            base = build(request("untuned", None))
+            untuned = compare(reference, row_predictions(_streamer(PackSource(Checkpoint.open(base.out))), held))
+            out_rows.append([f"{size:g}", "-", f"{untuned.kl:.4f}", "1.000", f"{untuned.top1:.2%}",
+                             f"{untuned.pack.ppl:.3f}", "-", "-", "-"])
+            job = dict(base.manifest.settings)  # the quantize stage's record: names the units
+            for mode in args.inputs.split(","):
+                inputs, _, target = mode.partition("/")
+                settings = TuneSettings(steps=args.steps, lr=args.lr, batch_rows=args.batch_rows, inputs=inputs,
+                                        target=target or "block")
+                with PeakRss() as rss:
+                    t0 = time.monotonic()
+                    result = tune(ck, base.plan, root / "build" / QUANTIZE_DIR, root / "build", calibration, settings, job)
+                    seconds = time.monotonic() - t0
+                estimate = tune_memory(cfg, *calibration.shape, settings)
+                store = TunedStore(root / "build")
+                steps = sum(store.info(p)["steps"] for p in result.files)
+                tuned = build(request(f"tuned-{mode}", settings))
+                if [s.bytes for s in tuned.manifest.shards] != [s.bytes for s in base.manifest.shards]:
+                    raise SystemExit(f"{size:g} bpw: the tuned pack's shards differ in size from the untuned pack's")
+                c = compare(reference, row_predictions(_streamer(PackSource(Checkpoint.open(tuned.out))), held))
+                out_rows.append([f"{size:g}", mode, f"{c.kl:.4f}", f"{c.kl / untuned.kl:.3f}", f"{c.top1:.2%}",
+                                 f"{c.pack.ppl:.3f}", f"{seconds:.0f} s ({steps} steps)",
+                                 f"{estimate / 2**20:.0f} / {rss.added / 2**20:.0f} MiB" if first else "-",
+                                 f"{estimate / max(rss.added, 1):.2f}" if first else "-"])
+                first = False
+                print(f"{size:g} {mode}: KL {untuned.kl:.4f} -> {c.kl:.4f}", file=sys.stderr, flush=True)
+    finally:
+        if args.work is None:
+            shutil.rmtree(root, ignore_errors=True)
+    native = torch.cat([r.nll() for r in reference]).mean().exp()
+    print(f"small V4.1, ours for exllamav3, our forward; {args.calib_rows} calibration rows x {args.cols} tokens "
+          f"(tuning and held-out split by the tune stage), {args.eval_rows} held-out eval rows; native ppl {native:.3f}")
+    print(table(["bpw", "tuned inputs", "KL", "KL / untuned", "top-1", "ppl", "tune time", "RAM est / peak",
+                 "est / peak"], out_rows))
+
+
+if __name__ == "__main__":
+    main()

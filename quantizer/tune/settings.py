@@ -1,0 +1,50 @@
+"""What a tuning run is made with; its record names every tuned block's file and goes into the manifest."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from quantizer.errors import UserError
+
+INPUTS = ("native", "quantized")  # where block L's inputs come from: the native model, or the tuned blocks < L
+# What block L's output is fitted to: the native block on the same inputs, or the native model's own stream
+# after block L (with quantized inputs, the latter also asks block L to undo the error of the blocks before)
+TARGETS = ("block", "model")
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    # Defaults from measurement on the bundled small V4.1 model (docs/tuning.md): lr 3e-3 on 2 rows a step
+    # kept improving a block for 30 steps, lr 1e-2 on 1 row did not improve its first block at all; steps
+    # are few because a CPU step of one block costs seconds.
+    steps: int = 20  # Adam steps per block at most (the best held-out step is kept)
+    lr: float = 3e-3  # on the relative change of each scale (suh = suh0 * (1 + a))
+    batch_rows: int = 2  # calibration rows per Adam step
+    heldout: float = 0.25  # share of the calibration rows held out for early stopping (at least one row)
+    eval_every: int = 5  # steps between held-out measurements
+    patience: int = 2  # held-out measurements without improvement before a block stops
+    inputs: str = "native"
+    target: str = "block"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.inputs not in INPUTS:
+            raise UserError(f"tune inputs {self.inputs!r}; choose {' or '.join(INPUTS)}")
+        if self.target not in TARGETS:
+            raise UserError(f"tune target {self.target!r}; choose {' or '.join(TARGETS)}")
+        if self.target == "model" and self.inputs != "quantized":
+            raise UserError("tune target model differs from block only with quantized inputs")
+        if self.steps < 1 or self.batch_rows < 1 or self.eval_every < 1 or self.patience < 1 or self.lr <= 0:
+            raise UserError("tune: steps, batch rows, eval interval and patience must be at least 1, lr above 0")
+        if not 0 < self.heldout < 1:
+            raise UserError(f"tune: held-out share {self.heldout} must lie between 0 and 1")
+
+    def split(self, rows: int) -> tuple[int, int]:
+        """(tuning rows, held-out rows) of `rows` calibration rows."""
+        held = max(1, round(rows * self.heldout))
+        if rows - held < 1:
+            raise UserError(f"--tune needs at least 2 calibration rows (one to tune on, one held out); got {rows}")
+        return rows - held, held
+
+    def record(self) -> dict:
+        return asdict(self)
