@@ -4,6 +4,8 @@ verifies, that a killed run resumes from its finished blocks, and what bad input
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_bytes, read_h
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.codec import dequantize, quantize_linear
+from quantizer.errors import UserError
 from quantizer.pack.manifest import Manifest
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.pipeline.build import PLAN_FILE, QUANTIZE_DIR, BuildRequest, build
@@ -136,3 +139,31 @@ def test_tune_without_calibration_is_refused_in_one_line(tiny_v41, tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "--tune" in err and "--no-calibrate" in err
     assert not (tmp_path / "pack").exists()
+
+
+def test_a_source_byte_changed_during_tuning_keeps_no_tuned_block(packs, src, tmp_path, capsys, monkeypatch):
+    """Blocks tuned from changed bytes are deleted before the refusal, like the units encoded from them,
+    so a rerun with the bytes put back never reuses them."""
+    build_module = importlib.import_module("quantizer.pipeline.build")  # the package exports the function
+
+    work = tmp_path / "work"
+    real = build_module.tune
+
+    def tune_then_change(*args, **kwargs):
+        result = real(*args, **kwargs)
+        e = Checkpoint.open(src).entry("layers.0.attn_norm.weight")
+        with open(e.path, "r+b") as f:
+            f.seek(e.offset)
+            b = f.read(1)
+            f.seek(e.offset)
+            f.write(bytes([b[0] ^ 0x40]))
+        return result
+
+    monkeypatch.setattr(build_module, "tune", tune_then_change)
+    rows = torch.load(packs / "rows.pt")[:4, :32]
+    request = BuildRequest(str(src), tmp_path / "pack", plan=_plan(Checkpoint.open(src).config), calibration_rows=rows,
+                           calibration=CalibrationSettings(measure_kl=False), work=work,
+                           tune=TuneSettings(steps=1, eval_every=1, batch_rows=4))
+    with pytest.raises(UserError, match=r"changed while this build read it \(tune\).*block\(s\) tuned in this run"):
+        build(request)
+    assert not list((work / "tuned").glob("*.safetensors")) and not (tmp_path / "pack").exists()

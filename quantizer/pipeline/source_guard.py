@@ -11,8 +11,8 @@ modification time they had at the pin (two stats), so no unit read from changed 
 cache, even when the build is killed before it could notice more. After each stage that read the
 source every rank checks the whole source again (a stat per shard while nothing changed, a re-hash of
 a shard that did). When a copy changed, what this run made from it is deleted before the refusal: the
-quantize units it encoded (and the job record, when this run started it) and, if any of the
-calibration was computed in this run, the calibration. A rerun, even with the bytes put back,
+quantize units it encoded (and the job record, when this run started it), the blocks it tuned and, if
+any of the calibration was computed in this run, the calibration. A rerun, even with the bytes put back,
 therefore finds no encoding of the changed bytes in the cache.
 """
 
@@ -29,6 +29,7 @@ from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.quantize.results import RESULTS_DIR, SUFFIX
+from quantizer.tune.store import TUNED_DIR
 from quantizer.workdir import FINGERPRINT_CACHE, JOB_NAME, LOCK_NAME, TMP_SUFFIX
 
 
@@ -93,12 +94,14 @@ class StageOutputs:
     units: frozenset[str]  # unit files already in the cache
     had_job: bool  # the quantize job record existed
     calibration: dict[str, tuple[int, int]]  # calibration file -> (size, mtime_ns)
+    tuned: frozenset[str]  # tuned block files already in WORK/tuned
 
     @classmethod
     def before(cls, work: Path, quantize: Path) -> "StageOutputs":
         results = quantize / RESULTS_DIR
         units = frozenset(p.name for p in results.glob("*" + SUFFIX)) if results.is_dir() else frozenset()
-        return cls(quantize, units, (quantize / JOB_NAME).exists(), _files(work / CALIBRATION_DIR))
+        return cls(quantize, units, (quantize / JOB_NAME).exists(), _files(work / CALIBRATION_DIR),
+                   frozenset(_files(work / TUNED_DIR)))
 
     def discard_since(self, work: Path) -> str:
         """Delete what this run made from the source (rank 0); says what was deleted."""
@@ -111,6 +114,11 @@ class StageOutputs:
             deleted.append(f"the {len(new)} unit(s) encoded in this run")
         if not self.had_job and (self.quantize / JOB_NAME).exists():
             (self.quantize / JOB_NAME).unlink()
+        tuned = [work / TUNED_DIR / name for name in _files(work / TUNED_DIR) if name not in self.tuned]
+        for p in tuned:
+            p.unlink()
+        if tuned:
+            deleted.append(f"the {len(tuned)} block(s) tuned in this run")
         if _files(work / CALIBRATION_DIR) != self.calibration:
             shutil.rmtree(work / CALIBRATION_DIR)
             deleted.append("the calibration (computed in this run, at least in part)")
