@@ -1,4 +1,4 @@
-"""Build the shipped text sets (train, calibration, heldout) from clearly licensed offline sources.
+"""Build the shipped text sets (train, calibration, heldout, heldout-tests) from clearly licensed offline sources.
 
 Why a script: the sets must be rebuildable byte for byte and their provenance checkable, so the
 small model's training text can be shown never to overlap the text its packs are judged on.
@@ -8,7 +8,8 @@ Sources:
     and the reference-manual topics in pydoc_data/topics.py are prose documents;
   - the English Wikipedia articles in exllamav3 1.6.5's conversion/standard_cal_data/wiki.utf8
     (CC BY-SA; each article names its URL). The wheel's other calibration files do not say where
-    their text comes from, so they are recorded and left out.
+    their text comes from, so they are recorded and left out;
+  - CPython 3.11.7's own test suites (PSF License Version 2), for the heldout-tests set only.
 
 Split rule: the unit is the document (one .py file, one pydoc topic, one Wikipedia article);
 documents under MIN_DOC_BYTES (title-only Wikipedia stubs, empty __init__.py) are dropped and exact
@@ -16,6 +17,13 @@ duplicate texts are kept once. Documents are ordered by sha256(SALT + document i
 order, a document goes whole to `heldout` if it fits the heldout budget left for its kind (code or
 prose), else to `calibration` if it fits that budget, else to `train`. Only documents of at most
 EVAL_DOC_MAX_BYTES can enter the two evaluation sets. No document is in two sets.
+
+A fourth set, `heldout-tests`, is held-out text of another kind than the calibration text: the .py
+files of CPython's own test suites (Lib/test/, Lib/*/tests/, idlelib/idle_test/), which the three
+sets above leave out. Same rules where they apply: whole documents, UTF-8 only, MIN_DOC_BYTES to
+EVAL_DOC_MAX_BYTES, exact duplicates (also of any document of the other sets) dropped, files with
+their own licence notice left out; walking the same sha256 order, a file goes in while it fits
+TEST_SET_BUDGET.
 
 Run from the repository root with the venv's Python 3.11.7:
     python calibration/build_corpus.py            # writes the sets and provenance.json
@@ -55,12 +63,17 @@ BUDGETS = {
     "calibration": {"code": 120_000, "prose": 120_000},
 }
 ZSTD_LEVEL = 19
+TEST_SET = "heldout-tests"
+TEST_SET_BUDGET = 80_000  # bytes of test-suite code
 
 # Not read as code: third-party packages, and pydoc_data (its topics are read as prose documents).
 NOT_LIB = {"site-packages", "pydoc_data"}
 # Standard-library files left out, each with its reason in provenance.json (see stdlib_exclusion).
 TEST_DIRS = {"test", "tests", "idle_test"}
 OWN_NOTICE = re.compile(r"Permission (is hereby granted|to use, copy)|Apache License")
+# OWN_NOTICE stays as it was so the first three sets rebuild byte for byte; the test set also spots the
+# zlib-style notice ("Permission is granted to anyone"), SPDX tags and notices with irregular spacing.
+TEST_OWN_NOTICE = re.compile(r"Permission\s+(is\s+(hereby\s+)?granted|to\s+use,\s+copy)|Apache License|SPDX-License-Identifier")
 GENERATED_CODEC = "Character Mapping Codec"  # with a decoding table: encodings/cp*.py and friends
 
 # What each calibration file in the exllamav3 wheel says about its origin, and whether we use it.
@@ -143,8 +156,9 @@ def stdlib_exclusion(rel: Path, text: str) -> str | None:
     return None
 
 
-def stdlib_documents(root: Path) -> tuple[list[Document], dict[str, list[str] | int]]:
-    docs, excluded = [], {}
+def stdlib_documents(root: Path) -> tuple[list[Document], list[Document], dict[str, list[str] | int]]:
+    """The library's code documents, its test-suite files (for heldout-tests), and what was left out of the library, by reason."""
+    docs, tests, excluded = [], [], {}
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         if rel.parts[0] in NOT_LIB or rel.parts[0].startswith("config-"):
@@ -155,13 +169,16 @@ def stdlib_documents(root: Path) -> tuple[list[Document], dict[str, list[str] | 
             excluded.setdefault("not UTF-8", []).append(rel.as_posix())
             continue
         reason = stdlib_exclusion(rel, text)
+        doc_id = f"cpython-{PYTHON_VERSION}:Lib/{rel.as_posix()}"
+        if reason == "test suite":
+            tests.append(Document(doc_id, "cpython-test-suites", "code", text))
         if reason:
             excluded.setdefault(reason, []).append(rel.as_posix())
             continue
-        docs.append(Document(f"cpython-{PYTHON_VERSION}:Lib/{rel.as_posix()}", "cpython-stdlib", "code", text))
+        docs.append(Document(doc_id, "cpython-stdlib", "code", text))
     # Long lists (tests, codec tables) are summarised by count; short ones name every file.
     summary = {reason: (paths if len(paths) <= 40 else len(paths)) for reason, paths in excluded.items()}
-    return docs, summary
+    return docs, tests, summary
 
 
 def topic_documents(root: Path) -> list[Document]:
@@ -194,21 +211,37 @@ def read_exllamav3(wheel: Path | None) -> tuple[dict[str, bytes], str]:
     return files, sha256(wheel.read_bytes())
 
 
-def split(docs: list[Document]) -> tuple[dict[str, list[Document]], dict[str, int]]:
-    """Apply the split rule (module docstring). Returns the sets and how many documents were dropped, by reason."""
-    seen, unique, dropped = set(), [], {"shorter_than_min_doc_bytes": 0, "exact_duplicate": 0}
+def order_key(doc: Document) -> str:
+    """The order in which documents are offered to the sets: a salted hash of the id, not of the text."""
+    return sha256(f"{SALT}\0{doc.id}".encode("utf-8"))
+
+
+def keep_once(docs: list[Document], dropped: dict, seen: set[str] = frozenset(),
+              too_long: int | None = None) -> list[Document]:
+    """`docs` in id order less those under MIN_DOC_BYTES, over `too_long` bytes, or whose exact text came
+    before (or is in `seen`, sha256 of texts kept elsewhere); each left out is counted in `dropped`."""
+    seen, kept = set(seen), []
     for doc in sorted(docs, key=lambda d: d.id):
         digest = sha256(doc.text.encode("utf-8"))
         if doc.nbytes < MIN_DOC_BYTES:
             dropped["shorter_than_min_doc_bytes"] += 1
+        elif too_long is not None and doc.nbytes > too_long:
+            dropped["longer_than_eval_doc_max_bytes"] += 1
         elif digest in seen:
             dropped["exact_duplicate"] += 1
         else:
             seen.add(digest)
-            unique.append(doc)
+            kept.append(doc)
+    return kept
+
+
+def split(docs: list[Document]) -> tuple[dict[str, list[Document]], dict[str, int]]:
+    """Apply the split rule (module docstring). Returns the sets and how many documents were dropped, by reason."""
+    dropped = {"shorter_than_min_doc_bytes": 0, "exact_duplicate": 0}
+    unique = keep_once(docs, dropped)
     left = {name: dict(budget) for name, budget in BUDGETS.items()}
     sets = {"heldout": [], "calibration": [], "train": []}
-    for doc in sorted(unique, key=lambda d: sha256(f"{SALT}\0{d.id}".encode("utf-8"))):
+    for doc in sorted(unique, key=order_key):
         target = "train"
         if doc.nbytes <= EVAL_DOC_MAX_BYTES:
             for name in ("heldout", "calibration"):
@@ -218,6 +251,23 @@ def split(docs: list[Document]) -> tuple[dict[str, list[Document]], dict[str, in
                     break
         sets[target].append(doc)
     return sets, dropped
+
+
+def heldout_tests_set(tests: list[Document], other_texts: set[str]) -> tuple[list[Document], dict]:
+    """The heldout-tests set (module docstring) from the test-suite files; `other_texts` are the sha256
+    of every text of the other sets' sources. Returns the set and what was left out, by reason."""
+    notices = sorted(d.id for d in tests if TEST_OWN_NOTICE.search(d.text))
+    left_out = {"own_licence_notice": [i.partition(":Lib/")[2] for i in notices], "shorter_than_min_doc_bytes": 0,
+                "longer_than_eval_doc_max_bytes": 0, "exact_duplicate": 0}
+    candidates = keep_once([d for d in tests if d.id not in notices], left_out, other_texts,
+                           too_long=EVAL_DOC_MAX_BYTES)
+    chosen, left = [], TEST_SET_BUDGET
+    for doc in sorted(candidates, key=order_key):
+        if doc.nbytes <= left:
+            chosen.append(doc)
+            left -= doc.nbytes
+    left_out["over_budget"] = len(candidates) - len(chosen)
+    return chosen, left_out
 
 
 def jsonl(docs: list[Document]) -> bytes:
@@ -249,11 +299,12 @@ def build(wheel: Path) -> tuple[dict[str, bytes], dict]:
     """Each set's uncompressed JSONL, and the provenance record (without the stored files' hashes)."""
     root = stdlib_root()
     licence = (root / "LICENSE.txt").read_bytes()
-    code, stdlib_excluded = stdlib_documents(root)
+    code, tests, stdlib_excluded = stdlib_documents(root)
     topics = topic_documents(root)
     cal_files, wheel_sha = read_exllamav3(wheel)
     wiki = wiki_documents(cal_files["wiki.utf8"].decode("utf-8"))
     sets, dropped = split(code + topics + wiki)
+    sets[TEST_SET], tests_left_out = heldout_tests_set(tests, {sha256(d.text.encode("utf-8")) for d in code + topics + wiki})
     contents = {name: jsonl(docs) for name, docs in sets.items()}
     provenance = {
         "generator": "calibration/build_corpus.py",
@@ -268,6 +319,14 @@ def build(wheel: Path) -> tuple[dict[str, bytes], dict]:
             "eval_doc_max_bytes": EVAL_DOC_MAX_BYTES,
             "min_doc_bytes": MIN_DOC_BYTES,
             "documents_dropped": dropped,
+            TEST_SET: {
+                "unit": "document: one .py file of CPython's test suites (the library's files left out as 'test suite')",
+                "assignment": f"in the same order, a file goes in while it fits the budget of {TEST_SET_BUDGET} "
+                "text bytes; only UTF-8 files of min_doc_bytes to eval_doc_max_bytes without their own licence "
+                "notice, and no text that another set holds",
+                "budget_text_bytes": TEST_SET_BUDGET,
+                "left_out": tests_left_out,
+            },
         },
         "sources": {
             "cpython-stdlib": {
@@ -278,6 +337,14 @@ def build(wheel: Path) -> tuple[dict[str, bytes], dict]:
                 "licence_file_sha256": sha256(licence),
                 "documents": len(code),
                 "excluded": stdlib_excluded,
+            },
+            "cpython-test-suites": {
+                "kind": "code",
+                "what": f"CPython {PYTHON_VERSION} test suites: .py files under Lib/test/, Lib/*/tests/ and "
+                "idlelib/idle_test/ (UTF-8 ones)",
+                "path": str(root),
+                "licence": "PSF License Version 2 (LICENSE.txt of the same installation)",
+                "documents": len(tests),
             },
             "cpython-doc-topics": {
                 "kind": "prose",
@@ -332,7 +399,7 @@ def write(contents: dict[str, bytes], provenance: dict, out: Path) -> None:
 def check(provenance: dict, out: Path) -> int:
     """Compare a fresh build with the recorded one: the text each set holds, not its compression."""
     recorded = json.loads((out / "provenance.json").read_text("utf-8"))["sets"]
-    bad = [n for n, rec in provenance["sets"].items() if rec["content_sha256"] != recorded[n]["content_sha256"]]
+    bad = [n for n, rec in provenance["sets"].items() if rec["content_sha256"] != recorded.get(n, {}).get("content_sha256")]
     for name in bad:
         print(f"{name}: rebuilt content differs from provenance.json")
     print("corpus check:", "FAILED" if bad else "rebuilt sets match provenance.json")
@@ -351,7 +418,7 @@ def main() -> int:
         return check(provenance, args.out)
     write(contents, provenance, args.out)
     for name, rec in provenance["sets"].items():
-        print(f"{name:12s} {rec['documents']:5d} docs  text {rec['text_bytes']:>10,d} B  "
+        print(f"{name:13s} {rec['documents']:5d} docs  text {rec['text_bytes']:>10,d} B  "
               f"{rec['file']} {rec['file_bytes']:>10,d} B  {rec['text_bytes_by_kind']}")
     return 0
 

@@ -108,6 +108,7 @@ def test_bad_input_is_one_clear_user_error(tiny_v41, tmp_path, capsys):
         (["--tokens", str(short), "--rows", "4", "--cols", "16"], "give more text or ask for fewer rows"),
         (["--tokens", str(text)], "--tokens takes a .npy or .safetensors file"),
         (["--text", str(text)], "has no tokenizer.json"),
+        (["--text", "heldout-test"], "heldout-test: no such file, and not a shipped text set"),
         ([], "has no tokenizer.json"),  # the shipped calibration set needs the model's tokenizer too
         (["--tokens", str(short), "--cols", "8", "--prior-tokens", "-1"], "--prior-tokens -1: must be 0 or more"),
     ]

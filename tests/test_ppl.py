@@ -1,4 +1,5 @@
-"""`quantizer ppl` on the tiny V4.1 checkpoint: numbers equal the whole model's own NLL."""
+"""`quantizer ppl` on the tiny V4.1 checkpoint: numbers equal the whole model's own NLL; `--text`
+takes a shipped set by name."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from quantizer.checkpoint.safetensors_file import planned, write_safetensors
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.model.transformer import DeepseekModel
+from quantizer.shipped import shipped
+from quantizer.textdata import shipped_text_path
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +52,22 @@ def test_ppl_text_without_tokenizer_is_a_user_error(tiny_v41, tmp_path, capsys):
     text.write_text("hello world\n")
     assert main(["ppl", str(tiny_v41), "--text", str(text)]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
+
+
+def test_ppl_text_takes_a_shipped_set_by_name(capsys):
+    """`--text heldout-tests` measures on the shipped test-suite set: the numbers of its file, not heldout's
+    (on the bundled small model, which carries the shipped tokenizer)."""
+    model = shipped("small_model")
+
+    def ppl(text: str) -> dict:
+        assert main(["ppl", str(model), "--text", text, "--rows", "2", "--cols", "40", "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    by_name = ppl("heldout-tests")
+    assert by_name == ppl(str(shipped_text_path("heldout-tests")))
+    assert by_name["tokens"] == 2 * 39 and by_name != ppl("heldout")
+
+    assert main(["ppl", str(model), "--text", "heldout-test"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["quantizer ppl: error: heldout-test: no such file, and not a shipped text set (train, calibration, "
+                   "heldout, heldout-tests); check the path or the set name"]

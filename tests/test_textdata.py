@@ -1,18 +1,23 @@
-"""Text data: the shipped sets stay disjoint and match their provenance, the tokenizer round-trips,
-and every way a user's text or token file can be wrong ends in a UserError naming the file."""
+"""Text data: the shipped sets stay disjoint and match their provenance (heldout-tests holds only
+CPython test-suite files, within the evaluation sets' rules), the tokenizer round-trips, `--text`
+reads a shipped set by name, and every way a user's text or token file can be wrong ends in a
+UserError naming the file."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import tomllib
 import zstandard
 
 from quantizer.checkpoint.safetensors_file import planned, write_safetensors
@@ -28,6 +33,7 @@ from quantizer.textdata import (
     read_tokens,
     rows_from_file,
     shipped_text_path,
+    text_argument,
     token_rows,
 )
 
@@ -46,6 +52,22 @@ def set_content(name: str) -> bytes:
 
 def sources(name: str) -> list[str]:
     return [json.loads(line)["source"] for line in set_content(name).decode("ascii").splitlines()]
+
+
+@pytest.fixture(scope="module")
+def rules():
+    """calibration/build_corpus.py, whose constants are the split rules (it is a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location("build_corpus", CALIBRATION / "build_corpus.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks itself up there while it is defined
+    spec.loader.exec_module(module)
+    return module
+
+
+def is_test_suite_file(rules, source: str) -> bool:
+    prefix = f"cpython-{rules.PYTHON_VERSION}:Lib/"
+    return source.startswith(prefix) and source.endswith(".py") and bool(
+        rules.TEST_DIRS.intersection(Path(source.removeprefix(prefix)).parts[:-1]))
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +97,29 @@ def test_evaluation_sets_mix_code_and_prose(name, low, high):
     assert low <= sum(len(t.encode("utf-8")) for t in default_text(name)) <= high
 
 
+def test_heldout_tests_is_test_suite_code_within_the_evaluation_rules(rules):
+    docs = [json.loads(line) for line in set_content("heldout-tests").decode("ascii").splitlines()]
+    assert docs and all(is_test_suite_file(rules, d["source"]) for d in docs)
+    for name in ("train", "calibration", "heldout"):
+        assert not any(is_test_suite_file(rules, s) for s in sources(name)), f"{name} holds a test-suite file"
+    sizes = [len(d["text"].encode("utf-8")) for d in docs]
+    assert all(rules.MIN_DOC_BYTES <= n <= rules.EVAL_DOC_MAX_BYTES for n in sizes)
+    assert 0.9 * rules.TEST_SET_BUDGET <= sum(sizes) <= rules.TEST_SET_BUDGET
+    assert len({d["text"] for d in docs}) == len(docs), "an exact duplicate is kept once"
+    assert not any(rules.TEST_OWN_NOTICE.search(d["text"]) for d in docs), "a file with its own licence notice"
+    keys = [rules.order_key(rules.Document(d["source"], "cpython-test-suites", "code", "")) for d in docs]
+    assert keys == sorted(keys), "documents are in sha256(SALT + id) order"
+    # Whole files: a document is the file as CPython ships it (where this Python is that CPython).
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if sys.version_info[:3] == (3, 11, 7) and (root / "test").is_dir():
+        for d in docs:
+            assert (root / d["source"].partition(":Lib/")[2]).read_text("utf-8") == d["text"], d["source"]
+
+
 def test_provenance_records_the_files_as_they_are():
     record = json.loads((CALIBRATION / "provenance.json").read_text())
+    assert list(record["sets"]) == ["heldout", "calibration", "train", "heldout-tests"]
+    assert set(record["sets"]) == set(SET_FILES)
     for name, rec in record["sets"].items():
         stored = (CALIBRATION / rec["file"]).read_bytes()
         assert rec["file_sha256"] == sha256(stored), name
@@ -96,8 +139,27 @@ def test_corpus_rebuilds_identically():
 
 
 def test_unknown_set_name_is_a_user_error():
-    with pytest.raises(UserError, match="shipped sets are train, calibration, heldout"):
+    with pytest.raises(UserError, match="shipped sets are train, calibration, heldout, heldout-tests$"):
         shipped_text_path("validation")
+
+
+def test_text_argument_is_a_file_or_a_set_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # its calibration/ folder is no file, so the name still means the set
+    assert text_argument("calibration") == shipped_text_path("calibration")
+    assert text_argument("heldout-tests") == shipped_text_path("heldout-tests") == CALIBRATION / "heldout_tests.jsonl"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "heldout").write_text("the user's own file\n")
+    assert text_argument("heldout") == Path("heldout"), "a file of a set's name is read as given"
+    with pytest.raises(UserError, match=r"^heldout-test: no such file, and not a shipped text set "
+                       r"\(train, calibration, heldout, heldout-tests\); check the path or the set name$"):
+        text_argument("heldout-test")
+
+
+def test_the_wheel_ships_every_set_but_train():
+    """pyproject's package data lists each evaluation set (train stays in the repository, PROVENANCE.md)."""
+    shipped = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    listed = shipped["quantizer.calibration"]
+    assert [f for f in SET_FILES.values() if f in listed] == [f for n, f in SET_FILES.items() if n != "train"]
 
 
 # --- the tokenizer ------------------------------------------------------------------------------
@@ -112,8 +174,9 @@ def test_tokenizer_has_the_configs_special_ids(tokenizer):
     assert ids == SPECIAL_TOKENS
 
 
-def test_tokenizer_round_trips_heldout_and_compresses(tokenizer):
-    texts = default_text("heldout")
+@pytest.mark.parametrize("name", ["heldout", "heldout-tests"])
+def test_tokenizer_round_trips_heldout_and_compresses(tokenizer, name):
+    texts = default_text(name)
     encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
     assert [tokenizer.decode(e.ids) for e in encodings] == texts
     per_byte = sum(len(e.ids) for e in encodings) / sum(len(t.encode("utf-8")) for t in texts)

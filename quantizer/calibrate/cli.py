@@ -24,7 +24,7 @@ from quantizer.calibrate.summary import KL_UNITS, MEASURED_KL
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.inventory.inventory import require_consistent
 from quantizer.report import table
-from quantizer.textdata import model_rows, shipped_text_path
+from quantizer.textdata import calibration_text, model_rows
 
 DEFAULTS = CalibrationSettings()
 
@@ -34,7 +34,8 @@ def register(subparsers) -> None:
                               description=__doc__.splitlines()[0])
     p.add_argument("src", metavar="SRC", help="native checkpoint directory or Hugging Face repo id")
     given = p.add_mutually_exclusive_group()
-    given.add_argument("--text", metavar="FILE", help="text (.txt, .jsonl, optionally .zst), tokenized with SRC's tokenizer.json")
+    given.add_argument("--text", metavar="FILE", help="text (.txt, .jsonl, optionally .zst) or a shipped set's name "
+                       "(default: calibration), tokenized with SRC's tokenizer.json")
     given.add_argument("--tokens", metavar="FILE", help="token ids: .npy, or .safetensors with key input_ids (1-D or 2-D)")
     p.add_argument("--rows", type=int, help=f"rows to use (default: up to {DEFAULT_ROWS}, as many as the text holds)")
     p.add_argument("--cols", type=int, help=f"tokens per row (default: a 2-D token file's width, else {DEFAULT_COLS})")
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def calibration_rows(args: argparse.Namespace, ck: Checkpoint) -> torch.Tensor:
-    rows = model_rows(ck.root, ck.config, text=None if args.tokens else args.text or shipped_text_path("calibration"),
+    rows = model_rows(ck.root, ck.config, text=None if args.tokens else calibration_text(args.text),
                       tokens=args.tokens, rows=args.rows, cols=args.cols, default_cols=DEFAULT_COLS)
     if args.rows is None:
         rows = rows[:DEFAULT_ROWS]

@@ -25,7 +25,7 @@ from quantizer.fit.target import FitTarget
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS
 from quantizer.plan.profiles import LOADERS, default_loader, load_profile
-from quantizer.textdata import model_rows, shipped_text_path
+from quantizer.textdata import calibration_text, model_rows
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.plan import Plan
 from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
@@ -53,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "Engram tables in <out>-engram) or exllamav3 (stock 1.6.5; default for V4); the pack is "
                         "verified against it")
     data = p.add_mutually_exclusive_group()
-    data.add_argument("--text", help="calibration text (.txt, .jsonl, optionally .zst; default: the shipped set)")
+    data.add_argument("--text", help="calibration text (.txt, .jsonl, optionally .zst) or a shipped set's name "
+                      "(default: calibration)")
     data.add_argument("--tokens", help="calibration token ids (.npy, or .safetensors with input_ids)")
     data.add_argument("--no-calibrate", action="store_true",
                       help="no calibration: linears quantized without Hessians (uniform, exl3 or --plan only)")
@@ -154,8 +155,8 @@ def rebuild_command(argv: list[str]) -> tuple[str, ...]:
 
 
 def _calibration_rows(args: argparse.Namespace, ck: Checkpoint):
-    text = None if args.tokens else args.text or shipped_text_path("calibration")
-    rows = model_rows(ck.root, ck.config, text=text, tokens=args.tokens, rows=args.calib_rows, cols=args.calib_cols,
+    rows = model_rows(ck.root, ck.config, text=None if args.tokens else calibration_text(args.text),
+                      tokens=args.tokens, rows=args.calib_rows, cols=args.calib_cols,
                       default_cols=DEFAULT_COLS)
     return rows if args.calib_rows is not None else rows[:DEFAULT_ROWS]
 

@@ -1,4 +1,4 @@
-"""`quantizer ppl MODEL [--against SRC] (--text FILE | --tokens FILE)`: perplexity, and what a pack costs.
+"""`quantizer ppl MODEL [--against SRC] (--text FILE|SET | --tokens FILE)`: perplexity, and what a pack costs.
 
 MODEL is a native checkpoint or a pack written by quantizer (its EXL3 linears are decoded to the
 weights a loader computes with). With `--against SRC` both run over the same rows and the report
@@ -7,6 +7,10 @@ compared only with the checkpoint its manifest says it was built from (same cont
 A pack is measured only once every shard's sha256 matches its manifest (a flipped byte would give a
 plausible, wrong number); a model that computes NaN or inf is an error (exit 2) naming what verify finds.
 `--record` writes that measurement into the pack's manifest and regenerates its card (pack/card.py).
+
+`--text` takes a file or the name of a shipped set: `heldout` (text of the calibration set's kinds)
+or `heldout-tests` (CPython's test suites, another kind: a gain there is not fitted to calibration's
+kind of text); a file of that name in the working directory wins.
 
 Rows are cut by quantizer.textdata: text is tokenized with the checkpoint's tokenizer.json, one BOS
 per row and EOS between documents; token files (.npy, or .safetensors with `input_ids`) are used
@@ -35,7 +39,7 @@ from quantizer.pack.measurement import LogitsEngine, Measurement
 from quantizer.ppl.compare import Comparison, compare
 from quantizer.ppl.pack_source import PackSource, require_built_from, require_intact
 from quantizer.ppl.perplexity import NonFiniteLogits, perplexity, row_predictions
-from quantizer.textdata import model_rows
+from quantizer.textdata import SET_FILES, model_rows, text_argument
 from quantizer.verify.verify import verify_pack
 
 DEFAULT_COLS = 512
@@ -47,7 +51,8 @@ def register(subparsers) -> None:
     p.add_argument("src", metavar="MODEL", help="pack directory, native checkpoint directory or Hugging Face repo id")
     p.add_argument("--against", metavar="SRC", help="the native checkpoint MODEL was made from: compare the two")
     given = p.add_mutually_exclusive_group(required=True)
-    given.add_argument("--text", metavar="FILE", help="text (.txt, .jsonl, optionally .zst), tokenized with SRC's tokenizer.json")
+    given.add_argument("--text", metavar="FILE|SET", help="text (.txt, .jsonl, optionally .zst) or a shipped set "
+                       f"({', '.join(SET_FILES)}), tokenized with SRC's tokenizer.json")
     given.add_argument("--tokens", metavar="FILE", help="token ids: .npy, or .safetensors with key input_ids (1-D or 2-D)")
     p.add_argument("--rows", type=int, help="use at most this many rows (default: all)")
     p.add_argument("--cols", type=int, help=f"tokens per row (default: a 2-D file's width, else {DEFAULT_COLS})")
@@ -63,6 +68,8 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible to torch; use --device cpu")
+    if args.text:  # a file or a shipped set's name, resolved before any model is opened
+        args.text = text_argument(args.text)
     model = Checkpoint.open(args.src, revision=args.revision)
     is_pack = (model.root / MANIFEST_NAME).exists()
     if args.record and not (args.against and is_pack and Path(args.src).is_dir()):

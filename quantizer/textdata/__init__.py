@@ -8,13 +8,14 @@ reports bad ones the same way.
 from quantizer.textdata.files import read_texts, read_tokens
 from quantizer.textdata.rows import check_ids, model_rows, rows_from_file, token_rows
 from quantizer.textdata.shipped_sets import (
-    SET_FILES, default_text, default_tokenizer, shipped_text_path, shipped_tokenizer_path,
+    SET_FILES, calibration_text, default_text, default_tokenizer, shipped_text_path, shipped_tokenizer_path, text_argument,
 )
 from quantizer.textdata.tokenizer import SPECIAL_TOKENS, encode_texts, load_tokenizer
 
 __all__ = [
     "SET_FILES",
     "SPECIAL_TOKENS",
+    "calibration_text",
     "check_ids",
     "default_text",
     "default_tokenizer",
@@ -26,5 +27,6 @@ __all__ = [
     "rows_from_file",
     "shipped_text_path",
     "shipped_tokenizer_path",
+    "text_argument",
     "token_rows",
 ]
