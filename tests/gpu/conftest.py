@@ -10,12 +10,23 @@ QUANTIZER_TEST_ORDER=reverse runs it back to front to show that.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 
 import pytest
 
 from process_state import snapshot, state_changes
 from quantizer import caches
+
+
+@pytest.fixture(scope="session", autouse=True)
+def exllamav3_imported_first():
+    """Importing exllamav3 sets two environment variables once per process (ROCPROFILER_REGISTER_ENABLED in
+    its `__init__`, TOKENIZERS_PARALLELISM in its tokenizer module): import it before any test, so the
+    check below sees what a test changes, not which test happened to import it first."""
+    if importlib.util.find_spec("exllamav3") is not None:
+        importlib.import_module("exllamav3")
 
 
 @pytest.fixture(autouse=True)
