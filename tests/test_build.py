@@ -50,7 +50,10 @@ def _headers(pack):
 def test_the_pack_verifies_clean_and_the_work_stays_resumable(built, capsys):
     _, pack = built
     assert main(["verify", str(pack), "--full"]) == 0
-    assert capsys.readouterr().out.rstrip().endswith("clean")
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("clean")
+    pads = sum(n.startswith(PAD_PREFIX) for h in _headers(pack).values() for n in h.tensors)
+    assert pads and f"not their {pads:,} alignment pads" in out  # the index leaves them out, and says so
     assert (pack.with_name("pack.work") / "quantize" / "job.json").exists()
     assert not pack.with_name("pack.partial").exists()
 

@@ -203,7 +203,9 @@ def _check_index(pack: Path, headers: dict[str, SafetensorsHeader], profile: Loa
         faults += 1
         fault(f"total_size {total:,} but the shards hold {payload:,} bytes of tensors")
     if not faults:
-        report.ok(INDEX_NAME, f"names exactly the {len(held):,} tensors of the shards")
+        pads = sum(n.startswith(PAD_PREFIX) for h in headers.values() for n in h.tensors)
+        report.ok(INDEX_NAME, f"names exactly the {len(held):,} tensors of the shards"
+                              + (f", not their {pads:,} alignment pads" if pads else ""))
 
 
 def _check_exl3(manifest: Manifest, headers: dict[str, SafetensorsHeader], report: VerifyReport) -> None:
