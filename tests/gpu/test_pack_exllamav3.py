@@ -104,11 +104,27 @@ def test_exllamav3_loads_our_pack_and_decodes_as_we_do(packs, which, tiny_v4):
     model.unload()
     ids = torch.randint(3, 4000, (1, 64), generator=torch.Generator().manual_seed(0))
     logits, native = _logits(pack, ids), _logits(tiny_v4, ids)
-    engines_pack = _cosine(logits, _our_logits(pack, ids))
+    ours = _our_logits(pack, ids)
+    engines_pack = _cosine(logits, ours)
     engines_native = _cosine(native, _our_logits(tiny_v4, ids))
+    worst = (logits - ours).abs().amax(-1).flatten()
     print(f"{which}: cosine exllamav3 vs our forward on the pack {engines_pack:.6f}, on the native checkpoint "
-          f"{engines_native:.6f}; pack vs native (exllamav3) {_cosine(logits, native):.6f}")
+          f"{engines_native:.6f}; pack vs native (exllamav3) {_cosine(logits, native):.6f}; engines' next-token "
+          f"agreement {float((logits.argmax(-1) == ours.argmax(-1)).float().mean()):.3f}, largest logit gap "
+          f"{float(worst.max()):.4f} at token {int(worst.argmax())}, tokens with a gap over 0.1: "
+          f"{(worst > 0.1).nonzero().flatten().tolist()}")
     assert torch.isfinite(logits).all() and _cosine(logits, native) > MIN_COSINE[which]
     # exllamav3 runs the pack as our forward runs it (PackSource decode): as closely as the two engines
     # agree on the native checkpoint.
     assert engines_pack > min(0.9999, engines_native) - 1e-3
+
+
+def test_the_cuda_pack_is_the_same_on_every_build(packs, tiny_v4, tmp_path):
+    """The same source and settings give the same pack whenever they are built: a second CUDA build in this
+    process holds the same bytes in every tensor (what digests, verify and both engines read)."""
+    again = build(BuildRequest(str(tiny_v4), tmp_path / "again", bpw=4.0, method="uniform",
+                               quantize=QuantizeSettings(device="cuda"))).out
+    first, second = Checkpoint.open(packs["cuda"]), Checkpoint.open(again)
+    assert first.tensors.keys() == second.tensors.keys()
+    differ = [n for n in first.tensors if not torch.equal(first.raw(n), second.raw(n))]
+    assert not differ, f"{len(differ)} of {len(first.tensors)} tensors differ between two builds, e.g. {differ[:5]}"
