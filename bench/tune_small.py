@@ -3,7 +3,9 @@
 For each size: one `ours` build for the exllamav3 profile without tuning, then the same build with
 tuning for each block-input mode asked for, all in one work directory (one calibration, one set of
 encodings, so every pack holds the same codes and the same bytes). Each pack is compared with the native
-model on held-out rows of the shipped held-out text: KL, top-1 agreement, perplexity, and the ratio
+model on held-out rows of each text of --eval-text (default the shipped held-out set; `heldout,heldout-tests`
+adds held-out text of another kind than calibration, measured on the same packs; calibration stays the
+shipped calibration set): KL, top-1 agreement, perplexity, and the ratio
 tuned KL / untuned KL (the reference measured in the same run). The tune stage runs once on its own
 first, so its time and peak RAM (RSS sampled every 10 ms, above the RSS before it) are its alone; the
 tuned build then reuses its blocks. The RAM columns compare the stage's estimate with that peak; only
@@ -40,7 +42,7 @@ from quantizer.ppl.perplexity import row_predictions
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.report import table
 from quantizer.shipped import shipped
-from quantizer.textdata import model_rows, shipped_text_path
+from quantizer.textdata import SET_FILES, model_rows, shipped_text_path, text_argument
 from quantizer.tune.settings import TuneSettings
 from quantizer.tune.stage import tune, tune_memory
 from quantizer.tune.store import TunedStore
@@ -88,20 +90,30 @@ def main(argv=None) -> None:
     ap.add_argument("--calib-rows", type=int, default=16)
     ap.add_argument("--cols", type=int, default=512)
     ap.add_argument("--eval-rows", type=int, default=4)
+    ap.add_argument("--eval-text", default="heldout",
+                    help=f"comma-separated texts each pack is measured on: shipped sets ({', '.join(SET_FILES)}) or "
+                         "files (default heldout)")
     ap.add_argument("--steps", type=int, default=TuneSettings.steps)
     ap.add_argument("--lr", type=float, default=TuneSettings.lr)
     ap.add_argument("--batch-rows", type=int, default=TuneSettings.batch_rows)
     ap.add_argument("--work", type=Path, help="keep the work here (default: a temporary directory)")
     args = ap.parse_args(argv)
+    eval_texts = {name: text_argument(name) for name in args.eval_text.split(",")}
     ck = Checkpoint.open(shipped("small_model"))
     cfg = ck.config
 
-    def rows(name: str, count: int) -> torch.Tensor:
-        return model_rows(ck.root, cfg, text=shipped_text_path(name), rows=count, cols=args.cols, default_cols=args.cols)
+    def rows(text: Path, count: int) -> torch.Tensor:
+        return model_rows(ck.root, cfg, text=text, rows=count, cols=args.cols, default_cols=args.cols)
 
-    calibration, held = rows("calibration", args.calib_rows), rows("heldout", args.eval_rows)
+    calibration = rows(shipped_text_path("calibration"), args.calib_rows)
+    held = {name: rows(text, args.eval_rows) for name, text in eval_texts.items()}
     root = args.work or Path(tempfile.mkdtemp(prefix="tune-bench-"))
-    reference = list(row_predictions(_streamer(CheckpointSource(ck)), held))
+    reference = {name: list(row_predictions(_streamer(CheckpointSource(ck)), r)) for name, r in held.items()}
+
+    def measured(pack: Path) -> dict:
+        return {name: compare(reference[name], row_predictions(_streamer(PackSource(Checkpoint.open(pack))), r))
+                for name, r in held.items()}
+
     out_rows, first = [], True
     try:
         for size in (float(s) for s in args.sizes.split(",")):
@@ -114,9 +126,9 @@ def main(argv=None) -> None:
                                     quantize=QuantizeSettings(device="cpu"), tune=tuning)
 
             base = build(request("untuned", None))
-            untuned = compare(reference, row_predictions(_streamer(PackSource(Checkpoint.open(base.out))), held))
-            out_rows.append([f"{size:g}", "-", f"{untuned.kl:.4f}", "1.000", f"{untuned.top1:.2%}",
-                             f"{untuned.pack.ppl:.3f}", "-", "-", "-"])
+            untuned = measured(base.out)
+            out_rows += [[text, f"{size:g}", "-", f"{u.kl:.4f}", "1.000", f"{u.top1:.2%}", f"{u.pack.ppl:.3f}", "-", "-",
+                          "-"] for text, u in untuned.items()]
             job = dict(base.manifest.settings)  # the quantize stage's record: names the units
             for mode in args.inputs.split(","):
                 inputs, _, target = mode.partition("/")
@@ -132,20 +144,22 @@ def main(argv=None) -> None:
                 tuned = build(request(f"tuned-{mode}", settings))
                 if [s.bytes for s in tuned.manifest.shards] != [s.bytes for s in base.manifest.shards]:
                     raise SystemExit(f"{size:g} bpw: the tuned pack's shards differ in size from the untuned pack's")
-                c = compare(reference, row_predictions(_streamer(PackSource(Checkpoint.open(tuned.out))), held))
-                out_rows.append([f"{size:g}", mode, f"{c.kl:.4f}", f"{c.kl / untuned.kl:.3f}", f"{c.top1:.2%}",
-                                 f"{c.pack.ppl:.3f}", f"{seconds:.0f} s ({steps} steps)",
-                                 f"{estimate / 2**20:.0f} / {rss.added / 2**20:.0f} MiB" if first else "-",
-                                 f"{estimate / max(rss.added, 1):.2f}" if first else "-"])
+                for text, c in measured(tuned.out).items():
+                    out_rows.append([text, f"{size:g}", mode, f"{c.kl:.4f}", f"{c.kl / untuned[text].kl:.3f}",
+                                     f"{c.top1:.2%}", f"{c.pack.ppl:.3f}", f"{seconds:.0f} s ({steps} steps)",
+                                     f"{estimate / 2**20:.0f} / {rss.added / 2**20:.0f} MiB" if first else "-",
+                                     f"{estimate / max(rss.added, 1):.2f}" if first else "-"])
+                    print(f"{size:g} {mode} on {text}: KL {untuned[text].kl:.4f} -> {c.kl:.4f}", file=sys.stderr, flush=True)
                 first = False
-                print(f"{size:g} {mode}: KL {untuned.kl:.4f} -> {c.kl:.4f}", file=sys.stderr, flush=True)
     finally:
         if args.work is None:
             shutil.rmtree(root, ignore_errors=True)
-    native = torch.cat([r.nll() for r in reference]).mean().exp()
+    native = {name: float(torch.cat([r.nll() for r in ref]).mean().exp()) for name, ref in reference.items()}
     print(f"small V4.1, ours for exllamav3, our forward; {args.calib_rows} calibration rows x {args.cols} tokens "
-          f"(tuning and held-out split by the tune stage), {args.eval_rows} held-out eval rows; native ppl {native:.3f}")
-    print(table(["bpw", "tuned inputs", "KL", "KL / untuned", "top-1", "ppl", "tune time", "RAM est / peak",
+          f"(tuning and held-out split by the tune stage), {args.eval_rows} held-out eval rows per text; native ppl "
+          + ", ".join(f"{v:.3f} on {k}" for k, v in native.items()))
+    out_rows.sort(key=lambda r: list(held).index(r[0]))  # one text's rows together, in the order run
+    print(table(["eval text", "bpw", "tuned inputs", "KL", "KL / untuned", "top-1", "ppl", "tune time", "RAM est / peak",
                  "est / peak"], out_rows))
 
 

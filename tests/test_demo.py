@@ -124,6 +124,21 @@ def test_a_rerun_in_the_same_work_directory_encodes_nothing_and_prints_the_same_
     assert encoded and set(encoded) == {"0"}  # every build found all its units in the cache
 
 
+def test_eval_text_measures_the_same_packs_on_another_text(run, rows, capfd):
+    """`--eval-text heldout-tests` in the same work directory: the same packs (nothing encoded, the same
+    bytes), measured on the second held-out set, as `quantizer ppl --text heldout-tests` measures them."""
+    capfd.readouterr()
+    other = {r["method"]: r for r in _demo(run[2].parent, "--eval-text", "heldout-tests")}
+    assert set(re.findall(r"([\d,]+) weights to encode", capfd.readouterr().err)) == {"0"}
+    for method, r in other.items():
+        assert r["bytes"] == rows[method]["bytes"] and r["kl"] != rows[method]["kl"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["ppl", str(run[2].parent / "packs" / "2.5-ours-exllamav3"), "--against", str(shipped("small_model")),
+                     "--text", "heldout-tests", "--rows", "4", "--cols", "512", "--json"]) == 0
+    assert json.loads(out.getvalue())["kl"] == pytest.approx(other["ours"]["kl"], rel=1e-9)
+
+
 def _shards(pack) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(pack.glob("*.safetensors"))}
 
@@ -143,6 +158,9 @@ def test_unknown_method_and_empty_evaluation_are_user_errors(capsys):
     assert "loader(s) vllm not in the demo; choose from exllamav3, vllm-exl3" in capsys.readouterr().err
     assert main(["demo", "--model", "small-v5"]) == 2
     assert "unknown --model 'small-v5'; choose from small-v41, small-v4" in capsys.readouterr().err
+    assert main(["demo", "--eval-text", "heldout-test"]) == 2  # before any build
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "heldout-test: no such file, and not a shipped text set (" in err
 
 
 def test_bundled_v4_model_is_the_shape_exllamav3_runs():

@@ -13,6 +13,7 @@ from quantizer.demo.demo import (
 )
 from quantizer.plots import plot_path, save_figure
 from quantizer.report import table
+from quantizer.textdata import SET_FILES
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,6 +33,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"comma-separated loader profiles our allocator plans for (default {','.join(DEMO_LOADERS)}); "
                         "uniform and exl3 plans are made for exllamav3")
     p.add_argument("--eval-rows", type=int, default=DemoSettings.eval_rows, help="held-out rows of 512 tokens")
+    p.add_argument("--eval-text", default=DemoSettings.eval_text, metavar="SET|FILE",
+                   help=f"the text the packs are measured on: a shipped set ({', '.join(SET_FILES)}) or a file "
+                        f"(default {DemoSettings.eval_text}; heldout-tests is held-out text of another kind than "
+                        "calibration)")
     p.add_argument("--plot", help="also draw KL and top-1 against bits per method to FILE.png (the plots extra)")
     p.set_defaults(func=run)
 
@@ -43,7 +48,7 @@ def _floats(text: str) -> tuple[float, ...]:
 def run(args: argparse.Namespace) -> int:
     plot = plot_path(args.plot) if args.plot else None
     settings = DemoSettings(sizes=args.sizes, methods=args.methods, loaders=args.loader, model=args.model,
-                            eval_rows=args.eval_rows)
+                            eval_rows=args.eval_rows, eval_text=args.eval_text)
     if args.work:
         result = run_demo(args.work, settings)
     else:
@@ -67,7 +72,7 @@ def render(result: DemoResult) -> str:
             for r in result.rows]
     head = ["bpw", "method", "loader", "achieved", "bytes", "ppl", "KL", "top-1", "NLL delta", "verify", "1 Spark"]
     return "\n".join([
-        f"native (FP8/FP4) perplexity {result.native_ppl:.3f} over {result.tokens:,} held-out tokens; "
-        f"{result.seconds / 60:.1f} min",
+        f"native (FP8/FP4) perplexity {result.native_ppl:.3f} over {result.tokens:,} held-out tokens"
+        f"{'' if result.eval_text == DemoSettings.eval_text else f' of {result.eval_text}'}; {result.seconds / 60:.1f} min",
         table(head, rows, right=set(range(3, len(head)))),
     ])
