@@ -65,15 +65,14 @@ class TuneResult:
 
 def tune_memory(cfg, rows: int, cols: int, settings: TuneSettings) -> int:
     """Bytes the stage holds at its peak: every row's block inputs and targets (two copies of the
-    streams) and state (with target "model" also the native forward's streams and state), the largest
-    block three times (native, decoded codes, the weights of a step),
-    and one autograd pass over `batch_rows` rows."""
-    stream = estimate_stream_memory(cfg, rows, cols, DTYPE, rows)
+    streams) and two of the state (the state the block receives, forked, beside the one it advanced for
+    the next block; with target "model" also the native forward's streams and state), the largest block
+    three times (native, decoded codes, the weights of a step), and one autograd pass over `batch_rows` rows."""
+    stream = estimate_stream_memory(cfg, rows, cols, DTYPE, rows)  # its states: one copy of streams and state
     step = estimate_stream_memory(cfg, settings.batch_rows, cols, DTYPE, settings.batch_rows)
     block = max(v for k, v in block_weight_bytes(cfg, DTYPE).items() if k.startswith("layers."))
-    streams = rows * cols * cfg.hc_mult * cfg.hidden_size * 4
     native_beside = stream.states if settings.target == "model" else 0  # the native forward's streams and state
-    return stream.states + native_beside + streams + 3 * block + BACKWARD_FACTOR * step.activations
+    return 2 * stream.states + native_beside + 3 * block + BACKWARD_FACTOR * step.activations
 
 
 def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torch.Tensor, settings: TuneSettings,
@@ -113,6 +112,7 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
         block.requires_grad_(False)
         spec = layers[name][0] if name in layers else None
         qb = QuantizedBlock(block, spec, root.hasher) if spec else None
+        tune_t = tune_x = held_t = held_x = None  # the block before's: not alive beside this block's (tune_memory)
         if by_model:
             tune_t, _, native_tune = _targets(block, root.hasher, native_tune, "native")
             held_t, _, native_held = _targets(block, root.hasher, native_held, "native")
@@ -142,6 +142,7 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
             weights = qb.weights({k: scales[f"{k}.suh"].float() for k in keys},
                                  {k: scales[f"{k}.svh"].float() for k in keys})
         if settings.inputs == "quantized":  # the next block's inputs: this block as the pack stores it
+            tune_t = held_t = None
             with torch.no_grad():
                 tune_in = [(_advance(block, qb, weights, x, root.hasher), x[1]) for x in tune_x]
                 held_in = [(_advance(block, qb, weights, x, root.hasher), x[1]) for x in held_x]
