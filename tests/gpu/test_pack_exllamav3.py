@@ -135,6 +135,28 @@ def check_linears_decode_as_ours(model, pack: Path, keys: list[str]) -> None:
         assert (theirs - ours).abs().max() <= 4e-3 * ours.abs().max(), key
 
 
+def assert_engines_agree(pack: Path, native_checkpoint: Path, monkeypatch, min_cosine_to_native: float) -> None:
+    """exllamav3 runs the pack as our forward runs it (PackSource decode): on the tokens free of near-ties,
+    as closely as the two engines agree on the native checkpoint; and the pack stays near the native."""
+    ids = torch.randint(3, 4000, (1, 64), generator=torch.Generator().manual_seed(0))
+    logits, native = _logits(pack, ids)[0], _logits(native_checkpoint, ids)[0]
+    ours, pack_ties = _our_logits(pack, ids, monkeypatch)
+    ours_native, native_ties = _our_logits(native_checkpoint, ids, monkeypatch)
+    on_pack, on_native = ~pack_ties, ~native_ties
+    engines_pack = _cosine(logits[on_pack], ours[on_pack])
+    engines_native = _cosine(native[on_native], ours_native[on_native])
+    worst = (logits - ours).abs().amax(-1)
+    print(f"{pack.name}: near-ties in our forward at tokens {pack_ties.nonzero().flatten().tolist()} (pack), "
+          f"{native_ties.nonzero().flatten().tolist()} (native); on the other tokens, cosine exllamav3 vs our "
+          f"forward on the pack {engines_pack:.6f}, on the native checkpoint {engines_native:.6f}; over the "
+          f"row {_cosine(logits, ours):.6f}; pack vs native (exllamav3) {_cosine(logits, native):.6f}; engines' "
+          f"next-token agreement {float((logits.argmax(-1) == ours.argmax(-1)).float().mean()):.3f}, largest "
+          f"logit gap {float(worst.max()):.4f} at token {int(worst.argmax())}")
+    assert torch.isfinite(logits).all() and _cosine(logits, native) > min_cosine_to_native
+    assert on_pack.float().mean() >= MIN_COMPARED and on_native.float().mean() >= MIN_COMPARED
+    assert engines_pack > min(0.9999, engines_native) - 1e-3
+
+
 @pytest.mark.parametrize("which", ["cuda", "cpu"])
 def test_exllamav3_loads_our_pack_and_decodes_as_we_do(packs, which, tiny_v4, monkeypatch):
     pack = packs[which]
@@ -146,25 +168,7 @@ def test_exllamav3_loads_our_pack_and_decodes_as_we_do(packs, which, tiny_v4, mo
     model = _load(pack)
     check_linears_decode_as_ours(model, pack, keys if which == "cpu" else keys[:: max(1, len(keys) // 24)])
     model.unload()
-    ids = torch.randint(3, 4000, (1, 64), generator=torch.Generator().manual_seed(0))
-    logits, native = _logits(pack, ids)[0], _logits(tiny_v4, ids)[0]
-    ours, pack_ties = _our_logits(pack, ids, monkeypatch)
-    ours_native, native_ties = _our_logits(tiny_v4, ids, monkeypatch)
-    on_pack, on_native = ~pack_ties, ~native_ties
-    engines_pack = _cosine(logits[on_pack], ours[on_pack])
-    engines_native = _cosine(native[on_native], ours_native[on_native])
-    worst = (logits - ours).abs().amax(-1)
-    print(f"{which}: near-ties in our forward at tokens {pack_ties.nonzero().flatten().tolist()} (pack), "
-          f"{native_ties.nonzero().flatten().tolist()} (native); on the other tokens, cosine exllamav3 vs our "
-          f"forward on the pack {engines_pack:.6f}, on the native checkpoint {engines_native:.6f}; over the "
-          f"row {_cosine(logits, ours):.6f}; pack vs native (exllamav3) {_cosine(logits, native):.6f}; engines' "
-          f"next-token agreement {float((logits.argmax(-1) == ours.argmax(-1)).float().mean()):.3f}, largest "
-          f"logit gap {float(worst.max()):.4f} at token {int(worst.argmax())}")
-    assert torch.isfinite(logits).all() and _cosine(logits, native) > MIN_COSINE[which]
-    assert on_pack.float().mean() >= MIN_COMPARED and on_native.float().mean() >= MIN_COMPARED
-    # exllamav3 runs the pack as our forward runs it (PackSource decode): as closely as the two engines
-    # agree on the native checkpoint.
-    assert engines_pack > min(0.9999, engines_native) - 1e-3
+    assert_engines_agree(pack, tiny_v4, monkeypatch, MIN_COSINE[which])
 
 
 def test_the_cuda_pack_is_the_same_on_every_build(packs, tiny_v4, tmp_path):
