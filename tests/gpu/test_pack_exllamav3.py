@@ -15,8 +15,8 @@ fp16 hidden state, an fp16 selection bias and a 16-bit gate GEMM, and picks inde
 scores (its `block_sparse_mlp_routing.py` and `dsa_topk.cu`); our forward does both in fp32, whose last
 bits follow the host's CPU. Where two choices are closer than that precision the engines may pick
 differently, and the token's logits then differ by more than any decode difference. Seen on the CUDA
-pack: token 19's layer-3 router had its 2nd and 3rd expert 0.0011 apart; the H200 host's CPU took the
-3rd, exllamav3 and the 2-core CI CPU the 2nd, and the one flip alone gave a logit gap of 1.43 on token
+pack: token 19's layer-3 router had its 2nd and 3rd expert 0.0011 apart; one H200 host's CPU took the
+3rd, exllamav3, another H200 host and the 2-core CI CPU the 2nd, and the one flip alone gave a logit gap of 1.43 on token
 19 and cosine 0.99856 over the row (docs/loader-profiles.md, "Near-ties").
 """
 
