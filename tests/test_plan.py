@@ -10,11 +10,11 @@ import pytest
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import check_k, exl3_bytes, k_from_trellis, leaf_layout
-from quantizer.model.targets import quantizable, target_map, targets
+from quantizer.model.targets import ROUTED, quantizable, target_map, targets
 from quantizer.model.tensor_classes import ATTENTION, HEAD, ROUTED_EXPERT, classify
 from quantizer.plan.plan import Plan, make_plan
 from quantizer.plan.profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3
-from quantizer.plan.uniform import uniform_plan
+from quantizer.plan.uniform import lowest_uniform_bpw, uniform_plan
 from quantizer.shipped import model_config_path
 
 GIB = 1 << 30
@@ -142,6 +142,20 @@ def test_uniform_plan_too_low_and_tiny_models(v41, tiny):
         cfg = ModelConfig.from_file(model_config_path(name))
         plan = uniform_plan(cfg, 3.0)
         assert plan.achieved_bpw <= 3.0 and set(plan.k) == set(target_map(cfg))
+
+
+@pytest.mark.parametrize("loader", [EXLLAMAV3, VLLM_EXL3])
+def test_lowest_uniform_bpw_is_the_first_bpw_uniform_plan_accepts(v41, loader):
+    """fit and `--sparks` start their search for the most bits that fit here instead of bisecting from
+    1 bpw: uniform_plan takes it, with the routed experts at the profile's lowest rate, and refuses
+    anything a hair below."""
+    lowest = lowest_uniform_bpw(v41, loader=loader)
+    plan = uniform_plan(v41, lowest, loader=loader)
+    routed = {plan.k[t.key] for t in targets(v41) if t.group == ROUTED}
+    assert routed == {1.0 if loader == EXLLAMAV3 else 2.0}
+    with pytest.raises(UserError, match="too low"):
+        uniform_plan(v41, lowest - 1e-6, loader=loader)
+    assert lowest_uniform_bpw(v41, floor=6.0) > lowest_uniform_bpw(v41)  # a higher floor needs more bits
 
 
 def test_plan_save_load_and_hash(tiny, tmp_path):

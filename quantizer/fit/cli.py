@@ -6,13 +6,14 @@ Prints a per-rank table and a verdict; exit 0 when it fits, 1 when it does not, 
 from __future__ import annotations
 
 import argparse
+import functools
 from pathlib import Path
 
 from quantizer.arguments import add_model_arguments, add_plan_arguments, count, load_model_config, tokens
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw
 from quantizer.fit.hardware import load_hardware
-from quantizer.fit.memory import TOPOLOGIES, fit
+from quantizer.fit.memory import BPW_FLOOR, TOPOLOGIES, fit
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES
 from quantizer.fit.render import render
 from quantizer.fit.stored import stored_from_pack
@@ -20,7 +21,7 @@ from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.plan.plan import Plan, check_plan
 from quantizer.plan.profiles import load_profile
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
-from quantizer.plan.uniform import uniform_plan
+from quantizer.plan.uniform import lowest_uniform_bpw, uniform_plan
 from quantizer.plots import plot_path, save_figure
 from quantizer.plan.spec import pack_spec
 
@@ -57,7 +58,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     plot = plot_path(args.plot) if args.plot else None
     hw = load_hardware(args.hardware)
-    stored_at_bpw = None
+    stored_at_bpw, lowest_bpw = None, BPW_FLOOR
     engine = args.engine
     if args.src and not (args.recipe or args.bpw is not None or args.plan):
         cfg, stored = stored_from_pack(args.src)
@@ -75,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
         elif args.bpw is not None:
             check_bpw(args.bpw, args.codebook)
             plan, source = _uniform(cfg, args, args.bpw), f"uniform plan at {args.bpw:g} bpw"
-            stored_at_bpw = lambda b: pack_spec(cfg, _uniform(cfg, args, b)).tensors  # noqa: E731
+            stored_at_bpw = functools.lru_cache(maxsize=1)(lambda b: pack_spec(cfg, _uniform(cfg, args, b)).tensors)
+            lowest_bpw = lowest_uniform_bpw(cfg, args.codebook)
         else:
             raise UserError("with --model-config give --recipe R.yaml, --bpw B or --plan P.json")
         stored = pack_spec(cfg, plan).tensors
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         cfg, stored, args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
         args.streams, engine, split=args.split, engram=args.engram, drafter=args.drafter,
         vision=args.vision, guard_gib=args.guard, kv_bits=args.kv_bits, hardware=hw, source=source,
-        stored_at_bpw=stored_at_bpw, bpw=args.bpw,
+        stored_at_bpw=stored_at_bpw, bpw=args.bpw, lowest_bpw=lowest_bpw,
     )
     print(report.to_json() if args.json else render(report, args.explain))
     if plot:

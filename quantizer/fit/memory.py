@@ -163,6 +163,11 @@ def _fits(ranks: list[RankMemory]) -> bool:
     return all(r.free_gib >= 0 for r in ranks)
 
 
+BPW_FLOOR = 1.0  # fit's --bpw search starts here
+FIT_TOLERANCE_BPW = 0.001
+FIT_PROBES = 12
+
+
 def fit(
     cfg: ModelConfig,
     stored: list[StoredTensor],
@@ -181,10 +186,11 @@ def fit(
     source: str = "",
     stored_at_bpw: Callable[[float], list[StoredTensor]] | None = None,
     bpw: float | None = None,
+    lowest_bpw: float = BPW_FLOOR,
 ) -> FitReport:
     """Fit `stored` on `sparks` GB10s. When it does not fit, say by how much and what would:
     the smallest topology that fits, the context that fits here, and (given `stored_at_bpw`, a
-    function that builds the pack at another bpw) the highest bpw that fits here."""
+    function that builds the pack at another bpw, from `lowest_bpw` up) the highest bpw that fits here."""
     hw = hardware or load_hardware()
     s = Scenario(sparks, context, streams, engine or hw.default_engine, split, engram, drafter, vision,
                  guard_gib, kv_bits)
@@ -199,7 +205,7 @@ def fit(
     if not fits:
         would["smallest_sparks"] = _smallest_topology(cfg, stored, s, hw)
         if stored_at_bpw is not None and bpw is not None:
-            would["highest_bpw"] = _highest_bpw(cfg, s, hw, stored_at_bpw, bpw)
+            would["highest_bpw"] = _highest_bpw(cfg, s, hw, stored_at_bpw, lowest_bpw, bpw)
     report = FitReport(
         source=source, arch=cfg.arch, sparks=sparks, engine=s.engine, split=split, engram=engram,
         drafter=drafter, vision=vision, context=context, streams=streams, kv_bytes_per_token=kvb,
@@ -225,11 +231,6 @@ def _smallest_topology(cfg, stored, s: Scenario, hw: Hardware) -> int | None:
         if _fits(evaluate(cfg, stored, replace(s, sparks=n), hw)):
             return n
     return None
-
-
-BPW_FLOOR = 1.0  # fit's --bpw search starts here
-FIT_TOLERANCE_BPW = 0.001
-FIT_PROBES = 12
 
 
 @dataclass(frozen=True)
@@ -303,11 +304,11 @@ def lowest_accepted(build_at: Callable[[float], object], lo: float, hi: float) -
     return hi
 
 
-def _highest_bpw(cfg, s: Scenario, hw: Hardware, stored_at_bpw, bpw: float) -> float | None:
+def _highest_bpw(cfg, s: Scenario, hw: Hardware, stored_at_bpw, lowest_bpw: float, bpw: float) -> float | None:
     """The most bits that fit below `bpw`, rounded down to 0.01 so it can be typed (kept exact when
     that would fall below the lowest bpw a plan takes); None when not even the lowest fits."""
     try:
-        b = highest_fitting_bpw(cfg, stored_at_bpw, BPW_FLOOR, bpw, s, hw)
+        b = highest_fitting_bpw(cfg, stored_at_bpw, lowest_bpw, bpw, s, hw)
     except UserError:
         return None
     if not b.fits:

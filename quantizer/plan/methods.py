@@ -19,7 +19,7 @@ from quantizer.plan.exl3_baseline import HQ, exl3_plan
 from quantizer.plan.plan import Plan
 from quantizer.plan.profiles import EXLLAMAV3, load_profile
 from quantizer.plan.sensitivity import sensitivity
-from quantizer.plan.uniform import uniform_plan
+from quantizer.plan.uniform import lowest_uniform_bpw, uniform_plan
 
 OURS, UNIFORM, EXL3 = "ours", "uniform", "exl3"
 METHODS = (OURS, UNIFORM, EXL3)
@@ -39,7 +39,8 @@ def planner(cfg: ModelConfig, method: str, settings: AllocationSettings = Alloca
         raise UserError(f"--alias applies to --method ours; {method} plans store every expert")
     if method == UNIFORM:
         return (lambda b: uniform_plan(cfg, b, settings.codebook, settings.head_bits, settings.drafter_bits,
-                                       floor, settings.loader)), lowest
+                                       floor, settings.loader)), lowest_uniform_bpw(cfg, settings.codebook, floor,
+                                                                                   settings.loader)
     if method == EXL3:
         if settings.loader != EXLLAMAV3:
             raise UserError(f"--method exl3 plans exllamav3's own layout (half rates, every linear of its model); "

@@ -14,6 +14,9 @@ native and outside the budget, and the head and drafter follow the profile (prof
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import check_k, rate_grid
@@ -50,12 +53,10 @@ def uniform_plan(
     profile = load_profile(loader)
     budgeted = [t for t in all_targets if profile.budgets(t)]
     routed = [t for t in budgeted if t.group == ROUTED]
-    others = [t for t in budgeted if t.group != ROUTED]
+    terms = _budget_terms(cfg, codebook, loader)
     fixed = floor_rate(bpw) if floor is None else check_k(floor, codebook, True, "floor")
-    budget = bpw * sum(t.numel for t in budgeted) - fixed * sum(t.numel for t in others)
-    routed_numel = sum(t.numel for t in routed)
-    grid = tuple(r for r in rate_grid(codebook) if profile.k_min <= r <= profile.k_max
-                 and (r == int(r) or codebook in profile.half_rate_codebooks))  # make_plan checks the codebook
+    budget = bpw * terms.budgeted_numel - fixed * terms.others_numel
+    routed_numel, grid = terms.routed_numel, terms.grid
     average = budget / routed_numel
     if average < grid[0]:
         raise UserError(
@@ -92,6 +93,41 @@ def uniform_plan(
     made_by = (f"uniform_plan(bpw={bpw:g}, codebook={codebook}, head_bits={k.get('head')}, "
                f"drafter_bits={drafter_bits}, floor={fixed:g})")
     return make_plan(cfg, k, codebook, loader, target_bpw=bpw, made_by=made_by)
+
+
+@dataclass(frozen=True)
+class BudgetTerms:
+    """What a uniform plan's budget arithmetic needs of a model under a profile."""
+
+    budgeted_numel: int
+    routed_numel: int
+    others_numel: int  # budgeted, not routed: they take the fixed floor
+    grid: tuple[float, ...]  # the routed rates the profile takes with this codebook
+
+
+def _budget_terms(cfg: ModelConfig, codebook: str, loader: str) -> BudgetTerms:
+    profile = load_profile(loader)
+    budgeted = [t for t in targets(cfg) if profile.budgets(t)]
+    routed = sum(t.numel for t in budgeted if t.group == ROUTED)
+    total = sum(t.numel for t in budgeted)
+    grid = tuple(r for r in rate_grid(codebook) if profile.k_min <= r <= profile.k_max
+                 and (r == int(r) or codebook in profile.half_rate_codebooks))  # make_plan checks the codebook
+    return BudgetTerms(total, routed, total - routed, grid)
+
+
+def lowest_uniform_bpw(cfg: ModelConfig, codebook: str = "mul1", floor: float | None = None,
+                       loader: str = EXLLAMAV3) -> float:
+    """The lowest bpw uniform_plan accepts: where the fixed floor leaves the routed experts exactly the
+    grid's lowest rate. In closed form, so a search for the most bits that fit starts there instead of
+    bisecting from 1 bpw (each accepted probe plans the whole model: about a second at full size)."""
+    terms = _budget_terms(cfg, codebook, loader)
+    fixed_rates = sorted({MIN_FLOOR, *(r for r in rate_grid("mcg") if r >= MIN_FLOOR)}) if floor is None else [floor]
+    for fixed in fixed_rates:  # floor_rate grows with bpw, and so does the bpw each floor needs
+        bpw = (terms.grid[0] * terms.routed_numel + fixed * terms.others_numel) / terms.budgeted_numel
+        bpw = math.nextafter(bpw, math.inf)  # at the root, rounding may leave the routed average a hair short
+        if floor is not None or floor_rate(bpw) == fixed:
+            return bpw
+    raise UserError(f"no uniform plan exists for {loader} with codebook {codebook}")
 
 
 def drafter_k(bits: float | None, integer_only: bool) -> float | None:
