@@ -194,6 +194,26 @@ def test_weight_override_replaces_a_weight(model, tokens, logits):
         assert (model(tokens, zero) - logits).abs().max() > 1e-3
 
 
+def test_expert_override_routes_as_told_and_weighs_by_the_routers_scores(model, tokens, logits):
+    """Forcing the router's own choice changes nothing; forcing other experts changes the output, and the
+    forced experts are weighted by the router's scores over them, as its own choice would be."""
+    layer = f"layers.{model.cfg.num_layers - 1}"
+    seen = []
+    own = ForwardHooks(expert_override=lambda name, ids: ids.clone() if name == layer else None, routing=seen.append)
+    with torch.no_grad():
+        assert torch.equal(model(tokens, own), logits)
+    event = next(e for e in seen if e.layer == layer)
+    other = (event.expert_ids + 1) % model.cfg.n_routed_experts
+    forced = []
+    swap = ForwardHooks(expert_override=lambda name, ids: other if name == layer else None, routing=forced.append)
+    with torch.no_grad():
+        assert (model(tokens, swap) - logits).abs().max() > 1e-3
+    expect = event.scores.gather(1, other)
+    expect = expect / expect.sum(-1, keepdim=True) * model.cfg.routed_scaling_factor
+    gate = model.layers[model.cfg.num_layers - 1].ffn.gate
+    torch.testing.assert_close(gate.weigh(event.scores, other), expect)
+
+
 def test_engram_contributes(model, tokens, logits):
     tables = [b.engram.embed.weight for b in model.layers if b.engram is not None]
     assert len(tables) == len(model.cfg.engram_layer_ids)

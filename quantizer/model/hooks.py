@@ -28,10 +28,14 @@ class ForwardHooks:
     routing(event): called once per MoE layer and forward chunk.
     weight_override(name, weight) -> tensor or None: a replacement weight for this call, e.g. a
     decoded EXL3 weight; None keeps the model's own.
+    expert_override(layer, expert_ids) -> ids or None: other experts for this chunk's tokens ([tokens, k]),
+    weighted by the router's own scores as its choice would be (e.g. the native model's choices on a
+    quantized model, bench/routing_bound.py); None keeps the router's choice.
     all_experts: every token also goes through every routed expert so that linear_input sees
     each expert's input for all tokens (Hessians); the MoE output still uses the top-k only."""
 
     linear_input: Callable[[str, torch.Tensor], None] | None = None
     routing: Callable[[RoutingEvent], None] | None = None
     weight_override: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None
+    expert_override: Callable[[str, torch.Tensor], torch.Tensor | None] | None = None
     all_experts: bool = False

@@ -70,10 +70,14 @@ class Router(NativeLinear):
             ids = self.tid2eid[tokens]
         else:
             ids = torch.topk(scores.detach() + self.bias, self.k, dim=-1).indices
+        return scores, ids, self.weigh(scores, ids)
+
+    def weigh(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' weights: their scores, normalised over the choice, times the scaling factor."""
         weights = scores.gather(1, ids)
         if self.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return scores, ids, weights * self.scaling
+        return weights * self.scaling
 
 
 class MoE(nn.Module):
@@ -91,6 +95,9 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         scores, ids, weights = self.gate(flat, tokens.reshape(-1), hooks)
+        forced = None if hooks is None or hooks.expert_override is None else hooks.expert_override(self.name, ids)
+        if forced is not None:
+            ids, weights = forced, self.gate.weigh(scores, forced)
         if hooks is not None and hooks.routing is not None:
             hooks.routing(RoutingEvent(self.name, scores.detach(), ids, weights.detach()))
         out = self._routed(flat, ids, weights, hooks) + self.shared_experts(flat, hooks).float()
