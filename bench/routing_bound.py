@@ -1,0 +1,128 @@
+"""How much of a pack's KL comes from routing: the pack run with the native model's expert choices.
+
+Issue 20 asks whether refitting the router bias (so that the quantized model picks the native model's
+top-k) is worth building. No refit can do better than routing every token exactly as the native model
+does, so this bench measures that bound in our forward (CPU): for each pack, KL against the native model
+on held-out rows as the pack runs, and again with every routed layer's experts forced to the native
+model's choice for the same token (`ForwardHooks.expert_override`, weighted by the pack's own router
+scores as its choice would be). It also prints how often the pack's router already agrees with the
+native one (the same top-k set), per routed layer. Hash layers take their experts from a table and
+agree by construction; they are left out of the agreement.
+
+    python bench/routing_bound.py PACK [PACK ...] [--source DIR] [--eval-text SET ...] [--eval-rows 8]
+                                  [--cols 512] [--json OUT]
+
+PACK: packs of the source model (default the bundled small V4.1 model), for example the demo's packs
+(`quantizer demo --work W` keeps them under W/packs). The reference is the pack as it runs, measured in
+the same process on the same rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.model.hooks import ForwardHooks
+from quantizer.model.streaming import CheckpointSource, LayerStreamer
+from quantizer.ppl.compare import compare
+from quantizer.ppl.pack_source import PackSource
+from quantizer.ppl.perplexity import row_predictions
+from quantizer.shipped import shipped
+from quantizer.textdata import model_rows, text_argument
+
+
+class Choices:
+    """Expert ids per routed layer and forward chunk, in the order the forward asks for them."""
+
+    def __init__(self, hashed: set[str]):
+        self.hashed = hashed
+        self.ids: dict[tuple[str, int], torch.Tensor] = {}
+        self._calls: dict[str, int] = defaultdict(int)
+
+    def key(self, layer: str) -> tuple[str, int]:
+        n = self._calls[layer]
+        self._calls[layer] += 1
+        return layer, n
+
+    def record(self, layer: str, ids: torch.Tensor) -> None:
+        self.ids[self.key(layer)] = ids.clone()
+
+
+def _hashed_layers(ck: Checkpoint) -> set[str]:
+    return {name.rsplit(".ffn.", 1)[0] for name in ck.tensors if name.endswith(".ffn.gate.tid2eid")}
+
+
+def _predictions(source, rows: torch.Tensor, hooks: ForwardHooks | None = None) -> list:
+    return list(row_predictions(LayerStreamer(source, hooks=hooks, progress=False, report=lambda line: None), rows))
+
+
+def measure(pack: Path, rows: torch.Tensor, native_preds: list, native: Choices) -> dict:
+    source = PackSource(Checkpoint.open(pack))
+    own = Choices(native.hashed)
+
+    def record(layer, ids):
+        own.record(layer, ids)
+        return None
+
+    as_is = compare(native_preds, _predictions(source, rows, ForwardHooks(expert_override=record)))
+    replay = Choices(native.hashed)
+
+    def force(layer, ids):
+        return native.ids[replay.key(layer)]
+
+    forced = compare(native_preds, _predictions(source, rows, ForwardHooks(expert_override=force)))
+    agree: dict[str, list[float]] = defaultdict(list)
+    for (layer, n), ids in own.ids.items():
+        if layer in native.hashed:
+            continue
+        mine, theirs = ids.sort(-1).values, native.ids[layer, n].sort(-1).values
+        agree[layer].append(float((mine == theirs).all(-1).float().mean()))
+    per_layer = {layer: sum(v) / len(v) for layer, v in agree.items()}
+    return {"pack": str(pack), "kl": as_is.kl, "kl_stderr": as_is.kl_stderr, "top1": as_is.top1, "ppl": as_is.pack.ppl,
+            "kl_native_routing": forced.kl, "kl_native_routing_stderr": forced.kl_stderr,
+            "top1_native_routing": forced.top1, "ppl_native_routing": forced.pack.ppl,
+            "kl_ratio": forced.kl / as_is.kl, "same_topk": per_layer,
+            "same_topk_mean": sum(per_layer.values()) / max(1, len(per_layer))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("packs", nargs="+", type=Path)
+    ap.add_argument("--source", type=Path, help="the packs' native model (default the bundled small V4.1 model)")
+    ap.add_argument("--eval-text", nargs="+", default=["heldout"], help="shipped sets or files (default heldout)")
+    ap.add_argument("--eval-rows", type=int, default=8)
+    ap.add_argument("--cols", type=int, default=512)
+    ap.add_argument("--json", type=Path, help="write the rows here as JSON")
+    args = ap.parse_args(argv)
+    native_ck = Checkpoint.open(args.source or shipped("small_model"))
+    results = []
+    for name in args.eval_text:
+        rows = model_rows(native_ck.root, native_ck.config, text=text_argument(name), rows=args.eval_rows,
+                          cols=args.cols, default_cols=args.cols)
+        native = Choices(_hashed_layers(native_ck))
+
+        def record(layer, ids):
+            native.record(layer, ids)
+            return None
+
+        native_preds = _predictions(CheckpointSource(native_ck), rows, ForwardHooks(expert_override=record))
+        for pack in args.packs:
+            row = {"eval_text": name, **measure(pack, rows, native_preds, native)}
+            results.append(row)
+            print(f"{name:14s} {pack.name:28s} KL {row['kl']:.4f} ± {row['kl_stderr']:.4f} -> with the native "
+                  f"routing {row['kl_native_routing']:.4f} ± {row['kl_native_routing_stderr']:.4f} "
+                  f"({row['kl_ratio']:.3f}x); top-1 {row['top1']:.4f} -> {row['top1_native_routing']:.4f}; "
+                  f"same top-k as native on {row['same_topk_mean']:.1%} of routed tokens "
+                  f"(per layer {', '.join(f'{v:.2f}' for v in row['same_topk'].values())})", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
