@@ -9,8 +9,14 @@ scores as its choice would be). It also prints how often the pack's router alrea
 native one (the same top-k set), per routed layer. Hash layers take their experts from a table and
 agree by construction; they are left out of the agreement.
 
+With --refit-rows N it also tries the refit itself, on N rows of the calibration text (disjoint from the
+held-out sets): for each routed layer, a new selection bias fitted so that the pack's router scores plus
+the bias rank the native model's experts first (a hinge on the gap between the lowest native expert and
+the highest other one, Adam), layer after layer in --refit-rounds passes (each pass routes the
+calibration rows with the biases fitted so far); then the held-out KL of the pack with those biases.
+
     python bench/routing_bound.py PACK [PACK ...] [--source DIR] [--eval-text SET ...] [--eval-rows 8]
-                                  [--cols 512] [--json OUT]
+                                  [--cols 512] [--refit-rows 16 [--refit-rounds 2]] [--json OUT]
 
 PACK: packs of the source model (default the bundled small V4.1 model), for example the demo's packs
 (`quantizer demo --work W` keeps them under W/packs). The reference is the pack as it runs, measured in
@@ -53,6 +59,64 @@ class Choices:
         self.ids[self.key(layer)] = ids.clone()
 
 
+class WithBiases:
+    """A weight source whose routers' selection biases are replaced (`layers.L.ffn.gate.bias` -> tensor)."""
+
+    def __init__(self, source, biases: dict[str, torch.Tensor]):
+        self.source, self.config, self.biases = source, source.config, biases
+
+    def weight(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
+        if name in self.biases:
+            return self.biases[name].to(device=device, dtype=dtype)
+        return self.source.weight(name, dtype, device)
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+
+def fit_bias(scores: torch.Tensor, native_ids: torch.Tensor, bias: torch.Tensor, steps: int = 300) -> torch.Tensor:
+    """A selection bias under which scores [N, E] rank the native experts [N, k] first on as many tokens as
+    it can: Adam on the mean hinge max(other) - min(native) + margin, keeping the best step's agreement."""
+    chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, native_ids, True)
+    margin = 0.01 * float(scores.abs().mean())
+    delta = torch.zeros_like(bias, requires_grad=True)
+    opt = torch.optim.Adam([delta], lr=margin)
+
+    def agreement(b: torch.Tensor) -> float:
+        picked = (scores + b).topk(native_ids.shape[1], dim=-1).indices
+        return float(torch.zeros_like(chosen).scatter_(1, picked, True).eq(chosen).all(-1).float().mean())
+
+    best, best_bias = agreement(bias), bias.clone()
+    for _ in range(steps):
+        s = scores + bias + delta
+        gap = s.masked_fill(chosen, float("-inf")).amax(-1) - s.masked_fill(~chosen, float("inf")).amin(-1)
+        loss = torch.relu(gap + margin).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            a = agreement(bias + delta)
+            if a > best:
+                best, best_bias = a, (bias + delta).detach().clone()
+    return best_bias
+
+
+def refit_biases(pack: Path, rows: torch.Tensor, native: Choices, rounds: int) -> dict[str, torch.Tensor]:
+    """Selection biases for the pack's routed layers, fitted on `rows` to the native choices `native`."""
+    ck = Checkpoint.open(pack)
+    biases = {f"{layer}.ffn.gate.bias": ck.raw(f"{layer}.ffn.gate.bias").float()
+              for layer, _ in native.ids if layer not in native.hashed}
+    for _ in range(rounds):
+        seen: dict[str, list[torch.Tensor]] = defaultdict(list)
+        _predictions(WithBiases(PackSource(ck), biases), rows,
+                     ForwardHooks(routing=lambda e: seen[e.layer].append(e.scores.detach())))
+        for name in biases:
+            layer = name.rsplit(".ffn.", 1)[0]
+            target = torch.cat([native.ids[layer, n] for n in range(len(seen[layer]))])
+            biases[name] = fit_bias(torch.cat(seen[layer]), target, biases[name])
+    return biases
+
+
 def _hashed_layers(ck: Checkpoint) -> set[str]:
     return {name.rsplit(".ffn.", 1)[0] for name in ck.tensors if name.endswith(".ffn.gate.tid2eid")}
 
@@ -61,8 +125,11 @@ def _predictions(source, rows: torch.Tensor, hooks: ForwardHooks | None = None) 
     return list(row_predictions(LayerStreamer(source, hooks=hooks, progress=False, report=lambda line: None), rows))
 
 
-def measure(pack: Path, rows: torch.Tensor, native_preds: list, native: Choices) -> dict:
+def measure(pack: Path, rows: torch.Tensor, native_preds: list, native: Choices,
+            biases: dict[str, torch.Tensor] | None = None) -> dict:
     source = PackSource(Checkpoint.open(pack))
+    if biases is not None:
+        source = WithBiases(source, biases)
     own = Choices(native.hashed)
 
     def record(layer, ids):
@@ -90,6 +157,17 @@ def measure(pack: Path, rows: torch.Tensor, native_preds: list, native: Choices)
             "same_topk_mean": sum(per_layer.values()) / max(1, len(per_layer))}
 
 
+def _native(ck: Checkpoint, rows: torch.Tensor) -> tuple[list, Choices]:
+    """The native model's predictions on `rows` and its expert choices."""
+    native = Choices(_hashed_layers(ck))
+
+    def record(layer, ids):
+        native.record(layer, ids)
+        return None
+
+    return _predictions(CheckpointSource(ck), rows, ForwardHooks(expert_override=record)), native
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("packs", nargs="+", type=Path)
@@ -97,28 +175,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-text", nargs="+", default=["heldout"], help="shipped sets or files (default heldout)")
     ap.add_argument("--eval-rows", type=int, default=8)
     ap.add_argument("--cols", type=int, default=512)
+    ap.add_argument("--refit-rows", type=int, default=0, help="calibration rows to refit the router biases on")
+    ap.add_argument("--refit-rounds", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write the rows here as JSON")
     args = ap.parse_args(argv)
     native_ck = Checkpoint.open(args.source or shipped("small_model"))
+    biases = {}
+    if args.refit_rows:
+        rows = model_rows(native_ck.root, native_ck.config, text=text_argument("calibration"), rows=args.refit_rows,
+                          cols=args.cols, default_cols=args.cols)
+        native = _native(native_ck, rows)[1]
+        biases = {pack: refit_biases(pack, rows, native, args.refit_rounds) for pack in args.packs}
     results = []
     for name in args.eval_text:
         rows = model_rows(native_ck.root, native_ck.config, text=text_argument(name), rows=args.eval_rows,
                           cols=args.cols, default_cols=args.cols)
-        native = Choices(_hashed_layers(native_ck))
-
-        def record(layer, ids):
-            native.record(layer, ids)
-            return None
-
-        native_preds = _predictions(CheckpointSource(native_ck), rows, ForwardHooks(expert_override=record))
+        native_preds, native = _native(native_ck, rows)
         for pack in args.packs:
             row = {"eval_text": name, **measure(pack, rows, native_preds, native)}
+            if pack in biases:
+                refit = measure(pack, rows, native_preds, native, biases[pack])
+                row |= {"kl_refit": refit["kl"], "kl_refit_stderr": refit["kl_stderr"], "top1_refit": refit["top1"],
+                        "ppl_refit": refit["ppl"], "same_topk_refit": refit["same_topk"],
+                        "same_topk_refit_mean": refit["same_topk_mean"]}
             results.append(row)
             print(f"{name:14s} {pack.name:28s} KL {row['kl']:.4f} ± {row['kl_stderr']:.4f} -> with the native "
                   f"routing {row['kl_native_routing']:.4f} ± {row['kl_native_routing_stderr']:.4f} "
                   f"({row['kl_ratio']:.3f}x); top-1 {row['top1']:.4f} -> {row['top1_native_routing']:.4f}; "
                   f"same top-k as native on {row['same_topk_mean']:.1%} of routed tokens "
                   f"(per layer {', '.join(f'{v:.2f}' for v in row['same_topk'].values())})", flush=True)
+            if pack in biases:
+                print(f"{'':14s} {'':28s} refitted biases: KL {row['kl_refit']:.4f} ± {row['kl_refit_stderr']:.4f} "
+                      f"({row['kl_refit'] / row['kl']:.3f}x), top-1 {row['top1_refit']:.4f}, same top-k "
+                      f"{row['same_topk_refit_mean']:.1%}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
