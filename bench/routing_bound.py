@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.errors import UserError
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.ppl.compare import compare
@@ -214,4 +216,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except UserError as e:  # a missing pack, an unknown text: one line, exit 2, nothing written
+        print(f"routing_bound: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -53,7 +53,7 @@ def uniform_plan(
     profile = load_profile(loader)
     budgeted = [t for t in all_targets if profile.budgets(t)]
     routed = [t for t in budgeted if t.group == ROUTED]
-    terms = _budget_terms(cfg, codebook, loader)
+    terms = _budget_terms(budgeted, codebook, profile)
     fixed = floor_rate(bpw) if floor is None else check_k(floor, codebook, True, "floor")
     budget = bpw * terms.budgeted_numel - fixed * terms.others_numel
     routed_numel, grid = terms.routed_numel, terms.grid
@@ -105,9 +105,8 @@ class BudgetTerms:
     grid: tuple[float, ...]  # the routed rates the profile takes with this codebook
 
 
-def _budget_terms(cfg: ModelConfig, codebook: str, loader: str) -> BudgetTerms:
-    profile = load_profile(loader)
-    budgeted = [t for t in targets(cfg) if profile.budgets(t)]
+def _budget_terms(budgeted: list, codebook: str, profile) -> BudgetTerms:
+    """From the targets the profile budgets."""
     routed = sum(t.numel for t in budgeted if t.group == ROUTED)
     total = sum(t.numel for t in budgeted)
     grid = tuple(r for r in rate_grid(codebook) if profile.k_min <= r <= profile.k_max
@@ -120,7 +119,8 @@ def lowest_uniform_bpw(cfg: ModelConfig, codebook: str = "mul1", floor: float | 
     """The lowest bpw uniform_plan accepts: where the fixed floor leaves the routed experts exactly the
     grid's lowest rate. In closed form, so a search for the most bits that fit starts there instead of
     bisecting from 1 bpw (each accepted probe plans the whole model: about a second at full size)."""
-    terms = _budget_terms(cfg, codebook, loader)
+    profile = load_profile(loader)
+    terms = _budget_terms([t for t in targets(cfg) if profile.budgets(t)], codebook, profile)
     fixed_rates = sorted({MIN_FLOOR, *(r for r in rate_grid("mcg") if r >= MIN_FLOOR)}) if floor is None else [floor]
     for fixed in fixed_rates:  # floor_rate grows with bpw, and so does the bpw each floor needs
         bpw = (terms.grid[0] * terms.routed_numel + fixed * terms.others_numel) / terms.budgeted_numel
