@@ -1,7 +1,8 @@
-"""`quantizer build` on the CPU: the tiny V4.1 checkpoint at a uniform 2.5 bpw, quantized by our codec
-(fast encoder), packed under a small shard cap so the layout rules show, and verified.
+"""`quantizer build` on the CPU: the bundled small V4.1 checkpoint at a uniform 2.5 bpw, quantized by our
+codec (fast encoder), packed under a small shard cap so the layout rules show, and verified. (The small
+model has every tensor kind of the tiny one in a third of its weights: the encoder's work here.)
 
-The uniform plan quantizes every budgeted target (routed experts at K 1.5, attention with its
+The uniform plan quantizes every budgeted target (routed experts at K 1.5 and 2, attention with its
 compressors, indexer, shared experts and Engram wkv at the K 4 floor) and the head at K 6; the drafter,
 norms, router, mHC and Engram tables stay native. Fused `wo_a` is stored as exllamav3's two slices.
 """
@@ -24,6 +25,7 @@ from quantizer.fit.stored import stored_from_pack
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.plan.plan import Plan, make_plan
 from quantizer.plan.spec import pack_spec
+from quantizer.shipped import shipped
 from safetensors_check import assert_safetensors_agree
 
 CAP = 4 << 20
@@ -32,9 +34,9 @@ SIDE_FILES = {"tokenizer.json": "{}", "generation_config.json": '{"bos_token_id"
 
 
 @pytest.fixture(scope="module")
-def built(tiny_v41, tmp_path_factory):
+def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("build")
-    src = shutil.copytree(tiny_v41, root / "src")
+    src = shutil.copytree(shipped("small_model"), root / "src")
     for name, text in SIDE_FILES.items():
         (src / name).write_text(text)
     assert main(["build", str(src), "--bpw", BPW, "--out", str(root / "pack"), "--shard-size", str(CAP),
@@ -127,10 +129,10 @@ def test_configs_announce_exl3_with_integer_bits_and_keep_the_source_quantizatio
     entry = storage["layers.0.attn.wo_a.slice.1"]
     assert entry["quant_format"] == "exl3" and entry["bits_per_weight"] == 4
     assert entry["mul1_multiplier"] == 0x83DCD12D
-    assert entry["stored_tensors"]["layers.0.attn.wo_a.slice.1.trellis"]["shape"] == [16, 8, 64]
+    assert entry["stored_tensors"]["layers.0.attn.wo_a.slice.1.trellis"]["shape"] == [8, 8, 64]
     assert storage["layers.3.ffn.experts.5.w2"]["bits_per_weight"] in (1.5, 2)
     assert manifest.quantization["bits"] == q["bits"]
-    assert manifest.quantization["k_histogram"] == {"1.5": 240, "4": 104, "6": 1}  # compressors at the K 4 floor
+    assert manifest.quantization["k_histogram"] == {"1.5": 120, "2": 24, "4": 64, "6": 1}  # compressors at the K 4 floor
     for name, text in SIDE_FILES.items():
         assert (pack / name).read_text() == text
 

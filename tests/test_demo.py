@@ -4,6 +4,7 @@ the same bytes, and our allocator's pack costs less KL than uniform K at those b
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import re
@@ -80,13 +81,16 @@ def test_plot_draws_kl_and_top1_with_error_bars_per_method(run):
             assert high - low == pytest.approx(2 * scale * r[key + "_stderr"]) and r[key + "_stderr"] > 0
 
 
-def test_a_demo_row_is_what_quantizer_build_writes(run, rows, tmp_path, capfd):
+def test_a_demo_row_is_what_quantizer_build_writes(run, rows, tmp_path, capfd, monkeypatch):
     """The demo's packs rebuilt by `quantizer build` in the demo's order (uniform, then ours allocating
     on the errors measured so far), in a work directory holding what the demo's held before its first
     build of ours: its calibration and the uniform pack's encodings. Uniform finds all its units in that
-    cache; both give the demo's shards, and ours the demo's KL."""
+    cache; ours plans on it, and once planned its quantize stage is handed the demo's other encodings (the
+    cache is content-keyed: a plan other than the demo's would encode). Both give the demo's shards, and
+    ours the demo's KL."""
     demo_work, demo_packs = run[2].parent / BUILD_DIR, run[2].parent / "packs"
-    uniform_units = _encodings_of(demo_packs / "2.5-uniform-exllamav3", demo_work / QUANTIZE_DIR / RESULTS_DIR)
+    demo_results = demo_work / QUANTIZE_DIR / RESULTS_DIR
+    uniform_units = _encodings_of(demo_packs / "2.5-uniform-exllamav3", demo_results)
     assert uniform_units
     src, work = shipped("small_model"), tmp_path / "work"
     shutil.copytree(demo_work, work, ignore=lambda folder, names: [
@@ -96,7 +100,18 @@ def test_a_demo_row_is_what_quantizer_build_writes(run, rows, tmp_path, capfd):
     capfd.readouterr()
     assert main(common + ["--method", "uniform", "--out", str(tmp_path / "uniform")]) == 0
     assert re.findall(r"([\d,]+) weights to encode", capfd.readouterr().err) == ["0"]
+    pipeline_build = importlib.import_module("quantizer.pipeline.build")  # the module, not its build()
+    quantize = pipeline_build.quantize
+
+    def quantize_with_the_demos_encodings(*args, **kwargs):
+        for unit in demo_results.glob("*.safetensors"):
+            if unit.name not in uniform_units:
+                shutil.copy(unit, work / QUANTIZE_DIR / RESULTS_DIR / unit.name)
+        return quantize(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_build, "quantize", quantize_with_the_demos_encodings)
     assert main(common + ["--method", "ours", "--measured-errors", "--out", str(tmp_path / "ours")]) == 0
+    assert re.findall(r"([\d,]+) weights to encode", capfd.readouterr().err) == ["0"]
     for method in ("uniform", "ours"):
         assert _shards(tmp_path / method) == _shards(demo_packs / f"2.5-{method}-exllamav3"), method
     out = io.StringIO()

@@ -1,4 +1,5 @@
-"""Packs the V4.1 engines load as shipped (docs/loader-profiles.md), built from a tiny V4.1 checkpoint:
+"""Packs the V4.1 engines load as shipped (docs/loader-profiles.md), built from the bundled small V4.1
+checkpoint (native FP8 / MXFP4 like the real one):
 
 - vllm-exl3: non-routed and `mtp.*` tensors byte-identical to the source, routed experts EXL3 with K
   per expert (one tensor group and one codebook marker each), config.json carrying the engine's
@@ -7,8 +8,7 @@
   its loader converts, the Engram tables in a sibling directory of the source's shards.
 
 verify passes both and, on a hand-broken copy of each, names the rule and the engine file behind it.
-The two builds share one work directory (the routed experts are encoded once); the checkpoint has 4
-routed experts per layer instead of the tiny model's 8 to keep the CPU encoder's work small.
+The two builds share one work directory (the routed experts are encoded once).
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import shutil
 import struct
 
 import pytest
-import torch
 
-from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import read_bytes, read_header
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import main
@@ -29,9 +27,7 @@ from quantizer.model.targets import ROUTED, targets
 from quantizer.model.tensor_classes import ENGRAM_TABLE, classify
 from quantizer.pack.manifest import Manifest
 from quantizer.plan.plan import make_plan
-from quantizer.shipped import model_config_path
-from quantizer.tiny.make import random_values
-from quantizer.tiny.native_writer import write_native_checkpoint
+from quantizer.shipped import shipped
 
 EXL3_LEAVES = ("trellis", "suh", "svh", "mul1", "mcg")
 F8 = ("F8_E4M3", "F8_E5M2", "F8_E8M0")
@@ -39,11 +35,8 @@ F8 = ("F8_E4M3", "F8_E5M2", "F8_E8M0")
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
-    raw = json.loads(model_config_path("tiny-v41.json").read_text())
-    raw["text_config"].update(n_routed_experts=4, dspark_n_routed_experts=2)
-    cfg = ModelConfig.from_dict(raw)
-    return write_native_checkpoint(tmp_path_factory.mktemp("src") / "tiny4", raw,
-                                   random_values(cfg, torch.Generator().manual_seed(0)), 2)
+    """A copy: the tensorfold pack links the source's Engram shards."""
+    return shutil.copytree(shipped("small_model"), tmp_path_factory.mktemp("src") / "small")
 
 
 def routed_k(t) -> float:
