@@ -23,8 +23,10 @@ from quantizer.pipeline.build import PLAN_FILE
 from quantizer.fit.memory import fit
 from quantizer.fit.stored import stored_from_pack
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
+from quantizer.model.targets import targets
 from quantizer.plan.plan import Plan, make_plan
 from quantizer.plan.spec import pack_spec
+from quantizer.ppl.exllamav3_engine import budgeted_bytes, stored_bpw, stored_k
 from quantizer.shipped import shipped
 from safetensors_check import assert_safetensors_agree
 
@@ -173,3 +175,15 @@ def test_the_plan_predicts_the_packs_bytes_and_fit_exactly(built):
         before = fit(cfg, pack_spec(cfg, plan).tensors, sparks, 4096)
         after = fit(cfg, stored_from_pack(pack)[1], sparks, 4096)
         assert [r.weights_gib for r in before.ranks] == [r.weights_gib for r in after.ranks]
+
+
+def test_the_k_map_and_bits_read_from_the_trellis_shapes_are_the_plans(built):
+    """What bench/converter_curve.py reads from packs without a manifest (exllamav3's converter's)."""
+    src, pack = built
+    cfg = Checkpoint.open(src).config
+    plan = Plan.load(pack.with_name("pack.work") / PLAN_FILE)
+    assert stored_k(pack, cfg) == {key: (None if k is None else float(k)) for key, k in plan.k.items()}
+    assert stored_bpw(pack, cfg) == pytest.approx(plan.achieved_bpw, rel=1e-12)
+    budgeted = {t.key for t in targets(cfg) if t.budgeted}
+    spec = pack_spec(cfg, make_plan(cfg, plan.k, plan.codebook, plan.loader)).tensors
+    assert budgeted_bytes(pack) == sum(t.nbytes for t in spec if t.linear and t.linear.split(".slice.")[0] in budgeted)

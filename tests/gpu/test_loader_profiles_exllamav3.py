@@ -31,15 +31,14 @@ from safetensors.torch import save_file
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
-from quantizer.model.targets import targets
-from quantizer.plan.plan import Plan, achieved_bpw, make_plan
+from quantizer.plan.plan import Plan, make_plan
 from quantizer.ppl.compare import compare
+from quantizer.ppl.exllamav3_engine import budgeted_bytes, exllamav3_predictions, stored_bpw, stored_k
 from quantizer.ppl.pack_source import PackSource
-from quantizer.ppl.perplexity import RowPredictions, row_predictions
+from quantizer.ppl.perplexity import row_predictions
 from quantizer.shipped import shipped
 from quantizer.textdata import model_rows, shipped_text_path
 
-from test_small_v4_exllamav3 import _exllamav3_logits  # tests/gpu is on sys.path (pytest prepend import mode)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and exllamav3")
 
@@ -67,7 +66,7 @@ def heldout(model):
 @pytest.fixture(scope="module")
 def native(model, heldout):
     """(exllamav3's log-probs of the native model, ours) per held-out row."""
-    theirs = _predictions(_exllamav3_logits(model, heldout), heldout)
+    theirs = exllamav3_predictions(model, heldout)
     ours = list(row_predictions(_streamer(CheckpointSource(Checkpoint.open(model))), heldout))
     return theirs, ours
 
@@ -84,35 +83,18 @@ def _streamer(source) -> LayerStreamer:
     return LayerStreamer(source, progress=False, report=lambda line: None)
 
 
-def _predictions(logits: torch.Tensor, rows: torch.Tensor) -> list[RowPredictions]:
-    return [RowPredictions(i, torch.log_softmax(lg[:-1].float(), dim=-1), row[1:])
-            for i, (lg, row) in enumerate(zip(logits, rows))]
-
-
 def _build(model: Path, out: Path, *flags: str) -> Path:
     assert main(["build", str(model), "--out", str(out), "--device", "cuda", *flags]) == 0
     return out
 
 
-def _budgeted_bytes(pack: Path) -> int:
-    """Bytes of the EXL3 leaves of the budgeted linears (wo_a slices included)."""
-    ck = Checkpoint.open(pack)
-    keys = {t.key for t in targets(ck.config) if t.budgeted}
-    return sum(e.nbytes for name, e in ck.tensors.items() if _linear_of(name) in keys)
-
-
-def _linear_of(name: str) -> str:
-    """`layers.0.attn.wo_a.slice.1.trellis` -> `layers.0.attn.wo_a`: the target a stored tensor belongs to."""
-    return name.rsplit(".", 1)[0].split(".slice.")[0]
-
-
 def _measure(pack: Path, heldout, native, ours: bool = True) -> dict:
     """exllamav3's KL, top-1 and perplexity on the pack; for our packs also what `ppl --against` measures."""
     theirs_native, ours_native = native
-    in_engine = compare(theirs_native, _predictions(_exllamav3_logits(pack, heldout), heldout))
+    in_engine = compare(theirs_native, exllamav3_predictions(pack, heldout))
     row = {"kl_exllamav3": in_engine.kl, "kl_exllamav3_stderr": in_engine.kl_stderr, "top1_exllamav3": in_engine.top1,
            "ppl_exllamav3": in_engine.pack.ppl,
-           "bytes": sum(f.stat().st_size for f in pack.glob("*.safetensors")), "budgeted_bytes": _budgeted_bytes(pack)}
+           "bytes": sum(f.stat().st_size for f in pack.glob("*.safetensors")), "budgeted_bytes": budgeted_bytes(pack)}
     if ours:  # PackSource reads our manifest: the converter's packs have none
         row["kl_ppl_against"] = compare(ours_native, row_predictions(_streamer(PackSource(Checkpoint.open(pack))),
                                                                       heldout)).kl
@@ -157,7 +139,7 @@ def test_against_exllamav3s_converter_at_equal_bytes(model, heldout, native, tmp
         subprocess.run([sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(model), "-o", str(theirs),
                         "-w", str(root / f"exl3-{size:g}.work"), "-b", str(size), "-cd", str(root / "cal.safetensors"),
                         "-cr", str(len(rows)), "-cc", str(CALIB_COLS)], check=True)
-        bits = _stored_bpw(theirs, ck.config)
+        bits = stored_bpw(theirs, ck.config)
         ours = _build(model, root / f"ours-{size:g}", "--bpw", f"{bits:.6f}")
         converter_row = {"bpw": size, "method": "exllamav3 convert_model", "achieved_bpw": bits,
                          **_measure(theirs, heldout, native, ours=False)}
@@ -170,25 +152,9 @@ def test_against_exllamav3s_converter_at_equal_bytes(model, heldout, native, tmp
         assert abs(ours_row["budgeted_bytes"] / converter_row["budgeted_bytes"] - 1) <= 0.01
         # Which half makes the difference: the converter's own K map, quantized by our pipeline
         their_k = root / f"their-k-{size:g}.json"
-        make_plan(ck.config, _stored_k(theirs, ck.config), made_by=f"exllamav3 convert_model -b {size:g}").save(their_k)
+        make_plan(ck.config, stored_k(theirs, ck.config), made_by=f"exllamav3 convert_model -b {size:g}").save(their_k)
         mixed = _build(model, root / f"their-k-{size:g}", "--plan", str(their_k))
         mixed_row = {"bpw": size, "method": "quantizer build with the converter's K map",
                      "achieved_bpw": Plan.load(their_k).achieved_bpw, **_measure(mixed, heldout, native)}
         RESULTS.append(mixed_row)
         print(json.dumps(mixed_row))
-
-
-def _stored_k(pack: Path, cfg) -> dict[str, float | None]:
-    """The K a converter pack holds per target of ours (a wo_a's slices: the lowest; None: not EXL3)."""
-    ck = Checkpoint.open(pack)
-    widths: dict[str, list[int]] = {}
-    for name, e in ck.tensors.items():
-        if name.endswith(".trellis"):
-            widths.setdefault(_linear_of(name), []).append(e.shape[2])
-    return {t.key: min(widths[t.key]) / 16 if t.key in widths else None for t in targets(cfg)}
-
-
-def _stored_bpw(pack: Path, cfg) -> float:
-    """The converter's bits over our budgeted targets (our accounting), from its trellis shapes."""
-    k = {key: 16.0 if v is None else v for key, v in _stored_k(pack, cfg).items()}
-    return achieved_bpw(cfg, Plan(cfg.arch, "mul1", "exllamav3", k))

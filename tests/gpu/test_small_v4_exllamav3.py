@@ -20,6 +20,7 @@ import torch
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.model.transformer import DeepseekModel
+from quantizer.ppl.exllamav3_engine import exllamav3_logits
 from quantizer.shipped import shipped
 from quantizer.textdata import model_rows, shipped_text_path
 
@@ -40,24 +41,12 @@ def heldout(small_v4):
     return model_rows(ck.root, ck.config, text=shipped_text_path("heldout"), rows=ROWS, cols=COLS, default_cols=COLS)
 
 
-def _exllamav3_logits(path, ids: torch.Tensor) -> torch.Tensor:
-    from exllamav3 import Config, Model
-
-    model = Model.from_config(Config.from_directory(str(path)))
-    model.load()
-    try:
-        return torch.cat([model.forward(row[None].cuda(), {"attn_mode": "flash_attn_nc"}).float().cpu()
-                          for row in ids])
-    finally:
-        model.unload()
-
-
 def _nll(logits: torch.Tensor, ids: torch.Tensor) -> float:
     return float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()))
 
 
 def test_exllamav3_and_our_forward_agree_on_heldout_text(small_v4, heldout):
-    theirs = _exllamav3_logits(small_v4, heldout)
+    theirs = exllamav3_logits(small_v4, heldout)
     model = DeepseekModel.from_checkpoint(Checkpoint.open(small_v4), torch.float32, "cuda").eval()
     with torch.no_grad():
         ours = torch.cat([model(row[None].cuda()).float().cpu() for row in heldout])
