@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from quantizer.caches import process_cache
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.model.streaming import CheckpointSource, LayerStreamer, WeightSource
@@ -121,10 +123,18 @@ class ForwardLM(LM):
         return context[-keep:] + continuation, len(continuation)
 
 
+@process_cache
+@lru_cache(maxsize=4)
+def task_manager(include_path: str | None) -> TaskManager:
+    """lm-eval's task index (with `include_path`'s tasks): about 10 s to build, so `eval --against` builds
+    it once for the source and the pack."""
+    return TaskManager(include_path=include_path)
+
+
 def evaluate(model: str, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
              device: str = "cpu", max_length: int = DEFAULT_MAX_LENGTH) -> dict:
     """lm-eval's results for `model` (pack or checkpoint), with per-document samples."""
-    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    manager = task_manager(str(include_path) if include_path else None)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" or in {include_path}" if include_path else "; give a task directory with --include-path"
