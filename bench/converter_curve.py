@@ -1,0 +1,153 @@
+"""Our builds against exllamav3's own converter along the bits axis, measured in stock exllamav3 (GPU).
+
+On the bundled small V4 model (the architecture stock exllamav3 1.6.5 runs): the converter
+(`python -m exllamav3.conversion.convert_model`, its defaults, our calibration rows) at every bpw of
+--steps, and at each of --sizes our `quantizer build` at the converter's own bits there (equal bytes of
+the budgeted linears), once per --variants entry: `ours` (the defaults), `tune` (+ `--tune`, block-wise
+suh/svh, docs/tuning.md), `gate2` (+ `--expert-hessians gate2`, routing-weighted expert Hessians,
+docs/calibration.md). Every pack is loaded by exllamav3 and compared with the native model's exllamav3
+logits on each --eval-text: KL, top-1 agreement, perplexity.
+
+The reference is the converter's curve measured in the same run: for each of our packs, the ratio of its
+KL to the converter's at the same bits, and `bits_equiv`, the bits at which the converter reaches that
+KL (log KL interpolated linearly between its steps; `>` past the last step). `gain` = bits_equiv minus
+our bits: how many bits per weight our pack saves against the converter at equal quality.
+
+    python bench/converter_curve.py [--sizes 2,2.5,3,3.5] [--steps 2:4:0.25] [--variants ours,tune,gate2]
+                                    [--eval-text heldout,heldout-tests] [--json OUT]
+
+Rows are printed as they are measured and appended to --json, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.cli import main as quantizer
+from quantizer.plan.plan import Plan
+from quantizer.ppl.compare import compare
+from quantizer.ppl.exllamav3_engine import budgeted_bytes, exllamav3_predictions, stored_bpw
+from quantizer.report import table
+from quantizer.shipped import shipped
+from quantizer.textdata import model_rows, shipped_text_path, text_argument
+
+# variant -> (build flags, work directory group): `tune` shares ours' work directory (one calibration, the
+# same codes and bytes); gate2 calibrates differently, so it has its own.
+VARIANTS = {"ours": ([], "ours"), "tune": (["--tune"], "ours"), "gate2": (["--expert-hessians", "gate2"], "gate2")}
+CALIB_COLS = 2048
+
+
+def bits_equiv(kl: float, curve: list[tuple[float, float]]) -> tuple[float, str]:
+    """The bits at which the (bits, KL) curve, KL falling with bits, reaches `kl`; log KL is interpolated
+    linearly between steps. ('<' or '>', the end) outside the measured range."""
+    if kl >= curve[0][1]:
+        return curve[0][0], "<"
+    for (b0, k0), (b1, k1) in zip(curve, curve[1:]):
+        if k1 <= kl <= k0:
+            t = (math.log(k0) - math.log(kl)) / (math.log(k0) - math.log(k1)) if k0 != k1 else 0.0
+            return b0 + t * (b1 - b0), ""
+    return curve[-1][0], ">"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="2,2.5,3,3.5", help="comma-separated bpw of our builds (each must be a step)")
+    ap.add_argument("--steps", default="2:4:0.25", help="converter bpw, START:STOP:STEP (STOP included)")
+    ap.add_argument("--variants", default="ours,tune,gate2", help=f"comma-separated, from {', '.join(VARIANTS)}")
+    ap.add_argument("--eval-text", default="heldout,heldout-tests", help="comma-separated texts to measure on")
+    ap.add_argument("--eval-rows", type=int, default=16)
+    ap.add_argument("--eval-cols", type=int, default=512)
+    ap.add_argument("--work", type=Path, help="keep packs here (default: a temporary directory)")
+    ap.add_argument("--json", type=Path, help="append each measured row to this file (JSON lines)")
+    args = ap.parse_args(argv)
+    start, stop, step = (float(x) for x in args.steps.split(":"))
+    steps = [round(start + i * step, 4) for i in range(int(round((stop - start) / step)) + 1)]
+    sizes = [float(s) for s in args.sizes.split(",")]
+    if not set(sizes) <= set(steps):
+        raise SystemExit(f"--sizes {args.sizes}: each size must be one of the converter's steps {steps}")
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        raise SystemExit(f"unknown variant(s) {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
+
+    model = shipped("small_model_v4")
+    ck = Checkpoint.open(model)
+    root = args.work or Path(tempfile.mkdtemp(prefix="converter-curve-"))
+    root.mkdir(parents=True, exist_ok=True)
+    calibration = model_rows(ck.root, ck.config, text=shipped_text_path("calibration"), rows=None, cols=CALIB_COLS,
+                             default_cols=CALIB_COLS)
+    save_file({"input_ids": calibration.to(torch.long).contiguous()}, str(root / "cal.safetensors"))
+    texts = {name: model_rows(ck.root, ck.config, text=text_argument(name), rows=args.eval_rows, cols=args.eval_cols,
+                              default_cols=args.eval_cols) for name in args.eval_text.split(",")}
+    native = {name: exllamav3_predictions(model, rows) for name, rows in texts.items()}
+    measured: list[dict] = []
+
+    def record(method: str, size: float, pack: Path, bits: float, seconds: float) -> None:
+        for name, rows in texts.items():
+            c = compare(native[name], exllamav3_predictions(pack, rows))
+            row = {"method": method, "size": size, "bits": bits, "text": name, "kl": c.kl, "kl_stderr": c.kl_stderr,
+                   "top1": c.top1, "ppl": c.pack.ppl, "ppl_native": c.source.ppl,
+                   "budgeted_bytes": budgeted_bytes(pack), "seconds": seconds}
+            measured.append(row)
+            print(json.dumps(row), flush=True)
+            if args.json:
+                with args.json.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+    converter_bits = {}
+    for bpw in steps:
+        pack, t0 = root / f"exl3-{bpw:g}", time.monotonic()
+        subprocess.run([sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(model), "-o", str(pack),
+                        "-w", str(root / f"exl3-{bpw:g}.work"), "-b", str(bpw), "-cd", str(root / "cal.safetensors"),
+                        "-cr", str(len(calibration)), "-cc", str(CALIB_COLS)], check=True, stdout=subprocess.DEVNULL)
+        converter_bits[bpw] = stored_bpw(pack, ck.config)
+        record("converter", bpw, pack, converter_bits[bpw], time.monotonic() - t0)
+    for variant in variants:  # every size of one variant before the next: a run cut short keeps whole curves
+        for size in sizes:
+            flags, group = VARIANTS[variant]
+            pack, work, t0 = root / f"{variant}-{size:g}", root / f"{group}-{size:g}.work", time.monotonic()
+            if quantizer(["build", str(model), "--out", str(pack), "--device", "cuda", "--work", str(work),
+                          "--bpw", f"{converter_bits[size]:.6f}", *flags]) != 0:
+                raise SystemExit(f"build of {variant} at {size:g} failed")
+            bits = Plan.load(work / "plan.json").achieved_bpw
+            record(variant, size, pack, bits, time.monotonic() - t0)
+
+    report(measured, steps)
+
+
+def report(measured: list[dict], steps: list[float]) -> None:
+    """Per text: each of our packs against the converter's curve."""
+    for name in dict.fromkeys(r["text"] for r in measured):
+        rows = [r for r in measured if r["text"] == name]
+        conv = {r["size"]: r for r in rows if r["method"] == "converter"}
+        curve = [(conv[b]["bits"], conv[b]["kl"]) for b in steps if b in conv]
+        out = []
+        for r in rows:
+            if r["method"] == "converter":
+                continue
+            c = conv[r["size"]]
+            equiv, side = bits_equiv(r["kl"], curve)
+            out.append([r["method"], f"{r['size']:g}", f"{r['bits']:.3f}", f"{r['kl']:.4f}", f"{c['kl']:.4f}",
+                        f"{r['kl'] / c['kl']:.3f}", f"{side}{equiv:.2f}", f"{side}{equiv - r['bits']:+.2f}",
+                        f"{r['top1']:.2%}", f"{c['top1']:.2%}", f"{r['ppl']:.3f}", f"{c['ppl']:.3f}",
+                        f"{r['budgeted_bytes'] / c['budgeted_bytes']:.4f}"])
+        print(f"\n{name}: native ppl {rows[0]['ppl_native']:.3f}; converter curve "
+              + ", ".join(f"{b:.2f}:{k:.4f}" for b, k in curve))
+        print(table(["method", "size", "bits", "KL", "KL conv", "ratio", "bits_equiv", "gain", "top1", "top1 conv",
+                     "ppl", "ppl conv", "bytes ratio"], out))
+
+
+if __name__ == "__main__":
+    main()
