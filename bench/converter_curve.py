@@ -16,14 +16,16 @@ our bits: how many bits per weight our pack saves against the converter at equal
     python bench/converter_curve.py [--sizes 2,2.5,3,3.5] [--steps 2:4:0.25] [--variants ours,tune,gate2]
                                     [--eval-text heldout,heldout-tests] [--json OUT]
 
-Rows are printed as they are measured and appended to --json, so a run cut short keeps what it measured.
+Rows are printed as they are measured and written to --json then, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main as quantizer
+from quantizer.errors import UserError
 from quantizer.plan.plan import Plan
 from quantizer.ppl.compare import compare
 from quantizer.ppl.exllamav3_engine import budgeted_bytes, exllamav3_predictions, stored_bpw
@@ -70,21 +73,47 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-text", default="heldout,heldout-tests", help="comma-separated texts to measure on")
     ap.add_argument("--eval-rows", type=int, default=16)
     ap.add_argument("--eval-cols", type=int, default=512)
-    ap.add_argument("--work", type=Path, help="keep packs here (default: a temporary directory)")
-    ap.add_argument("--json", type=Path, help="append each measured row to this file (JSON lines)")
+    ap.add_argument("--work", type=Path, help="keep packs here, an empty or new directory (default: a temporary "
+                                              "directory, deleted at the end)")
+    ap.add_argument("--json", type=Path, help="write each measured row to this file as it is measured (JSON lines)")
     args = ap.parse_args(argv)
-    start, stop, step = (float(x) for x in args.steps.split(":"))
+    try:
+        start, stop, step = (float(x) for x in args.steps.split(":"))
+    except ValueError:
+        ap.error(f"--steps {args.steps!r}: give START:STOP:STEP, e.g. 2:4:0.25")
+    if not (0 < step and start <= stop):
+        ap.error(f"--steps {args.steps!r}: STEP must be positive and START at most STOP")
     steps = [round(start + i * step, 4) for i in range(int(round((stop - start) / step)) + 1)]
-    sizes = [float(s) for s in args.sizes.split(",")]
+    try:
+        sizes = [float(s) for s in args.sizes.split(",")]
+    except ValueError:
+        ap.error(f"--sizes {args.sizes!r}: give comma-separated bpw, e.g. 2,2.5")
     if not set(sizes) <= set(steps):
-        raise SystemExit(f"--sizes {args.sizes}: each size must be one of the converter's steps {steps}")
+        ap.error(f"--sizes {args.sizes}: each size must be one of the converter's steps {steps}")
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
-        raise SystemExit(f"unknown variant(s) {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
+        ap.error(f"unknown variant(s) {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
+    if args.work and args.work.exists() and any(args.work.iterdir()):
+        ap.error(f"--work {args.work} is not empty: the packs of another run would be in the way")
+    if args.json and not args.json.parent.is_dir():
+        ap.error(f"--json {args.json}: no directory {args.json.parent}")
+    if not torch.cuda.is_available() or importlib.util.find_spec("exllamav3") is None:
+        ap.error("needs a CUDA device and exllamav3 (the gpu extra)")
+    if args.json:
+        args.json.write_text("")
+    root = args.work or Path(tempfile.mkdtemp(prefix="converter-curve-"))
+    try:
+        measured = run(args, root, steps, sizes, variants)
+    finally:
+        if args.work is None:
+            shutil.rmtree(root, ignore_errors=True)
+    report(measured, steps)
 
+
+def run(args: argparse.Namespace, root: Path, steps: list[float], sizes: list[float], variants: list[str]) -> list[dict]:
+    """Build and measure every pack; the measured rows."""
     model = shipped("small_model_v4")
     ck = Checkpoint.open(model)
-    root = args.work or Path(tempfile.mkdtemp(prefix="converter-curve-"))
     root.mkdir(parents=True, exist_ok=True)
     calibration = model_rows(ck.root, ck.config, text=shipped_text_path("calibration"), rows=None, cols=CALIB_COLS,
                              default_cols=CALIB_COLS)
@@ -120,11 +149,10 @@ def main(argv=None) -> None:
             pack, work, t0 = root / f"{variant}-{size:g}", root / f"{group}-{size:g}.work", time.monotonic()
             if quantizer(["build", str(model), "--out", str(pack), "--device", "cuda", "--work", str(work),
                           "--bpw", f"{converter_bits[size]:.6f}", *flags]) != 0:
-                raise SystemExit(f"build of {variant} at {size:g} failed")
+                raise UserError(f"the build of {variant} at {size:g} bpw failed (its error is above)")
             bits = Plan.load(work / "plan.json").achieved_bpw
             record(variant, size, pack, bits, time.monotonic() - t0)
-
-    report(measured, steps)
+    return measured
 
 
 def report(measured: list[dict], steps: list[float]) -> None:
@@ -150,4 +178,8 @@ def report(measured: list[dict], steps: list[float]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # an unknown --eval-text, a failed build: one line, exit 2
+        print(f"converter_curve: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
