@@ -1,6 +1,7 @@
-"""The tune stage (`build --tune`): the factorisation it trains through, that it lowers the held-out
-block-output error, that the pack it feeds differs from an untuned one only in EXL3 suh/svh and still
-verifies, that a killed run resumes from its finished blocks, and what bad input gets."""
+"""The tune stages (`build --tune`, `--tune-e2e`): the factorisation they train through, that they lower
+the held-out block-output error and KL, that the pack they feed differs from an untuned one only in EXL3
+suh/svh, still verifies and measures what the stage measured, that a killed run resumes from its
+finished blocks, and what bad input gets."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.pipeline.build import PLAN_FILE, QUANTIZE_DIR, BuildRequest, build
 from quantizer.model.targets import targets
 from quantizer.plan.plan import Plan, make_plan
-from quantizer.tune import stage
+from quantizer.model.streaming import CheckpointSource, LayerStreamer
+from quantizer.ppl.pack_source import PackSource
+from quantizer.tune import end_to_end, stage
 from quantizer.tune.factor import factor
-from quantizer.tune.settings import TuneSettings
+from quantizer.tune.settings import EndToEndSettings, TuneSettings
 from quantizer.tune.store import TunedStore
 
 # Few tokens: a measurement after every step, since a tiny block's scales over-fit 12 rows within a few
@@ -87,12 +90,14 @@ def test_tuning_lowers_the_held_out_block_output_error(packs):
     assert "tuning" not in Manifest.load(packs / "plain").settings
 
 
+def _tensors(pack) -> dict:
+    return {n: e for p in sorted(pack.glob("*.safetensors")) for n, e in read_header(p).tensors.items()
+            if not n.startswith(PAD_PREFIX)}
+
+
 def test_the_tuned_pack_verifies_and_differs_only_in_exl3_scales(packs):
     assert main(["verify", "--full", str(packs / "tuned")]) == 0
-    plain = {n: e for p in sorted((packs / "plain").glob("*.safetensors")) for n, e in read_header(p).tensors.items()
-             if not n.startswith(PAD_PREFIX)}
-    tuned = {n: e for p in sorted((packs / "tuned").glob("*.safetensors")) for n, e in read_header(p).tensors.items()
-             if not n.startswith(PAD_PREFIX)}
+    plain, tuned = _tensors(packs / "plain"), _tensors(packs / "tuned")
     assert plain.keys() == tuned.keys()
     changed = set()
     for name, e in plain.items():
@@ -167,3 +172,95 @@ def test_a_source_byte_changed_during_tuning_keeps_no_tuned_block(packs, src, tm
     with pytest.raises(UserError, match=r"changed while this build read it \(tune\).*block\(s\) tuned in this run"):
         build(request)
     assert not list((work / "tuned").glob("*.safetensors")) and not (tmp_path / "pack").exists()
+
+
+# ---- end-to-end tuning (build --tune-e2e) ----------------------------------------------------------
+
+E2E = EndToEndSettings(steps=6, lr=1e-2, eval_every=2, patience=3, batch_rows=2)
+
+
+@pytest.fixture(scope="module")
+def e2e_pack(packs, tiny_v41):
+    """Block-wise, then end to end, in the work directory of `packs` (the same codes; the blocks reused)."""
+    rows = torch.load(packs / "rows.pt")
+    result = build(BuildRequest(str(tiny_v41), packs / "e2e", plan=_plan(Checkpoint.open(tiny_v41).config),
+                                calibration_rows=rows, calibration=CalibrationSettings(measure_kl=False),
+                                work=packs / "work", tune=SETTINGS, end_to_end=E2E))
+    assert result.tuned.tuned == 0  # the block files of `packs`
+    return result
+
+
+def _kl_all_tokens(pack, native, rows) -> float:
+    """Mean KL(native || pack) over every position of `rows`, as the stage measures it."""
+    def logits(ck):
+        return torch.stack(list(LayerStreamer(ck, progress=False, report=lambda line: None).row_logits(rows)))
+    ref, got = torch.log_softmax(logits(CheckpointSource(native)), -1), torch.log_softmax(logits(PackSource(pack)), -1)
+    return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+
+def test_end_to_end_lowers_the_held_out_kl_and_the_pack_measures_what_the_stage_measured(e2e_pack, packs, tiny_v41):
+    e = e2e_pack.end_to_end
+    assert e.tuned and e.steps == E2E.steps and 0 < e.best_step
+    assert e.kl_after < 0.99 * e.kl_before  # a real improvement over the block-wise scales it started from
+    held = torch.load(packs / "rows.pt")[e.tune_rows:]
+    assert len(held) == e.heldout_rows == 4
+    # the pack holds the stage's best scales (over the block-wise ones): its forward, decoded as any reader
+    # decodes it, has the KL the stage kept, and the untuned pack has the stage's starting KL's order
+    measured = _kl_all_tokens(Checkpoint.open(e2e_pack.out), Checkpoint.open(tiny_v41), held)
+    assert measured == pytest.approx(e.kl_after, rel=2e-3)
+    tuned_blocks = _kl_all_tokens(Checkpoint.open(packs / "tuned"), Checkpoint.open(tiny_v41), held)
+    assert tuned_blocks == pytest.approx(e.kl_before, rel=2e-3)
+    record = Manifest.load(e2e_pack.out).settings["end_to_end"]
+    assert record["heldout_kl_after"] == round(e.kl_after, 6) and record["lr"] == E2E.lr
+    assert "Tuned end to end (`build --tune-e2e`)" in (e2e_pack.out / "README.md").read_text()
+
+
+def test_the_end_to_end_pack_verifies_and_differs_from_the_block_tuned_one_only_in_exl3_scales(e2e_pack, packs):
+    assert main(["verify", "--full", str(e2e_pack.out)]) == 0
+    before, after = _tensors(packs / "tuned"), _tensors(e2e_pack.out)
+    assert before.keys() == after.keys()
+    changed = {n for n, e in before.items() if read_bytes(after[n]) != read_bytes(e)}
+    assert changed and all(n.endswith((".suh", ".svh")) for n in changed), sorted(changed)[:5]
+    exl3 = {n[: -len(".trellis")] for n in before if n.endswith(".trellis")}
+    assert {n.rsplit(".", 1)[0] for n in changed} <= exl3
+
+
+def test_end_to_end_is_reused_by_a_rerun(e2e_pack, packs, tiny_v41):
+    ck = Checkpoint.open(tiny_v41)
+    job = dict(Manifest.load(packs / "plain").settings)
+    block_files = tuple(sorted((packs / "work" / "tuned").glob("layers.*.safetensors")))
+    again = end_to_end.end_to_end(ck, Plan.load(packs / "work" / PLAN_FILE), packs / "work" / QUANTIZE_DIR,
+                                  packs / "work", torch.load(packs / "rows.pt"), E2E, job, block_files,
+                                  say=lambda line: None)
+    assert not again.tuned and again.file == e2e_pack.end_to_end.file and again.kl_after == e2e_pack.end_to_end.kl_after
+
+
+def test_end_to_end_that_does_not_fit_is_refused_before_any_stage(tiny_v41, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(end_to_end, "free_memory", lambda device: 2**20)
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(3, 200, size=(4, 32)))
+    code = main(["build", str(tiny_v41), "--bpw", "2.5", "--method", "uniform", "--tokens", str(ids), "--tune-e2e",
+                 "--out", str(tmp_path / "pack"), "--work", str(tmp_path / "work")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "--tune-e2e" in err[-1] and "GiB" in err[-1] and "--tune (block-wise)" in err[-1]
+    assert not (tmp_path / "work").exists() and not (tmp_path / "pack").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--no-calibrate", "--tune-e2e"], "--no-calibrate"),
+    (["--tune-e2e-steps", "3"], "add --tune-e2e"),
+])
+def test_bad_end_to_end_requests_are_refused_in_one_line(argv, message, tiny_v41, tmp_path, capsys):
+    code = main(["build", str(tiny_v41), "--bpw", "2.5", "--method", "uniform", *argv, "--out", str(tmp_path / "pack")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and message in err
+    assert not (tmp_path / "pack").exists()
+
+
+def test_end_to_end_settings_refuse_what_cannot_run():
+    with pytest.raises(UserError, match="at least 1"):
+        EndToEndSettings(steps=0)
+    with pytest.raises(UserError, match="held-out share"):
+        EndToEndSettings(heldout=1.0)
+    with pytest.raises(UserError, match="at least 2 calibration rows"):
+        EndToEndSettings().split(1)

@@ -35,8 +35,8 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.exl3 import model_proxy
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.state import DEFAULT_ATTN_CHUNK_ELEMENTS, ForwardState
-from quantizer.model.streaming import estimate_stream_memory
-from quantizer.model.targets import classified_layout, targets
+from quantizer.model.streaming import estimate_stream_memory, model_bytes
+from quantizer.model.targets import targets
 from quantizer.model.transformer import DeepseekModel
 
 MEMORY_SHARE = 0.5  # measure only when the probe needs at most this share of the free memory
@@ -70,11 +70,7 @@ def probe_rows(tokens: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def unit_kl_needs(cfg: ModelConfig, rows: int, cols: int, dtype: torch.dtype) -> int:
     """Bytes the probe holds: every tensor the model keeps in memory (Engram tables included), the
     rows' streams at every layer's input, the native log-probabilities, one forward's activations."""
-    size = dtype.itemsize
-    weights = sum(spec.params * (4 if spec.dtype in ("F32", "I32") else 8 if spec.dtype == "I64" else size)
-                  for spec, _ in classified_layout(cfg)
-                  if not spec.name.endswith(".scale") and spec.name.startswith(("layers.", "embed.", "head.",
-                                                                                "norm.", "hc_head_")))
+    weights = model_bytes(cfg, dtype)
     tokens = rows * cols
     streams = (cfg.num_layers + 1) * tokens * cfg.hc_mult * cfg.hidden_size * 4
     log_probs = tokens * cfg.vocab_size * 4

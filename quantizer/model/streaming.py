@@ -114,6 +114,15 @@ def block_weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
     return out
 
 
+def model_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of every tensor `DeepseekModel.from_checkpoint` holds (Engram tables included): the
+    whole model in memory, as the unit-KL probe and end-to-end tuning keep it."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return sum(spec.params * {"F32": 4, "I32": 4, "I64": 8}.get(spec.dtype, size) for spec in native_layout(cfg)
+               if not spec.name.endswith(".scale")
+               and spec.name.startswith(("layers.", "embed.", "head.", "norm.", "hc_head_")))
+
+
 def state_bytes(cfg: ModelConfig, rows: int, length: int) -> tuple[int, int]:
     """(hc streams, everything else the rows carry between blocks), float32 streams [rows, length,
     hc_mult, D]; V4.1 adds per kv source its compressed entries (and index keys), per index source

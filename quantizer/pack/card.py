@@ -169,16 +169,23 @@ def _calibration(m: Manifest) -> str:
 
 
 def _tuning(m: Manifest) -> str:
-    """A sentence on the tune stage (build --tune), or nothing when the pack's scales are the encoder's."""
+    """Sentences on the tune stages (build --tune, --tune-e2e), or nothing when the pack's scales are the encoder's."""
+    out = ""
     t = m.settings.get("tuning")
-    if not t:
-        return ""
-    ratios = list(t["heldout_error_ratio"].values())
-    mean = sum(ratios) / len(ratios) if ratios else 1.0
-    return (f"\n\nTuned (`build --tune`): each block's EXL3 `suh`/`svh` fitted to the native block's outputs "
-            f"({t['inputs']} inputs) on {t['tune_rows']:,} of these rows, up to {t['steps']} Adam steps at lr "
-            f"{t['lr']:g}, early-stopped on the other {t['heldout_rows']:,}; held-out block-output error x{mean:.3f} "
-            "on average. Codes, sizes and every native tensor are as without tuning.")
+    if t:
+        ratios = list(t["heldout_error_ratio"].values())
+        mean = sum(ratios) / len(ratios) if ratios else 1.0
+        out += (f"\n\nTuned (`build --tune`): each block's EXL3 `suh`/`svh` fitted to the native block's outputs "
+                f"({t['inputs']} inputs) on {t['tune_rows']:,} of these rows, up to {t['steps']} Adam steps at lr "
+                f"{t['lr']:g}, early-stopped on the other {t['heldout_rows']:,}; held-out block-output error x{mean:.3f} "
+                "on average.")
+    e = m.settings.get("end_to_end")
+    if e:
+        out += (f"\n\nTuned end to end (`build --tune-e2e`): every EXL3 `suh`/`svh` of the trunk and head fitted to "
+                f"the native model's next-token distributions on {e['tune_rows']:,} of these rows, {e['steps_run']} Adam "
+                f"steps at lr {e['lr']:g}; held-out KL {e['heldout_kl_before']:.4g} -> {e['heldout_kl_after']:.4g} on the "
+                f"other {e['heldout_rows']:,}.")
+    return out + ("" if not out else " Codes, sizes and every native tensor are as without tuning.")
 
 
 def _calibration_text(m: Manifest) -> str:

@@ -72,6 +72,7 @@ class PackSettings:
     command: tuple[str, ...] | None = None  # the command line that built the pack, for the card
     tuned_files: tuple[Path, ...] = ()  # the tune stage's block files: their suh/svh replace the unit store's
     tuning: dict | None = None  # the tune stage's record (settings, rows, held-out error ratios), for the manifest
+    end_to_end: dict | None = None  # the end-to-end tuning's record (settings, rows, held-out KL), for the manifest
 
 
 def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, settings: PackSettings,
@@ -369,7 +370,8 @@ def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackS
                 "quantization_config": _source_config(ck).get("quantization_config")},
         plan={"hash": plan.content_hash(), "loader": plan.loader, "codebook": plan.codebook,
               "head_bits": qcfg["head_bits"], "engram_dir": engram_dir},
-        settings=dict(settings.job_settings) | ({"tuning": settings.tuning} if settings.tuning else {}),
+        settings=dict(settings.job_settings) | ({"tuning": settings.tuning} if settings.tuning else {})
+        | ({"end_to_end": settings.end_to_end} if settings.end_to_end else {}),
         quantization={"bits": qcfg["bits"], "bpw": qcfg["bpw"], "k_histogram": _histogram(linears)},
         shards=records,
         tensors=tensors,

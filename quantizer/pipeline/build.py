@@ -11,7 +11,9 @@ against its config, places and disk. Every rank's source bytes are pinned before
 checked after each (source_guard.py), so a checkpoint changed during the build is refused and what was
 made from it deleted.
 With `tune` (--tune, off by default) the tune stage (WORK/tuned) fits each block's EXL3 suh/svh to the
-native block's outputs on the calibration rows after quantize, and the pack takes the tuned vectors.
+native block's outputs on the calibration rows after quantize, and the pack takes the tuned vectors;
+with `end_to_end` (--tune-e2e) every EXL3 scale of the trunk and head is then fitted to the native model's
+next-token distributions (tune/end_to_end.py: small models only, refused up front where it would not fit).
 Without calibration rows the linears are quantized without Hessians (uniform, exl3 or a saved plan).
 Every stage resumes from its own directory, so a rerun continues where the last one stopped.
 Under torchrun every rank runs build(): calibration splits the rows and quantization the units over
@@ -56,7 +58,8 @@ from quantizer.quantize.rates import plan_estimate
 from quantizer.quantize.results import measured_encodings
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import QuantizeResult, measured_proxies, quantize
-from quantizer.tune.settings import TuneSettings
+from quantizer.tune.end_to_end import EndToEndResult, check_end_to_end_fits, end_to_end
+from quantizer.tune.settings import EndToEndSettings, TuneSettings
 from quantizer.tune.stage import TuneResult, tune
 from quantizer.verify.verify import VerifyReport, verify_pack
 
@@ -85,6 +88,7 @@ class BuildRequest:
     base_model: str | None = None  # the source's Hugging Face repo id, named in the pack's card
     command: tuple[str, ...] | None = None  # the command line, which the card gives as the way to rebuild
     tune: TuneSettings | None = None  # tune each block's EXL3 scales after quantize (needs calibration rows)
+    end_to_end: EndToEndSettings | None = None  # then tune every EXL3 scale on the model's KL (small models)
 
     @property
     def work_dir(self) -> Path:
@@ -100,6 +104,7 @@ class BuildResult:
     calibration: CalibrationSummary | None
     quantized: QuantizeResult
     tuned: TuneResult | None  # the tune stage's result, when the request asked for it
+    end_to_end: EndToEndResult | None  # the end-to-end tuning's, when the request asked for it
     manifest: Manifest
     verify: VerifyReport
     seconds: float
@@ -117,6 +122,8 @@ def build(req: BuildRequest) -> BuildResult:
     if req.plan is not None:
         check_given_plan(ck, req.plan, str(req.plan_file or "--plan"))
     estimate = req.plan or check_plannable(ck.config, req)
+    if req.end_to_end is not None:  # the whole model in memory: refused now rather than after the other stages
+        check_end_to_end_fits(ck.config, estimate, *req.calibration_rows.shape, req.end_to_end, req.quantize.device)
     calibration_disk = 0 if req.calibration_rows is None else calibration_needs(
         ck.config, *req.calibration_rows.shape, req.calibration).disk
     check_space(req.out, req.work_dir, disk_needs(ck, estimate, calibration_disk, req.work_dir))
@@ -144,11 +151,19 @@ def build(req: BuildRequest) -> BuildResult:
             tuned = ranks.on_main(lambda: tune(ck, plan, req.work_dir / QUANTIZE_DIR, req.work_dir,
                                                req.calibration_rows, req.tune, settings.record()))
             require_unchanged(pin, "tune", made, req.work_dir)
+        tuned_files = tuple(tuned.files) if tuned else ()
+        e2e = None
+        if req.end_to_end is not None:
+            e2e = ranks.on_main(lambda: end_to_end(ck, plan, req.work_dir / QUANTIZE_DIR, req.work_dir,
+                                                   req.calibration_rows, req.end_to_end, settings.record(),
+                                                   tuned_files, req.quantize.device))
+            require_unchanged(pin, "tune-e2e", made, req.work_dir)
         pack = PackSettings(settings.record(), req.shard_size, req.revision, req.base_model, req.command,
-                            tuned_files=tuple(tuned.files) if tuned else (), tuning=tuned.record() if tuned else None)
+                            tuned_files=tuned_files + ((e2e.file,) if e2e else ()),
+                            tuning=tuned.record() if tuned else None, end_to_end=e2e.record() if e2e else None)
         manifest, verified = ranks.on_main(lambda: pack_and_publish(ck, plan, req, pack, partial, pin))
         ranks.barrier()
-    return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, tuned, manifest, verified,
+    return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, tuned, e2e, manifest, verified,
                        time.monotonic() - start)
 
 
@@ -193,6 +208,8 @@ def check_request(req: BuildRequest) -> None:
         check_bpw(req.bpw, req.allocation.codebook)
     if req.tune is not None and req.calibration_rows is None:
         raise UserError("--tune fits the pack's scales to calibration rows; drop --no-calibrate (or drop --tune)")
+    if req.end_to_end is not None and req.calibration_rows is None:
+        raise UserError("--tune-e2e fits the pack's scales to calibration rows; drop --no-calibrate (or drop --tune-e2e)")
     if (req.measured is not None or req.measured_from_work) and (req.method != OURS or req.plan is not None):
         raise UserError("--measured-errors feeds our allocator; it needs --method ours and no --plan")
 
@@ -210,6 +227,7 @@ def request_record(ck: Checkpoint, req: BuildRequest) -> dict:
         "quantize": req.quantize.record(), "shard_size": req.shard_size, "revision": req.revision,
         "measured": None if req.measured is None else json.dumps(req.measured, sort_keys=True),
         "measured_from_work": req.measured_from_work, "tune": None if req.tune is None else req.tune.record(),
+        "end_to_end": None if req.end_to_end is None else req.end_to_end.record(),
     }
 
 

@@ -30,7 +30,7 @@ from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.plan import Plan
 from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
 from quantizer.report import gib, table
-from quantizer.tune.settings import INPUTS, TARGETS, TuneSettings
+from quantizer.tune.settings import INPUTS, TARGETS, EndToEndSettings, TuneSettings
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -85,6 +85,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tune-target", choices=TARGETS,
                    help="with --tune --tune-inputs quantized: fit each block to the native block on the same inputs "
                         "(block, default) or to the native model's stream after it (model)")
+    p.add_argument("--tune-e2e", action="store_true",
+                   help="after quantize (and --tune), fit every EXL3 suh/svh of the trunk and head to the native model's "
+                        "next-token distributions (KL) on the calibration rows; holds the whole model: small models only, "
+                        "refused up front where it does not fit (docs/tuning.md)")
+    p.add_argument("--tune-e2e-steps", type=count,
+                   help=f"with --tune-e2e: Adam steps at most (default {EndToEndSettings.steps})")
     p.add_argument("--shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE, help="shard cap, e.g. 8G, 512M (default 8G)")
     p.add_argument("--codebook", choices=CODEBOOKS, help="EXL3 codebook of a uniform plan (default mul1)")
     p.add_argument("--revision", help="revision of a Hugging Face repo id")
@@ -113,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--loader {args.loader} conflicts with {args.plan}, which is made for {plan.loader}")
     if not args.tune and (args.tune_steps, args.tune_inputs, args.tune_target) != (None, None, None):
         raise UserError("--tune-steps, --tune-inputs and --tune-target set the tune stage; add --tune")
+    if args.tune_e2e_steps is not None and not args.tune_e2e:
+        raise UserError("--tune-e2e-steps sets end-to-end tuning; add --tune-e2e")
     target = None
     if args.sparks:
         context = ck.config.max_position_embeddings if args.context is None else args.context
@@ -129,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         command=rebuild_command(args.argv),
         tune=TuneSettings(steps=args.tune_steps or TuneSettings.steps, inputs=args.tune_inputs or TuneSettings.inputs,
                           target=args.tune_target or TuneSettings.target) if args.tune else None,
+        end_to_end=EndToEndSettings(steps=args.tune_e2e_steps or EndToEndSettings.steps) if args.tune_e2e else None,
     )
     result = build(req)
     if current().main:
@@ -178,6 +187,7 @@ def summary(r: BuildResult) -> str:
         f"linears by K (16 = fp16): {hist or 'none'}",
         _proxy_line(r.quantized.proxy_err),
         *_tune_lines(r),
+        *_end_to_end_line(r),
         table(["class", "tensors", "bytes", "GiB", "bpw"], rows),
         _fit_lines(pack_fit_table(r.out)),
         *([] if r.fit is None else [render_fit(r.fit)]),
@@ -215,6 +225,14 @@ def _tune_lines(r: BuildResult) -> list[str]:
     mean = sum(ratios) / len(ratios) if ratios else 1.0
     return [f"tune: {t.blocks} blocks ({t.tuned} this run) on {t.tune_rows} rows, {t.heldout_rows} held out; held-out "
             f"block-output MSE x{mean:.3f} on average (tuned / stored scales)"]
+
+
+def _end_to_end_line(r: BuildResult) -> list[str]:
+    e = r.end_to_end
+    if e is None:
+        return []
+    return [f"tune-e2e: {e.steps} steps ({'this run' if e.tuned else 'reused'}) on {e.tune_rows} rows, {e.heldout_rows} "
+            f"held out; held-out KL {e.kl_before:.4g} -> {e.kl_after:.4g} (x{e.kl_after / max(e.kl_before, 1e-30):.3f})"]
 
 
 def _proxy_line(proxy_err: dict[str, float | None]) -> str:

@@ -2,10 +2,9 @@
 
 The quantized block is the native block with every encoded linear's weight swapped in through
 `ForwardHooks.weight_override` (svh * M * suh, differentiable in the two vectors), so native tensors
-(norms, mHC, router, attention sinks) are the source's own and never change. Each scale is trained as a
-relative change (suh = suh0 * (1 + a)), which makes one learning rate fit vectors of any magnitude.
-Held-out rows are measured with the scales rounded to fp16, as stored, every `eval_every` steps; the best
-measurement wins, the untuned scales included, so tuning never leaves a block worse on held-out rows.
+(norms, mHC, router, attention sinks) are the source's own and never change. Scales move as relative
+changes and the best held-out measurement (every `eval_every` steps, fp16 scales) wins, the untuned
+scales included (scales.py), so tuning never leaves a block worse on held-out rows.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from quantizer.model.block import Block
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.state import ForwardState
 from quantizer.tune.factor import FactoredLinear
+from quantizer.tune.scales import BestHeldOut, RelativeScales
 from quantizer.tune.settings import TuneSettings
 
 Batch = tuple[torch.Tensor, ForwardState]  # hc streams entering the block, and the state they carry
@@ -58,23 +58,30 @@ class QuantizedBlock:
 
     def run(self, batch: Batch, weights: dict[str, torch.Tensor], advance: bool = False) -> torch.Tensor:
         streams, state = batch
-        hooks = ForwardHooks(weight_override=self._override(weights))
-        return self.block(streams, state if advance else fork(state), self.hasher, hooks)
+        return self.block(streams, state if advance else fork(state), self.hasher, override_hooks(self.linears, weights))
 
     def weights(self, suh: dict[str, torch.Tensor] | None = None, svh: dict[str, torch.Tensor] | None = None
                 ) -> dict[str, torch.Tensor]:
-        out = dict(self.linears.fixed)
-        for key, f in self.linears.exl3.items():
-            out[key] = f.weight(None if suh is None else suh[key], None if svh is None else svh[key])
-        return out
+        return linear_weights(self.linears, suh, svh)
 
-    def _override(self, weights: dict[str, torch.Tensor]) -> Callable[[str, torch.Tensor], torch.Tensor | None]:
-        def override(name: str, _native: torch.Tensor) -> torch.Tensor | None:
-            keys = self.linears.sources.get(name)
-            if keys is None:
-                return None
-            return weights[keys[0]] if len(keys) == 1 else torch.cat([weights[k] for k in keys])
-        return override
+
+def linear_weights(linears: BlockLinears, suh: dict[str, torch.Tensor] | None = None,
+                   svh: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every stored linear's weight by stored key: EXL3 ones at these scales (default: the stored ones)."""
+    out = dict(linears.fixed)
+    for key, f in linears.exl3.items():
+        out[key] = f.weight(None if suh is None else suh[key], None if svh is None else svh[key])
+    return out
+
+
+def override_hooks(linears: BlockLinears, weights: dict[str, torch.Tensor]) -> ForwardHooks:
+    """Hooks that give each native weight the stored linears' `weights` it is made of (wo_a: its slices)."""
+    def override(name: str, _native: torch.Tensor) -> torch.Tensor | None:
+        keys = linears.sources.get(name)
+        if keys is None:
+            return None
+        return weights[keys[0]] if len(keys) == 1 else torch.cat([weights[k] for k in keys])
+    return ForwardHooks(weight_override=override)
 
 
 def block_error(qb: QuantizedBlock, batches: list[Batch], targets: list[torch.Tensor],
@@ -89,45 +96,31 @@ def tune_block(qb: QuantizedBlock, tune: list[Batch], tune_targets: list[torch.T
                held_targets: list[torch.Tensor], settings: TuneSettings,
                on_step: Callable[[int, float], None] | None = None) -> BlockTuning:
     start = time.monotonic()
-    lin = qb.linears.exl3
-    base_u = {k: f.suh.float() for k, f in lin.items()}
-    base_v = {k: f.svh.float() for k, f in lin.items()}
-    rel_u = {k: torch.zeros_like(v, requires_grad=True) for k, v in base_u.items()}
-    rel_v = {k: torch.zeros_like(v, requires_grad=True) for k, v in base_v.items()}
-    opt = torch.optim.Adam([*rel_u.values(), *rel_v.values()], lr=settings.lr)
-
-    def stored() -> tuple[dict, dict]:
-        with torch.no_grad():
-            return ({k: (base_u[k] * (1 + rel_u[k])).half() for k in lin},
-                    {k: (base_v[k] * (1 + rel_v[k])).half() for k in lin})
+    scales = RelativeScales(qb.linears.exl3)
+    opt = torch.optim.Adam(scales.parameters(), lr=settings.lr)
 
     def held_error(u16: dict, v16: dict) -> float:
         return block_error(qb, held, held_targets,
                            qb.weights({k: t.float() for k, t in u16.items()}, {k: t.float() for k, t in v16.items()}))
 
-    best_u, best_v = stored()
-    before = best = held_error(best_u, best_v)
-    best_step, since_best, step = 0, 0, 0
+    first = scales.stored()
+    best = BestHeldOut(held_error(*first), first, settings.patience)
+    step = 0
     gen = torch.Generator().manual_seed(settings.seed)
     steps_start = time.monotonic()  # on_step gets the time of the steps alone
     while step < settings.steps:
         i = int(torch.randint(len(tune), (1,), generator=gen))
         opt.zero_grad(set_to_none=True)
-        weights = qb.weights({k: base_u[k] * (1 + rel_u[k]) for k in lin}, {k: base_v[k] * (1 + rel_v[k]) for k in lin})
-        loss = (qb.run(tune[i], weights) - tune_targets[i]).square().mean()
+        loss = (qb.run(tune[i], qb.weights(*scales.current())) - tune_targets[i]).square().mean()
         loss.backward()
         opt.step()
         step += 1
         if on_step is not None:
             on_step(step, time.monotonic() - steps_start)
         if step % settings.eval_every == 0 or step == settings.steps:
-            u16, v16 = stored()
-            err = held_error(u16, v16)
-            if err < best:
-                best, best_u, best_v, best_step, since_best = err, u16, v16, step, 0
-            else:
-                since_best += 1
-                if since_best >= settings.patience:
-                    break
-    scales = {f"{k}.suh": best_u[k] for k in lin} | {f"{k}.svh": best_v[k] for k in lin}
-    return BlockTuning(scales, before, best, best_step, step, time.monotonic() - start)
+            u16, v16 = scales.stored()
+            if best.offer(step, held_error(u16, v16), (u16, v16)):
+                break
+    best_u, best_v = best.scales
+    tuned = {f"{k}.suh": best_u[k] for k in scales.keys} | {f"{k}.svh": best_v[k] for k in scales.keys}
+    return BlockTuning(tuned, best.start, best.value, best.step, step, time.monotonic() - start)

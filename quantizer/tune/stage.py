@@ -40,6 +40,7 @@ from quantizer.tune.settings import TuneSettings
 from quantizer.tune.store import TunedStore, block_digest
 
 DTYPE = torch.float32
+HEAD_KEY = "head"  # the head's stored key: not in a block, tuned end to end only (end_to_end.py)
 # Saved tensors of one autograd pass through a block, in multiples of one forward's peak activations
 # (estimate_stream_memory). bench/tune_small.py at 16 x 512 rows measured peaks of 250 and 292 MiB
 # against 210 MiB estimated with 3; with 4 the estimate is 261 MiB (docs/tuning.md).
@@ -85,7 +86,7 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
     n_tune, n_held = settings.split(rows.shape[0])
     say(f"tune: {n_tune} tuning + {n_held} held-out rows x {rows.shape[1]} tokens, up to {settings.steps} Adam steps "
         f"per block, inputs {settings.inputs}; needs about {gib(tune_memory(cfg, *rows.shape, settings))} GiB of RAM")
-    layers = _block_linears(ck, plan, quantize_work, job)
+    layers = {b: v for b, v in stored_linears(ck, plan, quantize_work, job).items() if b != HEAD_KEY}
     store = TunedStore(work)
     store.drop_unfinished()
     digests = _digests(layers, settings, tokens_digest(rows))
@@ -189,18 +190,19 @@ def _progress(say, name: str, settings: TuneSettings, blocks_left: int):
     return tick
 
 
-def _block_linears(ck: Checkpoint, plan: Plan, quantize_work: Path, job: dict
+def stored_linears(ck: Checkpoint, plan: Plan, quantize_work: Path, job: dict
                    ) -> dict[str, tuple[BlockLinears, list[str]]]:
-    """Per trunk block: its stored linears from the quantize stage's unit store, and their unit digests."""
+    """Per trunk block (`layers.L`), and `head` when the pack encodes it: its stored linears from the
+    quantize stage's unit store, and their unit digests. The drafter's are left out: no forward runs it."""
     spec = pack_spec(ck.config, plan)
     units = plan_units(spec, plan.codebook, job)
     unit_of = {k: u.digest for u in units for k in u.keys}
     entries = ResultStore(quantize_work).entries(units)
     exl3, fixed, sources, digests = defaultdict(dict), defaultdict(dict), defaultdict(dict), defaultdict(set)
     for s in spec.encoded:
-        if not s.key.startswith("layers."):
-            continue  # the head and the drafter: not in a block our forward tunes
-        block = ".".join(s.key.split(".")[:2])
+        if not s.key.startswith("layers.") and s.key != HEAD_KEY:
+            continue  # the drafter
+        block = HEAD_KEY if s.key == HEAD_KEY else ".".join(s.key.split(".")[:2])
         digests[block].add(unit_of[s.key])
         if s.K == UNQUANTIZED:
             fixed[block][s.key] = read_tensor(entries[f"{s.key}.weight"]).float()

@@ -1,7 +1,8 @@
-"""A `build --tune` pack of the tiny V4 checkpoint loads in stock exllamav3 1.6.5 and decodes as we do.
+"""`build --tune` and `build --tune --tune-e2e` packs of the tiny V4 checkpoint load in stock exllamav3 1.6.5
+and decode as we do.
 
 Run on the GPU machine: `source .device-cache/setup.sh && python -m pytest tests/gpu/test_tune_exllamav3.py -q`.
-The tune stage changes only the EXL3 linears' suh/svh (tests/test_tune.py checks that on the CPU); here
+Both tune stages change only the EXL3 linears' suh/svh (tests/test_tune.py checks that on the CPU); here
 exllamav3 loads the tuned pack, every EXL3 linear checked holds the trellis and the tuned scales the
 pack stores, reconstructs our decode bit for bit in the rotated basis and matches our original-basis
 weight to fp16 rounding, and its logits agree with our forward on the same pack as closely as the
@@ -26,20 +27,40 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.fixture(scope="module")
-def tuned(tiny_v4, tmp_path_factory):
+def ids(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ids") / "ids.npy"
+    np.save(path, np.random.default_rng(0).integers(3, 4000, size=(8, 64)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tuned(tiny_v4, ids, tmp_path_factory):
     root = tmp_path_factory.mktemp("tuned")
-    ids = root / "ids.npy"
-    np.save(ids, np.random.default_rng(0).integers(3, 4000, size=(8, 64)))
     assert main(["build", str(tiny_v4), "--bpw", "2.5", "--method", "uniform", "--loader", "exllamav3", "--tokens",
                  str(ids), "--tune", "--tune-steps", "20", "--out", str(root / "pack")]) == 0
     assert Manifest.load(root / "pack").settings["tuning"]["tune_rows"] > 0
     return root / "pack"
 
 
-def test_exllamav3_loads_a_tuned_pack_and_decodes_as_we_do(tuned, tiny_v4, monkeypatch):
+@pytest.fixture(scope="module")
+def tuned_e2e(tiny_v4, ids, tmp_path_factory):
+    """Block-wise, then end to end on the GPU (the build's device), the head's scales among those tuned."""
+    root = tmp_path_factory.mktemp("tuned-e2e")
+    assert main(["build", str(tiny_v4), "--bpw", "2.5", "--method", "uniform", "--loader", "exllamav3", "--tokens",
+                 str(ids), "--device", "cuda", "--tune", "--tune-steps", "5", "--tune-e2e",
+                 "--tune-e2e-steps", "20", "--out", str(root / "pack")]) == 0
+    e2e = Manifest.load(root / "pack").settings["end_to_end"]
+    assert e2e["heldout_kl_after"] <= e2e["heldout_kl_before"] and e2e["steps_run"] > 0
+    assert "head.trellis" in Checkpoint.open(root / "pack").tensors  # the head is EXL3 and tuned end to end
+    return root / "pack"
+
+
+@pytest.mark.parametrize("pack", ["tuned", "tuned_e2e"])
+def test_exllamav3_loads_a_tuned_pack_and_decodes_as_we_do(pack, request, tiny_v4, monkeypatch):
+    tuned = request.getfixturevalue(pack)
     keys = sorted(n[: -len(".trellis")] for n in Checkpoint.open(tuned).tensors if n.endswith(".trellis"))
     model = _load(tuned)
-    checked = keys[:: max(1, len(keys) // 24)]
+    checked = keys[:: max(1, len(keys) // 24)] + (["head"] if "head" in keys else [])
     check_linears_decode_as_ours(model, tuned, checked)  # the trellis, and the decode with the tuned scales
     for key in checked:  # exllamav3 holds the tuned suh/svh the pack stores, not the encoder's
         q, inner = _stored(tuned, key), model.find_module(key).inner
