@@ -35,7 +35,7 @@ from quantizer.checkpoint.safetensors_file import TensorEntry, read_tensor
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.model.hooks import ForwardHooks
-from quantizer.model.streaming import estimate_stream_memory, model_bytes
+from quantizer.model.streaming import block_activations, model_bytes
 from quantizer.model.transformer import DeepseekModel
 from quantizer.plan.plan import Plan
 from quantizer.plan.spec import pack_spec
@@ -45,11 +45,16 @@ from quantizer.tune.block import BlockLinears, linear_weights, override_hooks
 from quantizer.tune.factor import FactoredLinear
 from quantizer.tune.scales import BestHeldOut, RelativeScales
 from quantizer.tune.settings import EndToEndSettings
-from quantizer.tune.stage import BACKWARD_FACTOR, DTYPE, HEAD_KEY, stored_linears
+from quantizer.tune.stage import DTYPE, HEAD_KEY, stored_linears
 from quantizer.tune.store import TunedStore, block_digest
 
 MODEL_FILE = "model"  # WORK/tuned/model.<digest>.safetensors
 MEMORY_SHARE = 0.9  # refuse when the estimate exceeds this share of the device's free memory
+# What autograd keeps of one block for the backward, in multiples of the block's forward peak
+# (block_activations): every intermediate of attention, MoE and mHC, not just the largest moment's.
+# bench/tune_small.py --device cuda on the small V4 model (1 row x 2048 tokens a step) measured 2013 MiB
+# at the stage's peak, whose other parts this estimate gives as 1446 MiB: 4.5 block peaks (126 MiB).
+SAVED_PER_BLOCK = 4.5
 # Per vocabulary entry of a training row's token: its logits, their log-softmax and the gradient of each,
 # and the native log-probabilities' exp and the product with the difference (float32)
 LOGIT_BYTES = 6 * 4
@@ -90,11 +95,12 @@ def encoded_weights(cfg: ModelConfig, plan: Plan) -> tuple[int, int]:
 def end_to_end_needs(cfg: ModelConfig, plan: Plan, rows: int, cols: int, settings: EndToEndSettings) -> int:
     """Bytes the stage holds at its peak: the model (Engram tables included), each EXL3 linear's codes
     three times (the codes, the weight of a step, its gradient) and each fp16 one once, the native
-    log-probabilities of every row, and one autograd pass over `batch_rows` rows through all blocks
-    (BACKWARD_FACTOR forward peaks per block, as block-wise) and the head."""
+    log-probabilities of every row, and one autograd pass over `batch_rows` rows: every block's saved
+    tensors (SAVED_PER_BLOCK times its forward peak) and the head's logits."""
     exl3, fixed = encoded_weights(cfg, plan)
-    step = estimate_stream_memory(cfg, settings.batch_rows, cols, DTYPE, settings.batch_rows)
-    backward = cfg.num_layers * BACKWARD_FACTOR * step.activations + settings.batch_rows * cols * cfg.vocab_size * LOGIT_BYTES
+    blocks = sum(max(block_activations(cfg, layer, settings.batch_rows, cols, DTYPE).values())
+                 for layer in range(cfg.num_layers))
+    backward = SAVED_PER_BLOCK * blocks + settings.batch_rows * cols * cfg.vocab_size * LOGIT_BYTES
     return model_bytes(cfg, DTYPE) + 4 * (3 * exl3 + fixed) + rows * cols * cfg.vocab_size * 4 + backward
 
 
@@ -173,9 +179,10 @@ def end_to_end(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows
         step_seconds += time.monotonic() - step_start
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss.detach()):.4f}", best=f"{best.value:.4f}")
-        if step == 1:
-            say(f"tune-e2e: {step_seconds:.3f} s for the first step; at most {settings.steps} steps = about "
-                f"{step_seconds * settings.steps / 60:.1f} min plus held-out measurements (early stopping shortens it)")
+        if step == min(2, settings.steps):  # the second step: the first also pays the kernels' warm-up
+            per = time.monotonic() - step_start
+            say(f"tune-e2e: {per:.3f} s per step; at most {settings.steps} steps = about "
+                f"{per * settings.steps / 60:.1f} min plus held-out measurements (early stopping shortens it)")
         if step % settings.eval_every == 0 or step == settings.steps:
             u16, v16 = scales.stored()
             if best.offer(step, held_kl(u16, v16), (u16, v16)):
