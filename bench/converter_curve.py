@@ -4,8 +4,9 @@ On the bundled small V4 model (the architecture stock exllamav3 1.6.5 runs): the
 (`python -m exllamav3.conversion.convert_model`, its defaults, our calibration rows) at every bpw of
 --steps, and at each of --sizes our `quantizer build` at the converter's own bits there (equal bytes of
 the budgeted linears), once per --variants entry: `ours` (the defaults), `tune` (+ `--tune`, block-wise
-suh/svh, docs/tuning.md), `gate2` (+ `--expert-hessians gate2`, routing-weighted expert Hessians,
-docs/calibration.md). Every pack is loaded by exllamav3 and compared with the native model's exllamav3
+suh/svh, docs/tuning.md), `e2e` (+ `--tune-e2e`, every scale fitted to the native logits), `gate2`
+(+ `--expert-hessians gate2`, routing-weighted expert Hessians, docs/calibration.md), and their
+combinations joined by `+` (VARIANTS). Every pack is loaded by exllamav3 and compared with the native model's exllamav3
 logits on each --eval-text: KL, top-1 agreement, perplexity.
 
 The reference is the converter's curve measured in the same run: for each of our packs, the ratio of its
@@ -47,9 +48,12 @@ from quantizer.report import table
 from quantizer.shipped import shipped
 from quantizer.textdata import model_rows, shipped_text_path, text_argument
 
-# variant -> (build flags, work directory group): `tune` shares ours' work directory (one calibration, the
-# same codes and bytes); gate2 calibrates differently, so it has its own.
-VARIANTS = {"ours": ([], "ours"), "tune": (["--tune"], "ours"), "gate2": (["--expert-hessians", "gate2"], "gate2")}
+# variant -> (build flags, work directory group): the tuned variants share their untuned variant's work
+# directory (one calibration, the same codes and bytes); gate2 calibrates differently, so it has its own.
+GATE2 = ["--expert-hessians", "gate2"]
+VARIANTS = {"ours": ([], "ours"), "tune": (["--tune"], "ours"), "gate2": (GATE2, "gate2"),
+            "e2e": (["--tune-e2e"], "ours"), "tune+e2e": (["--tune", "--tune-e2e"], "ours"),
+            "gate2+tune": ([*GATE2, "--tune"], "gate2"), "gate2+tune+e2e": ([*GATE2, "--tune", "--tune-e2e"], "gate2")}
 CALIB_COLS = 2048
 
 

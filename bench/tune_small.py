@@ -1,7 +1,9 @@
-"""What block-wise tuning (`build --tune`) gives on the bundled small V4.1 model, in our forward (CPU).
+"""What block-wise tuning (`build --tune`) and end-to-end tuning (`--tune-e2e`) give on a bundled small
+model (default the V4.1 one), in our forward.
 
 For each size: one `ours` build for the exllamav3 profile without tuning, then the same build with
-tuning for each block-input mode asked for, all in one work directory (one calibration, one set of
+tuning for each mode asked for (a block-input mode, or `e2e`: end to end from the stored scales), all in
+one work directory (one calibration, one set of
 encodings, so every pack holds the same codes and the same bytes). Each pack is compared with the native
 model on held-out rows of each text of --eval-text (default the shipped held-out set; `heldout,heldout-tests`
 adds held-out text of another kind than calibration, measured on the same packs; calibration stays the
@@ -10,15 +12,20 @@ tuned KL / untuned KL (the reference measured in the same run). The tune stage r
 first, so its time and peak RAM (RSS sampled every 10 ms, above the RSS before it) are its alone; the
 tuned build then reuses its blocks. The RAM columns compare the stage's estimate with that peak; only
 the first tune of a run measures cleanly (later ones reuse memory the allocator kept), so later rows
-show no peak.
+show no peak. With --device cuda the builds encode with exllamav3 and `e2e` runs on the GPU: its peak is
+torch.cuda.max_memory_allocated above the allocation before it (every row measures cleanly). For `e2e`
+the time column also gives the stage's printed estimate of its steps (its second step's time x steps)
+against their measured time.
 
     python bench/tune_small.py                                  # 2.5 and 2.9 bpw, small settings
     python bench/tune_small.py --sizes 2.5,2.9,3.5 --calib-rows 32 --eval-rows 8 --inputs native,quantized
+    python bench/tune_small.py --model small_model_v4 --sizes 2 --calib-rows 37 --cols 2048 --inputs e2e --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 import tempfile
@@ -43,7 +50,8 @@ from quantizer.quantize.settings import QuantizeSettings
 from quantizer.report import table
 from quantizer.shipped import shipped
 from quantizer.textdata import SET_FILES, model_rows, shipped_text_path, text_argument
-from quantizer.tune.settings import TuneSettings
+from quantizer.tune.end_to_end import end_to_end, end_to_end_needs
+from quantizer.tune.settings import EndToEndSettings, TuneSettings
 from quantizer.tune.stage import tune, tune_memory
 from quantizer.tune.store import TunedStore
 
@@ -72,6 +80,20 @@ class PeakRss:
         return self.peak - self.base
 
 
+class PeakCuda:
+    """Peak CUDA memory allocated above what was allocated at start."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        self.base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize()
+        self.added = torch.cuda.max_memory_allocated() - self.base
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
@@ -96,10 +118,13 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=TuneSettings.steps)
     ap.add_argument("--lr", type=float, default=TuneSettings.lr)
     ap.add_argument("--batch-rows", type=int, default=TuneSettings.batch_rows)
+    ap.add_argument("--e2e-steps", type=int, default=EndToEndSettings.steps)
+    ap.add_argument("--model", choices=("small_model", "small_model_v4"), default="small_model")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the builds' device, and e2e's")
     ap.add_argument("--work", type=Path, help="keep the work here (default: a temporary directory)")
     args = ap.parse_args(argv)
     eval_texts = {name: text_argument(name) for name in args.eval_text.split(",")}
-    ck = Checkpoint.open(shipped("small_model"))
+    ck = Checkpoint.open(shipped(args.model))
     cfg = ck.config
 
     def rows(text: Path, count: int) -> torch.Tensor:
@@ -117,13 +142,13 @@ def main(argv=None) -> None:
     out_rows, first = [], True
     try:
         for size in (float(s) for s in args.sizes.split(",")):
-            def request(name: str, tuning: TuneSettings | None) -> BuildRequest:
+            def request(name: str, tuning: TuneSettings | None, e2e: EndToEndSettings | None = None) -> BuildRequest:
                 out = root / "packs" / f"{size:g}-{name}"
                 shutil.rmtree(out, ignore_errors=True)
                 return BuildRequest(src=str(ck.root), out=out, bpw=size, method="ours",
                                     allocation=AllocationSettings(loader=EXLLAMAV3), calibration_rows=calibration,
-                                    calibration=CalibrationSettings(device="cpu"), work=root / "build",
-                                    quantize=QuantizeSettings(device="cpu"), tune=tuning)
+                                    calibration=CalibrationSettings(device=args.device), work=root / "build",
+                                    quantize=QuantizeSettings(device=args.device), tune=tuning, end_to_end=e2e)
 
             base = build(request("untuned", None))
             untuned = measured(base.out)
@@ -131,6 +156,9 @@ def main(argv=None) -> None:
                           "-"] for text, u in untuned.items()]
             job = dict(base.manifest.settings)  # the quantize stage's record: names the units
             for mode in args.inputs.split(","):
+                if mode == "e2e":
+                    out_rows += _end_to_end_rows(args, ck, base, root, calibration, job, size, untuned, measured, request)
+                    continue
                 inputs, _, target = mode.partition("/")
                 settings = TuneSettings(steps=args.steps, lr=args.lr, batch_rows=args.batch_rows, inputs=inputs,
                                         target=target or "block")
@@ -155,12 +183,36 @@ def main(argv=None) -> None:
         if args.work is None:
             shutil.rmtree(root, ignore_errors=True)
     native = {name: float(torch.cat([r.nll() for r in ref]).mean().exp()) for name, ref in reference.items()}
-    print(f"small V4.1, ours for exllamav3, our forward; {args.calib_rows} calibration rows x {args.cols} tokens "
+    print(f"{args.model}, ours for exllamav3, our forward; {args.calib_rows} calibration rows x {args.cols} tokens "
           f"(tuning and held-out split by the tune stage), {args.eval_rows} held-out eval rows per text; native ppl "
           + ", ".join(f"{v:.3f} on {k}" for k, v in native.items()))
     out_rows.sort(key=lambda r: list(held).index(r[0]))  # one text's rows together, in the order run
     print(table(["eval text", "bpw", "tuned inputs", "KL", "KL / untuned", "top-1", "ppl", "tune time", "RAM est / peak",
                  "est / peak"], out_rows))
+
+
+def _end_to_end_rows(args, ck, base, root: Path, calibration: torch.Tensor, job: dict, size: float, untuned: dict,
+                     measured, request) -> list[list[str]]:
+    """End-to-end tuning from the stored scales: its peak memory and step time against what it states, and
+    the tuned pack measured like the others."""
+    settings = EndToEndSettings(steps=args.e2e_steps)
+    lines: list[str] = []
+    meter = PeakCuda() if args.device == "cuda" else PeakRss()
+    with meter:
+        result = end_to_end(ck, base.plan, root / "build" / QUANTIZE_DIR, root / "build", calibration, settings, job,
+                            device=args.device, say=lambda line: (lines.append(line), print(line, file=sys.stderr)))
+    estimate = end_to_end_needs(ck.config, base.plan, *calibration.shape, settings)
+    per_step = next(float(m[1]) for line in lines if (m := re.search(r"([\d.]+) s per step", line)))
+    step_seconds = TunedStore(root / "build").info(result.file)["step_seconds"]
+    tuned = build(request("tuned-e2e", None, settings))
+    rows = []
+    for text, c in measured(tuned.out).items():
+        rows.append([text, f"{size:g}", "e2e", f"{c.kl:.4f}", f"{c.kl / untuned[text].kl:.3f}", f"{c.top1:.2%}",
+                     f"{c.pack.ppl:.3f}", f"{result.seconds:.0f} s ({result.steps} steps; steps est "
+                     f"{per_step * result.steps:.1f} / {step_seconds:.1f} s)",
+                     f"{estimate / 2**20:.0f} / {meter.added / 2**20:.0f} MiB", f"{estimate / max(meter.added, 1):.2f}"])
+        print(f"{size:g} e2e on {text}: KL {untuned[text].kl:.4f} -> {c.kl:.4f}", file=sys.stderr, flush=True)
+    return rows
 
 
 if __name__ == "__main__":
