@@ -34,12 +34,12 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import TensorEntry, read_tensor
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
+from quantizer.exl3 import UNQUANTIZED
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.streaming import block_activations, model_bytes
 from quantizer.model.transformer import DeepseekModel
 from quantizer.plan.plan import Plan
 from quantizer.plan.spec import pack_spec
-from quantizer.exl3 import UNQUANTIZED
 from quantizer.report import gib
 from quantizer.tune.block import BlockLinears, linear_weights, override_hooks
 from quantizer.tune.factor import FactoredLinear
@@ -53,7 +53,8 @@ MEMORY_SHARE = 0.9  # refuse when the estimate exceeds this share of the device'
 # What autograd keeps of one block for the backward, in multiples of the block's forward peak
 # (block_activations): every intermediate of attention, MoE and mHC, not just the largest moment's.
 # bench/tune_small.py --device cuda on the small V4 model (1 row x 2048 tokens a step) measured 2013 MiB
-# at the stage's peak, whose other parts this estimate gives as 1446 MiB: 4.5 block peaks (126 MiB).
+# at the stage's peak; this estimate's other parts come to 1446 MiB, and the remaining 567 MiB are 4.5
+# times the blocks' summed forward peaks (126 MiB). docs/tuning.md has the CPU check (0.87-0.92x).
 SAVED_PER_BLOCK = 4.5
 # Per vocabulary entry of a training row's token: its logits, their log-softmax and the gradient of each,
 # and the native log-probabilities' exp and the product with the difference (float32)
