@@ -6,7 +6,8 @@ their own forward state. Block L's inputs are the native model's (settings.input
 the quantized blocks before it, already tuned ("quantized"); its targets are the native block's outputs
 on those same inputs. A finished block's scales are saved under WORK/tuned/ (store.py) and a rerun
 reuses them, so a killed run resumes at the first unfinished block.
-The drafter (`mtp.*`) and the head are not tuned: our forward has no drafter, and the head is no block.
+The drafter (`mtp.*`) and the head are not tuned here: our forward has no drafter, and the head is no
+block (end_to_end.py tunes it).
 """
 
 from __future__ import annotations
