@@ -77,6 +77,10 @@ from quantizer.calibrate.stage import calibrate  # noqa: E402
 from quantizer.report import GIB, table  # noqa: E402
 from quantizer.shipped import model_config_path  # noqa: E402
 from quantizer.tiny.make import random_values  # noqa: E402
+from quantizer.model.streaming import block_weight_bytes  # noqa: E402
+from quantizer.tune.settings import TuneSettings  # noqa: E402
+from quantizer.tune.stage import DTYPE, tune_memory  # noqa: E402
+from quantizer.tune.store import TunedStore  # noqa: E402
 
 REAL = "deepseek-v4.1-flash.json"
 REAL_ROWS, REAL_COLS = 250, 2048  # the calibration a real build runs by default
@@ -85,6 +89,7 @@ SHARD_BYTES = 2 << 30  # source shards of about this size
 HEAD_SAMPLE_WEIGHTS = 64 << 20
 GPU_COUNTS = (1, 2, 4, 8)
 STAGES = ("calibrate", "plan", "quantize", "pack", "verify")
+TUNE_STAGE = "tune"
 
 
 def slice_config(layers: int, experts: int) -> dict:
@@ -224,6 +229,21 @@ def measured(stages: dict[str, StageRecord], pack_bytes: int) -> dict[str, dict[
     }
 
 
+def tune_settings(args) -> TuneSettings | None:
+    return TuneSettings(steps=args.tune_steps) if args.tune else None
+
+
+def tune_record(cfg: ModelConfig, result, record: StageRecord, args, work: Path) -> dict:
+    """The tune stage on the slice: its RAM against tune_memory, and seconds per block with the steps run."""
+    infos = [TunedStore(work).info(p) for p in result.files]
+    return {"seconds": record.seconds, "blocks": result.blocks, "tune_rows": result.tune_rows,
+            "heldout_rows": result.heldout_rows, "steps": [i["steps"] for i in infos],
+            "block_seconds": [i["seconds"] for i in infos], "settings_steps": args.tune_steps, "cols": args.cols,
+            "ram_estimate": tune_memory(cfg, args.rows, args.cols, tune_settings(args)),
+            "ram_measured": record.ram_peak - record.ram_start,
+            "block_bytes": max(v for k, v in block_weight_bytes(cfg, DTYPE).items() if k.startswith("layers."))}
+
+
 def calibration_rate(ck: Checkpoint, rows: torch.Tensor, root: Path) -> dict[str, float]:
     """Seconds of calibration per layer: fixed (start-up, weights) and per token, from two runs on the
     slice at all and a quarter of the rows (the build's own calibration is the first)."""
@@ -279,7 +299,9 @@ def real_needs(bpw: float, run_table: RateTable, stage_over_direct: float, run: 
     results = sum(exl3_bytes(s.in_features, s.out_features, s.K, plan.codebook) for s in pack_spec(cfg, plan).encoded
                   if s.K != 16)
     hours = {g: (calibrate_s / g + quantize_s / g + tail_s) / 3600 for g in GPU_COUNTS}
+    tune = real_tune(cfg, run["tune"]) if "tune" in run else None
     return {
+        "tune": tune,
         "plan": plan.made_by, "calibrate_h_1gpu": calibrate_s / 3600,
         "calibrate_from": ("full-size layer (bench/calibrate_gpu_layer.py)" if layer
                            else "slice, experts scaled (upper bound)"),
@@ -290,6 +312,23 @@ def real_needs(bpw: float, run_table: RateTable, stage_over_direct: float, run: 
     }
 
 
+def real_tune(cfg: ModelConfig, measured: dict) -> dict:
+    """The block-wise tune stage on the real model at the slice's rows and settings: its RAM by tune_memory
+    (checked on the slice above), and its hours as the slice's mean seconds per block times the real
+    block's weight bytes over the slice's, an upper bound (a step's activation work does not grow with
+    the expert count; its weight materialisation does). It runs on the host CPU of rank 0 while the
+    job holds its GPUs, so on g GPUs it adds g times its hours in GPU-hours."""
+    settings = TuneSettings(steps=measured["settings_steps"])
+    rows = measured["tune_rows"] + measured["heldout_rows"]
+    real_block = max(v for k, v in block_weight_bytes(cfg, DTYPE).items() if k.startswith("layers."))
+    per_block = sum(measured["block_seconds"]) / len(measured["block_seconds"]) * real_block / measured["block_bytes"]
+    hours = cfg.num_layers * per_block / 3600
+    return {"rows": rows, "ram": tune_memory(cfg, rows, measured["cols"], settings),
+            "ram_at_real_rows": tune_memory(cfg, REAL_ROWS, REAL_COLS, settings),
+            "block_seconds_bound": per_block, "hours_bound": hours,
+            "gpu_hours_by_gpus": {g: hours * g for g in GPU_COUNTS}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=2)
@@ -297,6 +336,8 @@ def main() -> None:
     ap.add_argument("--bpw", type=float, default=2.9)
     ap.add_argument("--rows", type=int, default=16, help="calibration rows (random token ids)")
     ap.add_argument("--cols", type=int, default=2048, help="tokens per calibration row")
+    ap.add_argument("--tune", action="store_true", help="build with --tune (block-wise) and meter its stage")
+    ap.add_argument("--tune-steps", type=int, default=TuneSettings.steps, help="with --tune: Adam steps per block")
     ap.add_argument("--sample", type=int, default=16, help="experts per direct-call sample")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
@@ -330,13 +371,13 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
     build_module = importlib.import_module("quantizer.pipeline.build")  # the module: the package exports build()
     originals = {}
     for fn, name in (("calibrate", "calibrate"), ("choose_plan", "plan"), ("quantize", "quantize"),
-                     ("write_pack", "pack"), ("verify_pack", "verify")):
+                     ("write_pack", "pack"), ("verify_pack", "verify"), ("tune", TUNE_STAGE)):
         originals[fn] = getattr(build_module, fn)
         setattr(build_module, fn, meter.wrap(name, originals[fn]))
     try:
         result = build(BuildRequest(str(src), out, bpw=args.bpw, calibration_rows=tokens, work=root / "pack.work",
                                     calibration=CalibrationSettings(device="cuda", measure_kl=False),
-                                    quantize=QuantizeSettings(device="cuda")))
+                                    quantize=QuantizeSettings(device="cuda"), tune=tune_settings(args)))
     finally:
         for fn, original in originals.items():
             setattr(build_module, fn, original)
@@ -357,6 +398,10 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
            "stages": {k: vars(v) for k, v in stages.items()},
            "calibration_rate": calibration_rate(ck, tokens, root), "full_layer": full_layer}
     est, got = printed_estimates(ck, result.plan, args, root / "pack.work"), measured(stages, pack_bytes)
+    if result.tuned is not None:
+        run["tune"] = tune_record(ck.config, result.tuned, stages[TUNE_STAGE], args, root / "pack.work")
+        est[TUNE_STAGE], got[TUNE_STAGE] = ({"RAM above start": run["tune"]["ram_estimate"]},
+                                            {"RAM above start": run["tune"]["ram_measured"]})
     run_table = RateTable(torch.cuda.get_device_name(), tuple(rows))
     return {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -404,6 +449,15 @@ def print_report(r: dict) -> None:
           f"on one GPU, pack + verify "
           f"{m['pack_verify_h']:,.2f} h")
     print(table(["GPUs", *map(str, GPU_COUNTS)], [["hours", *(f"{m['hours_by_gpus'][g]:,.2f}" for g in GPU_COUNTS)]]))
+    if m["tune"]:
+        t, got = m["tune"], r["tune"]
+        per_block = ", ".join(f"{x:,.1f}" for x in got["block_seconds"])
+        print(f"tune stage on the slice: {got['seconds']:,.1f} s, per block {per_block} s "
+              f"({', '.join(map(str, got['steps']))} steps; {got['tune_rows']} + {got['heldout_rows']} rows x {got['cols']})")
+        print(f"real model, {t['rows']} rows: RAM {t['ram'] / GIB:,.1f} GiB ({t['ram_at_real_rows'] / GIB:,.1f} GiB at "
+              f"{REAL_ROWS} rows), at most {t['block_seconds_bound'] / 60:,.1f} min per block, {t['hours_bound']:,.1f} h "
+              f"on the host CPU; GPU-hours held: "
+              + ", ".join(f"{g} GPU(s) {h:,.1f}" for g, h in t["gpu_hours_by_gpus"].items()))
     d = m["disk"]
     print(f"disk: Hessians {d['hessians'] / GIB:,.1f} GiB (calibration peak {d['calibration_peak'] / GIB:,.1f} GiB "
           f"with its resume point), quantized results {d['quantized_results'] / GIB:,.1f} GiB, pack "

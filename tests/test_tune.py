@@ -235,14 +235,17 @@ def test_end_to_end_is_reused_by_a_rerun(e2e_pack, packs, tiny_v41):
     assert not again.tuned and again.file == e2e_pack.end_to_end.file and again.kl_after == e2e_pack.end_to_end.kl_after
 
 
-def test_end_to_end_that_does_not_fit_is_refused_before_any_stage(tiny_v41, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(end_to_end, "free_memory", lambda device: 2**20)
+@pytest.mark.parametrize("flag, instead", [("--tune-e2e", "--tune (block-wise)"), ("--tune", "drop --tune")])
+def test_tuning_that_does_not_fit_is_refused_before_any_stage(flag, instead, tiny_v41, tmp_path, capsys, monkeypatch):
+    """A tuning stage runs after calibration and quantize: a build whose memory cannot hold it is refused
+    before those, naming the GiB it needs (the real V4.1 needs 175+ GiB of RAM block-wise)."""
+    monkeypatch.setattr(stage, "free_memory", lambda device: 2**20)
     ids = tmp_path / "ids.npy"
     np.save(ids, np.random.default_rng(0).integers(3, 200, size=(4, 32)))
-    code = main(["build", str(tiny_v41), "--bpw", "2.5", "--method", "uniform", "--tokens", str(ids), "--tune-e2e",
+    code = main(["build", str(tiny_v41), "--bpw", "2.5", "--method", "uniform", "--tokens", str(ids), flag,
                  "--out", str(tmp_path / "pack"), "--work", str(tmp_path / "work")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and "--tune-e2e" in err[-1] and "GiB" in err[-1] and "--tune (block-wise)" in err[-1]
+    assert code == 2 and f"error: {flag} holds" in err[-1] and "GiB" in err[-1] and instead in err[-1], err
     assert not (tmp_path / "work").exists() and not (tmp_path / "pack").exists()
 
 

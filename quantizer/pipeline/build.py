@@ -60,7 +60,7 @@ from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import QuantizeResult, measured_proxies, quantize
 from quantizer.tune.end_to_end import EndToEndResult, check_end_to_end_fits, end_to_end
 from quantizer.tune.settings import EndToEndSettings, TuneSettings
-from quantizer.tune.stage import TuneResult, tune
+from quantizer.tune.stage import TuneResult, check_tune_fits, tune
 from quantizer.verify.verify import VerifyReport, verify_pack
 
 QUANTIZE_DIR = "quantize"
@@ -122,7 +122,9 @@ def build(req: BuildRequest) -> BuildResult:
     if req.plan is not None:
         check_given_plan(ck, req.plan, str(req.plan_file or "--plan"))
     estimate = req.plan or check_plannable(ck.config, req)
-    if req.end_to_end is not None:  # the whole model in memory: refused now rather than after the other stages
+    if req.tune is not None:  # tuning stages run last: refused now rather than after the other stages
+        check_tune_fits(ck.config, *req.calibration_rows.shape, req.tune)
+    if req.end_to_end is not None:
         check_end_to_end_fits(ck.config, estimate, *req.calibration_rows.shape, req.end_to_end, req.quantize.device)
     calibration_disk = 0 if req.calibration_rows is None else calibration_needs(
         ck.config, *req.calibration_rows.shape, req.calibration).disk

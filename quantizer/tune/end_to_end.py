@@ -29,11 +29,9 @@ import torch
 from tqdm import tqdm
 
 from quantizer.calibrate.stage import tokens_digest
-from quantizer.calibrate.unit_kl import free_memory
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import TensorEntry, read_tensor
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.streaming import block_activations, model_bytes
@@ -45,11 +43,10 @@ from quantizer.tune.block import BlockLinears, linear_weights, override_hooks
 from quantizer.tune.factor import FactoredLinear
 from quantizer.tune.scales import BestHeldOut, RelativeScales
 from quantizer.tune.settings import EndToEndSettings
-from quantizer.tune.stage import DTYPE, HEAD_KEY, stored_linears
+from quantizer.tune.stage import DTYPE, HEAD_KEY, check_fits, stored_linears
 from quantizer.tune.store import TunedStore, block_digest
 
 MODEL_FILE = "model"  # WORK/tuned/model.<digest>.safetensors
-MEMORY_SHARE = 0.9  # refuse when the estimate exceeds this share of the device's free memory
 # What autograd keeps of one block for the backward, in multiples of the block's forward peak
 # (block_activations): every intermediate of attention, MoE and mHC, not just the largest moment's.
 # bench/tune_small.py --device cuda on the small V4 model (1 row x 2048 tokens a step) measured 2013 MiB
@@ -108,11 +105,9 @@ def end_to_end_needs(cfg: ModelConfig, plan: Plan, rows: int, cols: int, setting
 def check_end_to_end_fits(cfg: ModelConfig, plan: Plan, rows: int, cols: int, settings: EndToEndSettings,
                           device: str) -> int:
     """The stage's memory, or a refusal saying what it needs against what the device has free."""
-    needs, free = end_to_end_needs(cfg, plan, rows, cols, settings), free_memory(device)
-    if needs > MEMORY_SHARE * free:
-        raise UserError(f"--tune-e2e holds the whole model and one backward pass: about {gib(needs)} GiB on {device}, "
-                        f"{gib(free)} GiB free; use --tune (block-wise) alone, or fewer or shorter calibration rows")
-    return needs
+    return check_fits(end_to_end_needs(cfg, plan, rows, cols, settings), device,
+                      "--tune-e2e holds the whole model and one backward pass",
+                      "use --tune (block-wise) alone, or fewer or shorter calibration rows")
 
 
 def end_to_end(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torch.Tensor,

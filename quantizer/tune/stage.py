@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 
 from quantizer.calibrate.stage import tokens_digest
+from quantizer.calibrate.unit_kl import free_memory
 from quantizer.checkpoint.safetensors_file import read_tensor
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear
+from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED
 from quantizer.model.streaming import CheckpointSource, block_weight_bytes, estimate_stream_memory, load_block
 from quantizer.model.targets import targets
@@ -46,6 +48,7 @@ HEAD_KEY = "head"  # the head's stored key: not in a block, tuned end to end onl
 # (estimate_stream_memory). bench/tune_small.py at 16 x 512 rows measured peaks of 250 and 292 MiB
 # against 210 MiB estimated with 3; with 4 the estimate is 261 MiB (docs/tuning.md).
 BACKWARD_FACTOR = 4
+MEMORY_SHARE = 0.9  # a tuning stage is refused up front when it needs more than this share of the free memory
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,23 @@ def tune_memory(cfg, rows: int, cols: int, settings: TuneSettings) -> int:
     block = max(v for k, v in block_weight_bytes(cfg, DTYPE).items() if k.startswith("layers."))
     native_beside = stream.states if settings.target == "model" else 0  # the native forward's streams and state
     return 2 * stream.states + native_beside + 3 * block + BACKWARD_FACTOR * step.activations
+
+
+def check_fits(needs: int, device: str, what: str, instead: str) -> int:
+    """`needs`, or a refusal naming it against the free memory of `device` (a tuning stage runs after
+    calibration and quantize, so a build that cannot hold it is refused before those hours)."""
+    free = free_memory(device)
+    if needs > MEMORY_SHARE * free:
+        raise UserError(f"{what}: about {gib(needs)} GiB of {'RAM' if device == 'cpu' else device + ' memory'}, "
+                        f"{gib(free)} GiB free; {instead}")
+    return needs
+
+
+def check_tune_fits(cfg, rows: int, cols: int, settings: TuneSettings) -> int:
+    """The block-wise stage's RAM (it runs on the host whatever the build's device), or a refusal."""
+    return check_fits(tune_memory(cfg, rows, cols, settings), "cpu",
+                      "--tune holds a block three times in float32 and every row's streams",
+                      "drop --tune, or use fewer or shorter calibration rows (--calib-rows, --calib-cols)")
 
 
 def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torch.Tensor, settings: TuneSettings,
