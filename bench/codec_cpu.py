@@ -10,7 +10,7 @@ matrices' tiles through encode_tiles alone. Wall and CPU time are both shown: on
 time is the steadier of the two. Also times the decoder on a V4.1 expert-sized tensor.
 
 Against another kernel source (--against OLD.cpp, e.g. `git show REV:quantizer/codec/viterbi_kernel.cpp`):
-both compiled with the same flags, tiles/s of each at K = 2, 2.5, 3, 4, 6 on one thread and on all, the
+both compiled with the same flags, tiles/s of each at K = 1.5, 2, 2.5, 3, 4, 6 on one thread and on all, the
 ratio, and whether their states are identical.
 
     python bench/codec_cpu.py [--tiles 256] [--mode fast] [--no-torch] [--against OLD.cpp]
@@ -85,7 +85,7 @@ def bench_against(source: Path, n_tiles: int) -> None:
                    "other": _compiled(source, Path(tmp) / "other.so")}
         print(f"\nkernel against {source}: {n_tiles} N(0,1) tiles, mul1, fast seam, tiles/s (CPU time)")
         print(f"{'K':>4} {'threads':>7} {'this':>9} {'other':>9} {'ratio':>7} {'same states':>12}")
-        for K in (2, 2.5, 3, 4, 6):
+        for K in (1.5, 2, 2.5, 3, 4, 6):
             for threads in sorted({1, torch.get_num_threads()}):
                 runs = {}
                 for name, kernel in kernels.items():

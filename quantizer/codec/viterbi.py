@@ -11,7 +11,7 @@ at the ring seam, a second pass starts from that node and must end in it, as exl
 runs the first pass over the whole ring (the seam sees 128 positions on each side, like exllamav3);
 `fast` runs it over FAST_SEAM_WINDOW positions on each side, about 1.7x less work for ~3 % more error.
 
-On a CPU the same search runs in the compiled kernel of native.py when it builds (3.6-7.3x faster
+On a CPU the same search runs in the compiled kernel of native.py when it builds (4.8-7.1x faster
 per core on AVX2, the same states bit for bit); this module's torch search is the fallback and the GPU
 path.
 Squared errors are computed as (value - w) * (value - w), op by op, so that both paths round alike.

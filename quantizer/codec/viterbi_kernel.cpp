@@ -17,7 +17,12 @@
 #include <new>
 #include <system_error>
 #include <thread>
+#include <type_traits>
 #include <vector>
+
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -37,7 +42,10 @@ constexpr int kPad = kLanes;  // entry costs are read a whole vector at a time, 
 // GCC vector extensions: kLanes float lanes, lowered to AVX-512, AVX2, SSE or NEON by -march=native.
 typedef float vfloat __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vint __attribute__((vector_size(4 * kLanes)));
-typedef uint8_t vbyte __attribute__((vector_size(kLanes)));
+// A decision is the winning top's DN bits; they are stored as DN bit planes of kLanes bits per vector of
+// nodes (one Mask per plane), not a byte per node: at low rates the byte form wrote 8 MB per tile, more
+// than the L2 holds, and the search spent two thirds of its time on that memory traffic.
+typedef std::conditional_t<(kLanes > 8), uint16_t, uint8_t> Mask;
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -60,13 +68,29 @@ inline vfloat entry_lanes(const float* entry) {
   }
 }
 
+// Bit b of every lane of a, as a mask (lane l -> bit l): one movemask where the CPU has it (extracting
+// lane by lane cost more than the memory the planes save).
+inline Mask plane(vint a, int b) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask((__m512i)a, _mm512_set1_epi32(1 << b));
+#elif defined(__AVX2__)
+  return Mask(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_slli_epi32((__m256i)a, 31 - b))));
+#elif defined(__SSE2__) && !defined(__AVX__)
+  return Mask(_mm_movemask_ps(_mm_castsi128_ps(_mm_slli_epi32((__m128i)a, 31 - b))));
+#else
+  Mask m = 0;
+  for (int l = 0; l < kLanes; ++l) m |= Mask((a[l] >> b) & 1) << l;
+  return m;
+#endif
+}
+
 // One position with D new bits, followed by one with DN: for every node n after it (the low 16 - DN bits
 // of the state), out[n] = min over top < 2^DN of entry[s >> D] + (value(s) - w)^2, s = top << (16 - DN) | n,
-// and dec[n] = the winning top (the lowest on ties). `values` is blocked for DN: the 2^DN candidates of
+// and the winning top (the lowest on ties) goes to dec as bit planes: plane b of node vector j is dec[j * DN + b]. `values` is blocked for DN: the 2^DN candidates of
 // kLanes consecutive nodes are 2^DN consecutive vectors. With many candidates per node each minimum is a long
 // dependency chain, so several node groups are interleaved to keep the SIMD units busy.
 template <int D, int DN>
-void step(const float* values, const float* entry, float w, float* out, uint8_t* dec) {
+void step(const float* values, const float* entry, float w, float* out, Mask* dec) {
   constexpr int low = kStateBits - DN;
   constexpr int block = kLanes << DN;
   constexpr int groups = DN >= 4 ? 4 : 1;
@@ -92,14 +116,14 @@ void step(const float* values, const float* entry, float w, float* out, uint8_t*
     for (int g = 0; g < groups; ++g) {
       std::memcpy(out + base + g * kLanes, &best[g], sizeof best[g]);
       if (dec != nullptr) {
-        const vbyte a = __builtin_convertvector(arg[g], vbyte);
-        std::memcpy(dec + base + g * kLanes, &a, sizeof a);
+        Mask* planes = dec + ((base + g * kLanes) / kLanes) * DN;
+        for (int b = 0; b < DN; ++b) planes[b] = plane(arg[g], b);
       }
     }
   }
 }
 
-using StepFn = void (*)(const float*, const float*, float, float*, uint8_t*);
+using StepFn = void (*)(const float*, const float*, float, float*, Mask*);
 
 // The (D, D(p+1)) pairs EXL3 rates produce: K, K for integer rates; 1..4 alternating for 1.5, 2.5, 3.5.
 StepFn step_for(int d, int dn) {
@@ -133,13 +157,15 @@ std::vector<float> blocked_values(const float* values, int dn) {
   return table;
 }
 
-// Per-thread buffers: two entry-cost arrays (ping-pong) and the winning top bits of every position.
+// Per-thread buffers: two entry-cost arrays (ping-pong) and the decision planes of every position. A
+// position with DN new bits has 2^(16 - DN) nodes, so DN * 2^(16 - DN) / kLanes planes: most at the least DN.
 struct Workspace {
   explicit Workspace(int min_bits)
-      : stride(size_t(1) << (kStateBits - min_bits)), a(stride + kPad), b(stride + kPad), dec(kPositions * stride) {}
-  size_t stride;
+      : nodes(size_t(1) << (kStateBits - min_bits)), stride(nodes / kLanes * min_bits), a(nodes + kPad),
+        b(nodes + kPad), dec(kPositions * stride) {}
+  size_t nodes, stride;
   std::vector<float> a, b;
-  std::vector<uint8_t> dec;
+  std::vector<Mask> dec;
 };
 
 class Encoder {
@@ -190,13 +216,17 @@ class Encoder {
  private:
   int next(int p) const { return d_[(p + 1) % kPositions]; }
   int nodes_entering(int p) const { return 1 << (kStateBits - d_[p % kPositions]); }
-  void run(int p, float w, const float* entry, float* out, uint8_t* dec) const {
+  void run(int p, float w, const float* entry, float* out, Mask* dec) const {
     steps_[p](tables_[next(p)].data(), entry, w, out, dec);
   }
-  static uint8_t* decisions(Workspace& ws, int p) { return ws.dec.data() + p * ws.stride; }
+  static Mask* decisions(Workspace& ws, int p) { return ws.dec.data() + p * ws.stride; }
   // The state chosen at position p on the best path into `node` (a node after p).
   int state(Workspace& ws, int p, int node) const {
-    return (int(decisions(ws, p)[node]) << (kStateBits - next(p))) | node;
+    const int dn = next(p);
+    const Mask* planes = decisions(ws, p) + (node / kLanes) * dn;
+    int top = 0;
+    for (int b = 0; b < dn; ++b) top |= ((planes[b] >> (node % kLanes)) & 1) << b;
+    return (top << (kStateBits - dn)) | node;
   }
 
   int seam_;
