@@ -234,13 +234,14 @@ def tune_settings(args) -> TuneSettings | None:
 
 
 def tune_record(cfg: ModelConfig, result, record: StageRecord, args, work: Path) -> dict:
-    """The tune stage on the slice: its RAM against tune_memory, and seconds per block with the steps run."""
+    """The tune stage on the slice (on the build's device, the GPU): its peak GPU memory against tune_memory,
+    and seconds per block with the steps run."""
     infos = [TunedStore(work).info(p) for p in result.files]
     return {"seconds": record.seconds, "blocks": result.blocks, "tune_rows": result.tune_rows,
             "heldout_rows": result.heldout_rows, "steps": [i["steps"] for i in infos],
             "block_seconds": [i["seconds"] for i in infos], "settings_steps": args.tune_steps, "cols": args.cols,
-            "ram_estimate": tune_memory(cfg, args.rows, args.cols, tune_settings(args)),
-            "ram_measured": record.ram_peak - record.ram_start,
+            "memory_estimate": tune_memory(cfg, args.rows, args.cols, tune_settings(args)),
+            "memory_measured": record.gpu_peak,
             "block_bytes": max(v for k, v in block_weight_bytes(cfg, DTYPE).items() if k.startswith("layers."))}
 
 
@@ -313,18 +314,18 @@ def real_needs(bpw: float, run_table: RateTable, stage_over_direct: float, run: 
 
 
 def real_tune(cfg: ModelConfig, measured: dict) -> dict:
-    """The block-wise tune stage on the real model at the slice's rows and settings: its RAM by tune_memory
-    (checked on the slice above), and its hours as the slice's mean seconds per block times the real
-    block's weight bytes over the slice's, an upper bound (a step's activation work does not grow with
-    the expert count; its weight materialisation does). It runs on the host CPU of rank 0 while the
-    job holds its GPUs, so on g GPUs it adds g times its hours in GPU-hours."""
+    """The block-wise tune stage on the real model at the slice's rows and settings: its GPU memory by
+    tune_memory (checked on the slice above), and its hours as the slice's mean seconds per block times the
+    real block's weight bytes over the slice's, an upper bound (a step's activation work does not grow with
+    the expert count; its weight materialisation does). It runs on rank 0's GPU while the other ranks
+    wait, so on g GPUs it adds g times its hours in GPU-hours."""
     settings = TuneSettings(steps=measured["settings_steps"])
     rows = measured["tune_rows"] + measured["heldout_rows"]
     real_block = max(v for k, v in block_weight_bytes(cfg, DTYPE).items() if k.startswith("layers."))
     per_block = sum(measured["block_seconds"]) / len(measured["block_seconds"]) * real_block / measured["block_bytes"]
     hours = cfg.num_layers * per_block / 3600
-    return {"rows": rows, "ram": tune_memory(cfg, rows, measured["cols"], settings),
-            "ram_at_real_rows": tune_memory(cfg, REAL_ROWS, REAL_COLS, settings),
+    return {"rows": rows, "memory": tune_memory(cfg, rows, measured["cols"], settings),
+            "memory_at_real_rows": tune_memory(cfg, REAL_ROWS, REAL_COLS, settings),
             "block_seconds_bound": per_block, "hours_bound": hours,
             "gpu_hours_by_gpus": {g: hours * g for g in GPU_COUNTS}}
 
@@ -400,8 +401,8 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
     est, got = printed_estimates(ck, result.plan, args, root / "pack.work"), measured(stages, pack_bytes)
     if result.tuned is not None:
         run["tune"] = tune_record(ck.config, result.tuned, stages[TUNE_STAGE], args, root / "pack.work")
-        est[TUNE_STAGE], got[TUNE_STAGE] = ({"RAM above start": run["tune"]["ram_estimate"]},
-                                            {"RAM above start": run["tune"]["ram_measured"]})
+        est[TUNE_STAGE], got[TUNE_STAGE] = ({"GPU memory": run["tune"]["memory_estimate"]},
+                                            {"GPU memory": run["tune"]["memory_measured"]})
     run_table = RateTable(torch.cuda.get_device_name(), tuple(rows))
     return {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -454,9 +455,9 @@ def print_report(r: dict) -> None:
         per_block = ", ".join(f"{x:,.1f}" for x in got["block_seconds"])
         print(f"tune stage on the slice: {got['seconds']:,.1f} s, per block {per_block} s "
               f"({', '.join(map(str, got['steps']))} steps; {got['tune_rows']} + {got['heldout_rows']} rows x {got['cols']})")
-        print(f"real model, {t['rows']} rows: RAM {t['ram'] / GIB:,.1f} GiB ({t['ram_at_real_rows'] / GIB:,.1f} GiB at "
-              f"{REAL_ROWS} rows), at most {t['block_seconds_bound'] / 60:,.1f} min per block, {t['hours_bound']:,.1f} h "
-              f"on the host CPU; GPU-hours held: "
+        print(f"real model, {t['rows']} rows: GPU memory {t['memory'] / GIB:,.1f} GiB ({t['memory_at_real_rows'] / GIB:,.1f} "
+              f"GiB at {REAL_ROWS} rows), at most {t['block_seconds_bound'] / 60:,.1f} min per block, "
+              f"{t['hours_bound']:,.1f} h on rank 0's GPU; GPU-hours held: "
               + ", ".join(f"{g} GPU(s) {h:,.1f}" for g, h in t["gpu_hours_by_gpus"].items()))
     d = m["disk"]
     print(f"disk: Hessians {d['hessians'] / GIB:,.1f} GiB (calibration peak {d['calibration_peak'] / GIB:,.1f} GiB "

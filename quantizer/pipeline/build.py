@@ -123,7 +123,7 @@ def build(req: BuildRequest) -> BuildResult:
         check_given_plan(ck, req.plan, str(req.plan_file or "--plan"))
     estimate = req.plan or check_plannable(ck.config, req)
     if req.tune is not None:  # tuning stages run last: refused now rather than after the other stages
-        check_tune_fits(ck.config, *req.calibration_rows.shape, req.tune)
+        check_tune_fits(ck.config, *req.calibration_rows.shape, req.tune, req.quantize.device)
     if req.end_to_end is not None:
         check_end_to_end_fits(ck.config, estimate, *req.calibration_rows.shape, req.end_to_end, req.quantize.device)
     calibration_disk = 0 if req.calibration_rows is None else calibration_needs(
@@ -151,7 +151,8 @@ def build(req: BuildRequest) -> BuildResult:
         tuned = None
         if req.tune is not None:
             tuned = ranks.on_main(lambda: tune(ck, plan, req.work_dir / QUANTIZE_DIR, req.work_dir,
-                                               req.calibration_rows, req.tune, settings.record()))
+                                               req.calibration_rows, req.tune, settings.record(),
+                                               device=req.quantize.device))
             require_unchanged(pin, "tune", made, req.work_dir)
         tuned_files = tuple(tuned.files) if tuned else ()
         e2e = None

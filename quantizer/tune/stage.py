@@ -6,6 +6,8 @@ their own forward state. Block L's inputs are the native model's (settings.input
 the quantized blocks before it, already tuned ("quantized"); its targets are the native block's outputs
 on those same inputs. A finished block's scales are saved under WORK/tuned/ (store.py) and a rerun
 reuses them, so a killed run resumes at the first unfinished block.
+It runs on the build's device: every row's streams, one block and its decoded codes live there
+(tune_memory); on a CPU a real-size block takes about an hour (docs/tuning.md, cost at real scale).
 The drafter (`mtp.*`) and the head are not tuned here: our forward has no drafter, and the head is no
 block (end_to_end.py tunes it).
 """
@@ -38,7 +40,7 @@ from quantizer.quantize.linears import plan_units
 from quantizer.quantize.results import ResultStore
 from quantizer.report import gib
 from quantizer.tune.block import Batch, BlockLinears, QuantizedBlock, fork, tune_block
-from quantizer.tune.factor import factor
+from quantizer.tune.factor import FactoredLinear, factor
 from quantizer.tune.settings import TuneSettings
 from quantizer.tune.store import TunedStore, block_digest
 
@@ -90,23 +92,23 @@ def check_fits(needs: int, device: str, what: str, instead: str) -> int:
     return needs
 
 
-def check_tune_fits(cfg, rows: int, cols: int, settings: TuneSettings) -> int:
-    """The block-wise stage's RAM (it runs on the host whatever the build's device), or a refusal."""
-    return check_fits(tune_memory(cfg, rows, cols, settings), "cpu",
+def check_tune_fits(cfg, rows: int, cols: int, settings: TuneSettings, device: str = "cpu") -> int:
+    """The block-wise stage's memory on `device`, or a refusal."""
+    return check_fits(tune_memory(cfg, rows, cols, settings), device,
                       "--tune holds a block three times in float32 and every row's streams",
                       "drop --tune, or use fewer or shorter calibration rows (--calib-rows, --calib-cols)")
 
 
 def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torch.Tensor, settings: TuneSettings,
-         job: dict, say: Callable[[str], None] | None = None) -> TuneResult:
+         job: dict, say: Callable[[str], None] | None = None, device: str = "cpu") -> TuneResult:
     """Tune every trunk block of `plan`'s pack whose EXL3 linears the quantize stage finished in
-    `quantize_work` (made under `job`, its settings record); results under `work`/tuned."""
+    `quantize_work` (made under `job`, its settings record), on `device`; results under `work`/tuned."""
     say = say or (lambda line: print(line, file=sys.stderr, flush=True))
     start = time.monotonic()
     cfg = ck.config
     n_tune, n_held = settings.split(rows.shape[0])
     say(f"tune: {n_tune} tuning + {n_held} held-out rows x {rows.shape[1]} tokens, up to {settings.steps} Adam steps "
-        f"per block, inputs {settings.inputs}; needs about {gib(tune_memory(cfg, *rows.shape, settings))} GiB of RAM")
+        f"per block, inputs {settings.inputs}; needs about {gib(tune_memory(cfg, *rows.shape, settings))} GiB on {device}")
     layers = {b: v for b, v in stored_linears(ck, plan, quantize_work, job).items() if b != HEAD_KEY}
     store = TunedStore(work)
     store.drop_unfinished()
@@ -119,7 +121,8 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
     source = CheckpointSource(ck)
     with torch.device("meta"):
         root = DeepseekModel(cfg, DTYPE, source.engram_token_map(), with_layers=False)
-    root.load_state_dict({"embed.weight": source.weight("embed.weight", DTYPE, "cpu")}, assign=True, strict=False)
+    root.load_state_dict({"embed.weight": source.weight("embed.weight", DTYPE, device)}, assign=True, strict=False)
+    rows = rows.to(device)
     b = settings.batch_rows
     with torch.no_grad():
         tune_in = [root.start(rows[i:min(i + b, n_tune)]) for i in range(0, n_tune, b)]
@@ -130,10 +133,10 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
     files, errors, tuned = [], {}, 0
     for layer in range(cfg.num_layers):
         name = f"layers.{layer}"
-        block = load_block(source, layer, DTYPE, "cpu")
+        block = load_block(source, layer, DTYPE, device)
         block.requires_grad_(False)
         spec = layers[name][0] if name in layers else None
-        qb = QuantizedBlock(block, spec, root.hasher) if spec else None
+        qb = QuantizedBlock(block, on_device(spec, device), root.hasher) if spec else None
         tune_t = tune_x = held_t = held_x = None  # the block before's: not alive beside this block's (tune_memory)
         if by_model:
             tune_t, _, native_tune = _targets(block, root.hasher, native_tune, "native")
@@ -152,7 +155,7 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
                 r = tune_block(qb, tune_x, tune_t, held_x, held_t, settings, tick)
                 info = {"error_before": r.error_before, "error_after": r.error_after, "best_step": r.best_step,
                         "steps": r.steps, "seconds": round(r.seconds, 2)}
-                store.save(name, digest, r.scales, info)
+                store.save(name, digest, {k: t.cpu() for k, t in r.scales.items()}, info)
                 scales, tuned = r.scales, tuned + 1
                 say(f"tune: {name}: held-out block-output MSE {r.error_before:.4g} -> {r.error_after:.4g} "
                     f"({r.error_after / max(r.error_before, 1e-30):.3f}x) after {r.steps} steps (best "
@@ -161,8 +164,8 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
                 info = store.info(store.path(name, digest))
             files.append(store.path(name, digest))
             errors[name] = (info["error_before"], info["error_after"])
-            weights = qb.weights({k: scales[f"{k}.suh"].float() for k in keys},
-                                 {k: scales[f"{k}.svh"].float() for k in keys})
+            weights = qb.weights({k: scales[f"{k}.suh"].to(device).float() for k in keys},
+                                 {k: scales[f"{k}.svh"].to(device).float() for k in keys})
         if settings.inputs == "quantized":  # the next block's inputs: this block as the pack stores it
             tune_t = held_t = None
             with torch.no_grad():
@@ -194,6 +197,12 @@ def _digests(layers: dict[str, tuple[BlockLinears, list[str]]], settings: TuneSe
             out[name] = previous = block_digest(name, unit_digests, settings.record(), rows_digest,
                                                 previous if settings.inputs == "quantized" else None)
     return out
+
+
+def on_device(linears: BlockLinears, device: str) -> BlockLinears:
+    """The block's stored linears with their codes, scales and fixed weights on `device`."""
+    exl3 = {k: FactoredLinear(f.codes.to(device), f.suh.to(device), f.svh.to(device)) for k, f in linears.exl3.items()}
+    return BlockLinears(exl3, {k: w.to(device) for k, w in linears.fixed.items()}, linears.sources)
 
 
 def _advance(block, qb: QuantizedBlock | None, weights, batch: Batch, hasher) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """`build --tune` and `build --tune --tune-e2e` packs of the tiny V4 checkpoint load in stock exllamav3 1.6.5
-and decode as we do.
+and decode as we do; block-wise tuning on CUDA does what it does on the CPU.
 
 Run on the GPU machine: `source .device-cache/setup.sh && python -m pytest tests/gpu/test_tune_exllamav3.py -q`.
 Both tune stages change only the EXL3 linears' suh/svh (tests/test_tune.py checks that on the CPU); here
@@ -19,6 +19,10 @@ import torch
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.pack.manifest import Manifest
+from quantizer.pipeline.build import PLAN_FILE, QUANTIZE_DIR
+from quantizer.plan.plan import Plan
+from quantizer.tune import stage
+from quantizer.tune.settings import TuneSettings
 
 # tests/gpu is on sys.path (pytest prepend import mode)
 from test_pack_exllamav3 import _load, _stored, assert_engines_agree, check_linears_decode_as_ours
@@ -67,3 +71,22 @@ def test_exllamav3_loads_a_tuned_pack_and_decodes_as_we_do(pack, request, tiny_v
         assert torch.equal(inner.suh.cpu(), q.suh) and torch.equal(inner.svh.cpu(), q.svh), key
     model.unload()
     assert_engines_agree(tuned, tiny_v4, monkeypatch, 0.5)
+
+
+def test_block_tuning_on_cuda_lowers_each_blocks_error_as_on_the_cpu(tuned_e2e, tiny_v4, ids, tmp_path):
+    """The block-wise stage on the build's device: the same codes, rows and settings tuned on CUDA and on
+    the CPU keep each block's held-out error at or below the stored scales' by the same ratio."""
+    work = tuned_e2e.with_name(tuned_e2e.name + ".work")
+    ck, plan = Checkpoint.open(tiny_v4), Plan.load(work / PLAN_FILE)
+    job = {k: v for k, v in Manifest.load(tuned_e2e).settings.items() if k not in ("tuning", "end_to_end")}
+    rows = torch.from_numpy(np.load(ids))
+    settings = TuneSettings(steps=5, eval_every=1)
+    ratios = {}
+    for device in ("cuda", "cpu"):
+        r = stage.tune(ck, plan, work / QUANTIZE_DIR, tmp_path / device, rows, settings, job, say=lambda line: None,
+                       device=device)
+        assert r.tuned == r.blocks > 0
+        ratios[device] = {b: after / before for b, (before, after) in r.errors.items()}
+    assert all(v <= 1.0 for v in ratios["cuda"].values()) and min(ratios["cuda"].values()) < 0.99
+    assert ratios["cuda"].keys() == ratios["cpu"].keys()
+    assert all(abs(ratios["cuda"][b] - ratios["cpu"][b]) < 0.02 for b in ratios["cpu"]), ratios
