@@ -77,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="job seed; each linear's seed derives from it and its key")
     p.add_argument("--tune", action="store_true",
                    help="after quantize, fit each block's EXL3 suh/svh to the native block's outputs on the calibration "
-                        "rows (codes fixed; same pack bytes; off by default, docs/tuning.md)")
+                        "rows (codes fixed; same pack bytes; runs on --device; off by default, docs/tuning.md)")
     p.add_argument("--tune-steps", type=count, help=f"with --tune: Adam steps per block at most (default {TuneSettings.steps})")
     p.add_argument("--tune-inputs", choices=INPUTS,
                    help=f"with --tune: block inputs from the native model or the tuned blocks before (default "
