@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -79,7 +79,7 @@ from quantizer.shipped import model_config_path  # noqa: E402
 from quantizer.tiny.make import random_values  # noqa: E402
 from quantizer.model.streaming import block_weight_bytes  # noqa: E402
 from quantizer.tune.settings import TuneSettings  # noqa: E402
-from quantizer.tune.stage import DTYPE, tune_memory  # noqa: E402
+from quantizer.tune.stage import DTYPE, START_S, block_seconds, tune_memory, tune_seconds  # noqa: E402
 from quantizer.tune.store import TunedStore  # noqa: E402
 
 REAL = "deepseek-v4.1-flash.json"
@@ -102,6 +102,7 @@ def slice_config(layers: int, experts: int) -> dict:
 class StageRecord:
     seconds: float = 0.0
     gpu_peak: int = 0
+    gpu_start: int = 0  # allocated when the stage began (what earlier stages left alive)
     ram_peak: int = 0
     ram_start: int = 0  # resident memory when the stage began
     disk: int = 0  # work directory + pack after the stage
@@ -119,6 +120,7 @@ class Meter:
     def stage(self, name: str):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        gpu_start = torch.cuda.memory_allocated()
         _reset_ram_peak()
         ram_start = _ram_now()
         start = time.perf_counter()
@@ -126,7 +128,7 @@ class Meter:
             yield
         finally:
             torch.cuda.synchronize()
-            self.stages[name] = StageRecord(time.perf_counter() - start, torch.cuda.max_memory_allocated(),
+            self.stages[name] = StageRecord(time.perf_counter() - start, torch.cuda.max_memory_allocated(), gpu_start,
                                             _ram_peak(), ram_start, sum(_du(d) for d in self.dirs))
 
     def wrap(self, name: str, fn):
@@ -234,15 +236,20 @@ def tune_settings(args) -> TuneSettings | None:
 
 
 def tune_record(cfg: ModelConfig, result, record: StageRecord, args, work: Path) -> dict:
-    """The tune stage on the slice (on the build's device, the GPU): its peak GPU memory against tune_memory,
-    and seconds per block with the steps run."""
+    """The tune stage on the slice (on the build's device, the GPU): its peak GPU memory above what it found
+    allocated against tune_memory, and its seconds against what tune_seconds states for the steps each block
+    ran (the blocks' own parts from the stage's records: block read, targets, codes, tuning, held-out)."""
     infos = [TunedStore(work).info(p) for p in result.files]
+    settings = tune_settings(args)
+    block_bytes = block_weight_bytes(cfg, DTYPE)
+    stated = START_S + sum(block_seconds(block_bytes[b], args.rows, args.cols, replace(settings, steps=i["steps"]))
+                           for b, i in zip(result.errors, infos))
     return {"seconds": record.seconds, "blocks": result.blocks, "tune_rows": result.tune_rows,
             "heldout_rows": result.heldout_rows, "steps": [i["steps"] for i in infos],
-            "block_seconds": [i["seconds"] for i in infos], "settings_steps": args.tune_steps, "cols": args.cols,
-            "memory_estimate": tune_memory(cfg, args.rows, args.cols, tune_settings(args)),
-            "memory_measured": record.gpu_peak,
-            "block_bytes": max(v for k, v in block_weight_bytes(cfg, DTYPE).items() if k.startswith("layers."))}
+            "block_parts": [{k: i[k] for k in ("read_s", "targets_s", "codes_s", "seconds", "held_s")} for i in infos],
+            "settings_steps": args.tune_steps, "cols": args.cols,
+            "memory_estimate": tune_memory(cfg, args.rows, args.cols, settings),
+            "memory_measured": record.gpu_peak - record.gpu_start, "seconds_estimate": stated}
 
 
 def calibration_rate(ck: Checkpoint, rows: torch.Tensor, root: Path) -> dict[str, float]:
@@ -314,20 +321,13 @@ def real_needs(bpw: float, run_table: RateTable, stage_over_direct: float, run: 
 
 
 def real_tune(cfg: ModelConfig, measured: dict) -> dict:
-    """The block-wise tune stage on the real model at the slice's rows and settings: its GPU memory by
-    tune_memory (checked on the slice above), and its hours as the slice's mean seconds per block times the
-    real block's weight bytes over the slice's, an upper bound (a step's activation work does not grow with
-    the expert count; its weight materialisation does). It runs on rank 0's GPU while the other ranks
-    wait, so on g GPUs it adds g times its hours in GPU-hours."""
+    """The block-wise tune stage on the real model at the default settings and the real calibration's rows:
+    its GPU memory (tune_memory) and hours (tune_seconds, every step paid), both checked on the slice above.
+    It runs on rank 0's GPU while the other ranks wait, so on g GPUs it holds g times its hours."""
     settings = TuneSettings(steps=measured["settings_steps"])
-    rows = measured["tune_rows"] + measured["heldout_rows"]
-    real_block = max(v for k, v in block_weight_bytes(cfg, DTYPE).items() if k.startswith("layers."))
-    per_block = sum(measured["block_seconds"]) / len(measured["block_seconds"]) * real_block / measured["block_bytes"]
-    hours = cfg.num_layers * per_block / 3600
-    return {"rows": rows, "memory": tune_memory(cfg, rows, measured["cols"], settings),
-            "memory_at_real_rows": tune_memory(cfg, REAL_ROWS, REAL_COLS, settings),
-            "block_seconds_bound": per_block, "hours_bound": hours,
-            "gpu_hours_by_gpus": {g: hours * g for g in GPU_COUNTS}}
+    hours = tune_seconds(cfg, REAL_ROWS, REAL_COLS, settings) / 3600
+    return {"memory_at_real_rows": tune_memory(cfg, REAL_ROWS, REAL_COLS, settings), "hours": hours,
+            "rows_used": sum(settings.split(REAL_ROWS)), "gpu_hours_by_gpus": {g: hours * g for g in GPU_COUNTS}}
 
 
 def main() -> None:
@@ -401,8 +401,9 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
     est, got = printed_estimates(ck, result.plan, args, root / "pack.work"), measured(stages, pack_bytes)
     if result.tuned is not None:
         run["tune"] = tune_record(ck.config, result.tuned, stages[TUNE_STAGE], args, root / "pack.work")
-        est[TUNE_STAGE], got[TUNE_STAGE] = ({"GPU memory": run["tune"]["memory_estimate"]},
-                                            {"GPU memory": run["tune"]["memory_measured"]})
+        est[TUNE_STAGE], got[TUNE_STAGE] = (
+            {"GPU memory above its start": run["tune"]["memory_estimate"], "seconds": run["tune"]["seconds_estimate"]},
+            {"GPU memory above its start": run["tune"]["memory_measured"], "seconds": run["tune"]["seconds"]})
     run_table = RateTable(torch.cuda.get_device_name(), tuple(rows))
     return {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -452,13 +453,12 @@ def print_report(r: dict) -> None:
     print(table(["GPUs", *map(str, GPU_COUNTS)], [["hours", *(f"{m['hours_by_gpus'][g]:,.2f}" for g in GPU_COUNTS)]]))
     if m["tune"]:
         t, got = m["tune"], r["tune"]
-        per_block = ", ".join(f"{x:,.1f}" for x in got["block_seconds"])
-        print(f"tune stage on the slice: {got['seconds']:,.1f} s, per block {per_block} s "
+        parts = "; ".join(", ".join(f"{k} {v:,.1f}" for k, v in p.items()) for p in got["block_parts"])
+        print(f"tune stage on the slice: {got['seconds']:,.1f} s; per block: {parts} "
               f"({', '.join(map(str, got['steps']))} steps; {got['tune_rows']} + {got['heldout_rows']} rows x {got['cols']})")
-        print(f"real model, {t['rows']} rows: GPU memory {t['memory'] / GIB:,.1f} GiB ({t['memory_at_real_rows'] / GIB:,.1f} "
-              f"GiB at {REAL_ROWS} rows), at most {t['block_seconds_bound'] / 60:,.1f} min per block, "
-              f"{t['hours_bound']:,.1f} h on rank 0's GPU; GPU-hours held: "
-              + ", ".join(f"{g} GPU(s) {h:,.1f}" for g, h in t["gpu_hours_by_gpus"].items()))
+        print(f"real model, {t['rows_used']} of {REAL_ROWS} rows: GPU memory {t['memory_at_real_rows'] / GIB:,.1f} GiB, "
+              f"at most {t['hours']:,.2f} h on rank 0's GPU; GPU-hours held: "
+              + ", ".join(f"{g} GPU(s) {h:,.2f}" for g, h in t["gpu_hours_by_gpus"].items()))
     d = m["disk"]
     print(f"disk: Hessians {d['hessians'] / GIB:,.1f} GiB (calibration peak {d['calibration_peak'] / GIB:,.1f} GiB "
           f"with its resume point), quantized results {d['quantized_results'] / GIB:,.1f} GiB, pack "

@@ -201,7 +201,7 @@ def _end_to_end_rows(args, ck, base, root: Path, calibration: torch.Tensor, job:
     with meter:
         result = end_to_end(ck, base.plan, root / "build" / QUANTIZE_DIR, root / "build", calibration, settings, job,
                             device=args.device, say=lambda line: (lines.append(line), print(line, file=sys.stderr)))
-    estimate = end_to_end_needs(ck.config, base.plan, *calibration.shape, settings)
+    estimate = end_to_end_needs(ck.config, *calibration.shape, settings)
     per_step = next(float(m[1]) for line in lines if (m := re.search(r"([\d.]+) s per step", line)))
     step_seconds = TunedStore(root / "build").info(result.file)["step_seconds"]
     tuned = build(request("tuned-e2e", None, settings))

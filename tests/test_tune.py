@@ -6,11 +6,13 @@ finished blocks, and what bad input gets."""
 from __future__ import annotations
 
 import importlib
+import re
 
 import numpy as np
 import pytest
 import torch
 
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_bytes, read_header
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
@@ -18,11 +20,14 @@ from quantizer.codec import dequantize, quantize_linear
 from quantizer.errors import UserError
 from quantizer.pack.manifest import Manifest
 from quantizer.calibrate.settings import CalibrationSettings
-from quantizer.pipeline.build import PLAN_FILE, QUANTIZE_DIR, BuildRequest, build
+from quantizer.pipeline.build import PLAN_FILE, QUANTIZE_DIR, BuildRequest, build, plan_and_state
+from quantizer.model.hooks import ForwardHooks, ScaledCodes
+from quantizer.model.linear import NativeLinear
 from quantizer.model.targets import targets
 from quantizer.plan.plan import Plan, make_plan
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.ppl.pack_source import PackSource
+from quantizer.shipped import model_config_path
 from quantizer.tune import end_to_end, stage
 from quantizer.tune.factor import factor
 from quantizer.tune.settings import EndToEndSettings, TuneSettings
@@ -74,8 +79,34 @@ def test_the_factorisation_reproduces_the_decoder():
     expected = dequantize(q)
     assert f.weight().shape == expected.shape == (256, 128)
     torch.testing.assert_close(f.weight(), expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
-    doubled = f.weight(q.suh.float() * 2, q.svh.float() * 3)  # the scales enter linearly, on their own axes
+    doubled = ScaledCodes(f.codes, q.suh.float() * 2, q.svh.float() * 3).weight()  # linear, on their own axes
     torch.testing.assert_close(doubled, 6 * expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_scaled_codes_act_on_activations_as_the_weight_they_stand_for(grouped):
+    """What tuning differentiates: a linear given scaled codes computes what its built weight computes,
+    and the scales get the gradients they would get through that weight (wo_a: one suh per row block)."""
+    gen = torch.Generator().manual_seed(1)
+    groups, rows_per, cols = (4, 8, 16) if grouped else (1, 24, 16)
+    codes = torch.randn(groups * rows_per, cols, generator=gen)
+    suh0 = torch.rand(groups, cols, generator=gen) + 0.5 if grouped else torch.rand(cols, generator=gen) + 0.5
+    svh0 = torch.rand(groups * rows_per, generator=gen) + 0.5
+    x = torch.randn(3, 5, groups, cols, generator=gen) if grouped else torch.randn(3, 5, cols, generator=gen)
+    linear = NativeLinear(cols, groups * rows_per, "w.weight")
+    outputs, grads = [], []
+    for as_codes in (True, False):
+        suh, svh = suh0.clone().requires_grad_(), svh0.clone().requires_grad_()
+        scaled = ScaledCodes(codes, suh, svh)
+        hooks = (ForwardHooks(scaled_codes=lambda name, s=scaled: s) if as_codes
+                 else ForwardHooks(weight_override=lambda name, w, s=scaled: s.weight()))
+        y = linear.grouped(x, hooks) if grouped else linear(x, hooks)
+        (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        outputs.append(y.detach())
+        grads.append((suh.grad, svh.grad))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads[0], grads[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_tuning_lowers_the_held_out_block_output_error(packs):
@@ -267,3 +298,36 @@ def test_end_to_end_settings_refuse_what_cannot_run():
         EndToEndSettings(heldout=1.0)
     with pytest.raises(UserError, match="at least 2 calibration rows"):
         EndToEndSettings().split(1)
+
+
+def test_the_stage_keeps_only_the_rows_its_steps_and_held_out_measurements_use():
+    """A real build's 250 calibration rows: 20 steps of 2 rows draw from 40, and 16 are held out; the rest
+    are never held, so they cost no memory (tune_memory) and a real block fits one GPU beside them."""
+    settings = TuneSettings()
+    assert settings.split(250) == (40, 16)
+    assert settings.split(16) == (12, 4)  # fewer rows than the steps can draw: the shares as before
+    assert TuneSettings(steps=5, batch_rows=1, heldout_rows=2).split(100) == (5, 2)
+    cfg = ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
+    assert stage.tune_memory(cfg, 250, 2048, settings) == stage.tune_memory(cfg, 1000, 2048, settings)
+    assert stage.tune_memory(cfg, 250, 2048, settings) < 0.9 * 139 * 2**30  # one H200 (bench/tune_block_gpu.py)
+    with pytest.raises(UserError, match="held-out rows"):
+        TuneSettings(heldout_rows=0)
+
+
+def test_plan_and_build_state_the_tune_stages_hours(tiny_v41, capsys):
+    """`plan` states what --tune adds at the build's default calibration; `build --tune` states it for its rows
+    and its GPUs, which the stage holds while it runs on one (docs/tuning.md, cost at real scale)."""
+    assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.9", "--loader", "exllamav3"]) == 0
+    cfg = ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
+    hours = stage.tune_seconds(cfg, 250, 2048, TuneSettings()) / 3600
+    assert 0.25 < hours < 0.5  # bench/tune_block_gpu.py: 32.4 s a full-size block, every step paid, on one H200
+    assert re.search(rf"^tune \(--tune\): at most {hours:.2f} h on one H200 at measured rates \(40 blocks, "
+                     rf"20 steps each on 56 of 250 rows x 2048\).* {hours:.2f} on 1 GPU, {8 * hours:.2f} on 8 GPUs$",
+                     capsys.readouterr().out, re.M)
+    longer = TuneSettings(steps=40)
+    assert stage.tune_seconds(cfg, 250, 2048, longer) > stage.tune_seconds(cfg, 250, 2048, TuneSettings())
+    ck = Checkpoint.open(tiny_v41)
+    req = BuildRequest(str(tiny_v41), None, plan=_plan(ck.config), calibration_rows=torch.zeros(16, 64, dtype=torch.long),
+                       tune=SETTINGS)
+    plan_and_state(ck.config, req, None, ranks=2)
+    assert stage.tune_line(ck.config, 16, 64, SETTINGS, (2,)) in capsys.readouterr().err

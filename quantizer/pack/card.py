@@ -2,7 +2,7 @@
 from the manifest and the pack's own headers, so every figure in it is one the pack records.
 
 Hugging Face reads the YAML front matter (base_model + base_model_relation: quantized link the pack to
-its source; library_name and tags let it be found: docs/model-card.md). The body states the source and
+its source; library_name and tags let it be found: docs/publishing.md). The body states the source and
 revision, the loader profile the pack is verified against, bits per tensor class, codebook, head /
 drafter / vision policy, calibration, what the pack leaves out, the fit table for 1, 2 and 4 Sparks
 (`quantizer fit PACK`'s numbers, computed from the headers against the hardware profile of the day the

@@ -60,7 +60,7 @@ from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import QuantizeResult, measured_proxies, quantize
 from quantizer.tune.end_to_end import EndToEndResult, check_end_to_end_fits, end_to_end
 from quantizer.tune.settings import EndToEndSettings, TuneSettings
-from quantizer.tune.stage import TuneResult, check_tune_fits, tune
+from quantizer.tune.stage import TuneResult, check_tune_fits, tune, tune_line
 from quantizer.verify.verify import VerifyReport, verify_pack
 
 QUANTIZE_DIR = "quantize"
@@ -125,7 +125,7 @@ def build(req: BuildRequest) -> BuildResult:
     if req.tune is not None:  # tuning stages run last: refused now rather than after the other stages
         check_tune_fits(ck.config, *req.calibration_rows.shape, req.tune, req.quantize.device)
     if req.end_to_end is not None:
-        check_end_to_end_fits(ck.config, estimate, *req.calibration_rows.shape, req.end_to_end, req.quantize.device)
+        check_end_to_end_fits(ck.config, *req.calibration_rows.shape, req.end_to_end, req.quantize.device)
     calibration_disk = 0 if req.calibration_rows is None else calibration_needs(
         ck.config, *req.calibration_rows.shape, req.calibration).disk
     check_space(req.out, req.work_dir, disk_needs(ck, estimate, calibration_disk, req.work_dir))
@@ -143,7 +143,7 @@ def build(req: BuildRequest) -> BuildResult:
             summary = calibrate(ck, req.calibration_rows, req.work_dir, req.calibration).summary
             require_unchanged(pin, "calibrate", made, req.work_dir)
             store = HessianStore(req.work_dir, ck)
-        plan, report = ranks.on_main(lambda: plan_and_state(ck.config, req, summary))
+        plan, report = ranks.on_main(lambda: plan_and_state(ck.config, req, summary, ranks.world))
         settings = replace(req.quantize, calibration=store.record if store else None)
         quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None,
                              on_start=lambda: save_plan(ck.config, plan, req.work_dir), source_check=pin.check_read)
@@ -191,11 +191,14 @@ def pack_and_publish(ck: Checkpoint, plan: Plan, req: BuildRequest, settings: Pa
     return manifest, verified
 
 
-def plan_and_state(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None
+def plan_and_state(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None, ranks: int = 1
                    ) -> tuple[Plan, FitReport | None]:
-    """The plan (req.plan, or chosen by req.method) and its fit report; the GPU time it implies stated."""
+    """The plan (req.plan, or chosen by req.method) and its fit report; the GPU time it implies stated
+    (the tune stage's too, with --tune, for a job of `ranks` GPUs)."""
     plan, report = (req.plan, None) if req.plan else choose_plan(cfg, req, summary)
     print(plan_estimate(cfg, plan).line(), file=sys.stderr)
+    if req.tune is not None:
+        print(tune_line(cfg, *req.calibration_rows.shape, req.tune, (ranks,)), file=sys.stderr)
     return plan, report
 
 

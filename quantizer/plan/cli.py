@@ -16,6 +16,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from quantizer.arguments import add_model_arguments, add_plan_arguments, count, load_model_config, tokens
+from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS
 from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
@@ -34,6 +35,8 @@ from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plots import plot_path, save_figure
 from quantizer.quantize.rates import plan_estimate
+from quantizer.tune.settings import TuneSettings
+from quantizer.tune.stage import tune_line
 from quantizer.report import gib, table
 from quantizer.plan.spec import pack_spec
 
@@ -106,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         plan, report = largest_fitting_plan(cfg, plan_at, lo, rate_grid(args.codebook)[-1], target)
     print(render(cfg, plan))
     print(plan_estimate(cfg, plan).line())
+    print(tune_line(cfg, DEFAULT_ROWS, DEFAULT_COLS, TuneSettings()))
     if report:
         print("\n" + render_fit(report))
     if args.out:

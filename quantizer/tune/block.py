@@ -1,7 +1,7 @@
 """Tune one block: its EXL3 linears' suh/svh by Adam on the block-output MSE against native targets.
 
-The quantized block is the native block with every encoded linear's weight swapped in through
-`ForwardHooks.weight_override` (svh * M * suh, differentiable in the two vectors), so native tensors
+The quantized block is the native block with every encoded linear applied as its codes and scales through
+`ForwardHooks.scaled_codes` (svh * linear(x * suh, M), differentiable in the two vectors), so native tensors
 (norms, mHC, router, attention sinks) are the source's own and never change. Scales move as relative
 changes and the best held-out measurement (every `eval_every` steps, fp16 scales) wins, the untuned
 scales included (scales.py), so tuning never leaves a block worse on held-out rows.
@@ -16,9 +16,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from quantizer.model.block import Block
-from quantizer.model.hooks import ForwardHooks
+from quantizer.model.hooks import ForwardHooks, ScaledCodes
 from quantizer.model.state import ForwardState
-from quantizer.tune.factor import FactoredLinear
 from quantizer.tune.scales import BestHeldOut, RelativeScales
 from quantizer.tune.settings import TuneSettings
 
@@ -27,12 +26,32 @@ Batch = tuple[torch.Tensor, ForwardState]  # hc streams entering the block, and 
 
 @dataclass(frozen=True)
 class BlockLinears:
-    """The block's stored linears: trainable EXL3 ones by stored key, fixed fp16 ones (K 16) by stored
-    key, and per native weight name the stored keys whose weights it is made of (wo_a: its slices)."""
+    """The block's stored linears by stored key, as fixed codes and stored scales: `exl3` the trainable
+    ones, `fixed` the fp16 ones (K 16: the weight itself with unit scales, never trained). `sources` gives
+    per native weight name the stored keys it is made of (wo_a: its row slices), and `joined` the codes of
+    a name made of several keys as one tensor (the keys' codes are views of it)."""
 
-    exl3: dict[str, FactoredLinear]
-    fixed: dict[str, torch.Tensor]
+    exl3: dict[str, ScaledCodes]
+    fixed: dict[str, ScaledCodes]
     sources: dict[str, list[str]]
+    joined: dict[str, torch.Tensor]
+
+
+def join_linears(exl3: dict[str, ScaledCodes], fixed: dict[str, ScaledCodes], sources: dict[str, list[str]]
+                 ) -> BlockLinears:
+    """A block's linears, each name of several keys (wo_a's slices) with their codes joined in one tensor
+    and each key's codes a view of it, so the grouped product reads them in place."""
+    exl3, fixed, joined = dict(exl3), dict(fixed), {}
+    for name, keys in sources.items():
+        if len(keys) > 1 and name not in joined:
+            parts = [exl3[k] if k in exl3 else fixed[k] for k in keys]
+            joined[name] = torch.cat([p.codes for p in parts])
+            rows = 0
+            for k, p in zip(keys, parts):
+                view = ScaledCodes(joined[name][rows:rows + p.codes.shape[0]], p.suh, p.svh)
+                rows += p.codes.shape[0]
+                (exl3 if k in exl3 else fixed)[k] = view
+    return BlockLinears(exl3, fixed, sources, joined)
 
 
 @dataclass(frozen=True)
@@ -43,6 +62,7 @@ class BlockTuning:
     best_step: int  # 0: the stored scales stayed best
     steps: int  # Adam steps run
     seconds: float
+    held_seconds: float  # of `seconds`, the held-out measurements'
 
 
 def fork(state: ForwardState) -> ForwardState:
@@ -51,44 +71,45 @@ def fork(state: ForwardState) -> ForwardState:
 
 
 class QuantizedBlock:
-    """A native block run with the EXL3 weights of `linears` at given scales."""
+    """A native block run with the EXL3 linears of `linears` at given scales."""
 
     def __init__(self, block: Block, linears: BlockLinears, hasher):
         self.block, self.linears, self.hasher = block, linears, hasher
 
-    def run(self, batch: Batch, weights: dict[str, torch.Tensor], advance: bool = False) -> torch.Tensor:
+    def run(self, batch: Batch, hooks: ForwardHooks, advance: bool = False) -> torch.Tensor:
         streams, state = batch
-        return self.block(streams, state if advance else fork(state), self.hasher, override_hooks(self.linears, weights))
+        return self.block(streams, state if advance else fork(state), self.hasher, hooks)
 
-    def weights(self, suh: dict[str, torch.Tensor] | None = None, svh: dict[str, torch.Tensor] | None = None
-                ) -> dict[str, torch.Tensor]:
-        return linear_weights(self.linears, suh, svh)
-
-
-def linear_weights(linears: BlockLinears, suh: dict[str, torch.Tensor] | None = None,
-                   svh: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Every stored linear's weight by stored key: EXL3 ones at these scales (default: the stored ones)."""
-    out = dict(linears.fixed)
-    for key, f in linears.exl3.items():
-        out[key] = f.weight(None if suh is None else suh[key], None if svh is None else svh[key])
-    return out
+    def hooks(self, suh: dict[str, torch.Tensor] | None = None, svh: dict[str, torch.Tensor] | None = None
+              ) -> ForwardHooks:
+        return scaled_hooks(self.linears, suh, svh)
 
 
-def override_hooks(linears: BlockLinears, weights: dict[str, torch.Tensor]) -> ForwardHooks:
-    """Hooks that give each native weight the stored linears' `weights` it is made of (wo_a: its slices)."""
-    def override(name: str, _native: torch.Tensor) -> torch.Tensor | None:
+def scaled_hooks(linears: BlockLinears, suh: dict[str, torch.Tensor] | None = None,
+                 svh: dict[str, torch.Tensor] | None = None) -> ForwardHooks:
+    """Hooks that apply each native weight as its stored linears' codes, the EXL3 ones at these scales
+    (float32 by stored key; default: the stored ones), so no step builds a weight (ScaledCodes)."""
+    def scales(key: str, given: dict[str, torch.Tensor] | None, leaf: str) -> torch.Tensor:
+        if given is not None and key in given:
+            return given[key]
+        return getattr(linears.exl3[key] if key in linears.exl3 else linears.fixed[key], leaf).float()
+
+    def scaled(name: str) -> ScaledCodes | None:
         keys = linears.sources.get(name)
         if keys is None:
             return None
-        return weights[keys[0]] if len(keys) == 1 else torch.cat([weights[k] for k in keys])
-    return ForwardHooks(weight_override=override)
+        suhs, svhs = [scales(k, suh, "suh") for k in keys], [scales(k, svh, "svh") for k in keys]
+        if len(keys) == 1:
+            stored = linears.exl3[keys[0]] if keys[0] in linears.exl3 else linears.fixed[keys[0]]
+            return ScaledCodes(stored.codes, suhs[0], svhs[0])
+        return ScaledCodes(linears.joined[name], torch.stack(suhs), torch.cat(svhs))
+    return ForwardHooks(scaled_codes=scaled)
 
 
-def block_error(qb: QuantizedBlock, batches: list[Batch], targets: list[torch.Tensor],
-                weights: dict[str, torch.Tensor]) -> float:
+def block_error(qb: QuantizedBlock, batches: list[Batch], targets: list[torch.Tensor], hooks: ForwardHooks) -> float:
     """Mean squared error of the block's output streams against the targets over these batches."""
     with torch.no_grad():
-        total = sum(float((qb.run(b, weights) - t).square().sum()) for b, t in zip(batches, targets))
+        total = sum(float((qb.run(b, hooks) - t).square().sum()) for b, t in zip(batches, targets))
     return total / sum(t.numel() for t in targets)
 
 
@@ -99,9 +120,15 @@ def tune_block(qb: QuantizedBlock, tune: list[Batch], tune_targets: list[torch.T
     scales = RelativeScales(qb.linears.exl3)
     opt = torch.optim.Adam(scales.parameters(), lr=settings.lr)
 
+    held_s = 0.0
+
     def held_error(u16: dict, v16: dict) -> float:
-        return block_error(qb, held, held_targets,
-                           qb.weights({k: t.float() for k, t in u16.items()}, {k: t.float() for k, t in v16.items()}))
+        nonlocal held_s
+        t0 = time.monotonic()
+        error = block_error(qb, held, held_targets,
+                            qb.hooks({k: t.float() for k, t in u16.items()}, {k: t.float() for k, t in v16.items()}))
+        held_s += time.monotonic() - t0
+        return error
 
     first = scales.stored()
     best = BestHeldOut(held_error(*first), first, settings.patience)
@@ -111,7 +138,7 @@ def tune_block(qb: QuantizedBlock, tune: list[Batch], tune_targets: list[torch.T
     while step < settings.steps:
         i = int(torch.randint(len(tune), (1,), generator=gen))
         opt.zero_grad(set_to_none=True)
-        loss = (qb.run(tune[i], qb.weights(*scales.current())) - tune_targets[i]).square().mean()
+        loss = (qb.run(tune[i], qb.hooks(*scales.current())) - tune_targets[i]).square().mean()
         loss.backward()
         opt.step()
         step += 1
@@ -123,4 +150,4 @@ def tune_block(qb: QuantizedBlock, tune: list[Batch], tune_targets: list[torch.T
                 break
     best_u, best_v = best.scales
     tuned = {f"{k}.suh": best_u[k] for k in scales.keys} | {f"{k}.svh": best_v[k] for k in scales.keys}
-    return BlockTuning(tuned, best.start, best.value, best.step, step, time.monotonic() - start)
+    return BlockTuning(tuned, best.start, best.value, best.step, step, time.monotonic() - start, held_s)

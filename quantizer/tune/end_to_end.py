@@ -4,14 +4,16 @@ the native model's next-token distributions.
 Block-wise tuning (stage.py) fits each block to its own native outputs; what the model loses is what the
 blocks' errors do to the logits, through routing, the blocks after and the head. This stage minimises
 that directly: Adam on KL(native || quantized) over the tuning rows, starting from the block-wise scales
-when that stage ran (else the stored ones), with every EXL3 weight the forward uses swapped for
-`svh * M * suh` (factor.py) in the whole model at once. As block-wise (scales.py), each scale moves as
-a relative change, held-out rows are measured with the scales rounded to fp16 as stored every
-`eval_every` steps, and the best measurement wins, the starting scales included: the stage never
-leaves the held-out KL higher than it found it. Codes, norms, router, mHC and every native tensor stay as they are.
+when that stage ran (else the stored ones), with every EXL3 linear the forward uses applied as its codes
+and scales, `svh * linear(x * suh, M)` (factor.py), in the whole model at once. As block-wise
+(scales.py), each scale moves as a relative change, held-out rows are measured with the scales rounded
+to fp16 as stored every `eval_every` steps, and the best measurement wins, the starting scales included:
+the stage never leaves the held-out KL higher than it found it. Codes, norms, router, mHC and every
+native tensor stay as they are.
 
-Cost: the whole model is in memory on the build's device, with every encoded linear's codes in float32,
-the native log-probabilities of every row, and one autograd pass through all blocks (`end_to_end_needs`).
+Cost: the whole model is in memory on the build's device (each encoded linear's float32 codes in place of
+its native weight once the native log-probabilities of every row are computed), those log-probabilities,
+and one autograd pass through all blocks (`end_to_end_needs`).
 That is for small models: the stage refuses, before any other stage runs, where it would not fit, and a
 real V4.1 build tunes block-wise only (docs/tuning.md gives the sizes).
 The result is one file, WORK/tuned/model.<digest>.safetensors (tune/store.py), reused by a rerun.
@@ -32,26 +34,23 @@ from quantizer.calibrate.stage import tokens_digest
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import TensorEntry, read_tensor
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.exl3 import UNQUANTIZED
-from quantizer.model.hooks import ForwardHooks
+from quantizer.model.hooks import ForwardHooks, ScaledCodes
 from quantizer.model.streaming import block_activations, model_bytes
 from quantizer.model.transformer import DeepseekModel
 from quantizer.plan.plan import Plan
-from quantizer.plan.spec import pack_spec
 from quantizer.report import gib
-from quantizer.tune.block import BlockLinears, linear_weights, override_hooks
-from quantizer.tune.factor import FactoredLinear
+from quantizer.tune.block import BlockLinears, scaled_hooks
 from quantizer.tune.scales import BestHeldOut, RelativeScales
 from quantizer.tune.settings import EndToEndSettings
-from quantizer.tune.stage import DTYPE, HEAD_KEY, check_fits, stored_linears
+from quantizer.tune.stage import DTYPE, StoredBlock, check_fits, drop_native_weights, stored_linears
 from quantizer.tune.store import TunedStore, block_digest
 
 MODEL_FILE = "model"  # WORK/tuned/model.<digest>.safetensors
 # What autograd keeps of one block for the backward, in multiples of the block's forward peak
 # (block_activations): every intermediate of attention, MoE and mHC, not just the largest moment's.
-# bench/tune_small.py --device cuda on the small V4 model (1 row x 2048 tokens a step) measured 2013 MiB
-# at the stage's peak; this estimate's other parts come to 1446 MiB, and the remaining 567 MiB are 4.5
-# times the blocks' summed forward peaks (126 MiB). docs/tuning.md has the CPU check (0.87-0.92x).
+# Fitted with bench/tune_small.py --device cuda on the small V4 model (1 row x 2048 tokens a step): 4.5
+# times the blocks' summed forward peaks. Re-measured there since the scales act on activations: 1965 MiB
+# stated against a 2103 MiB peak (0.93x); docs/tuning.md has that and the CPU check (0.87-0.92x).
 SAVED_PER_BLOCK = 4.5
 # Per vocabulary entry of a training row's token: its logits, their log-softmax and the gradient of each,
 # and the native log-probabilities' exp and the product with the difference (float32)
@@ -78,34 +77,22 @@ class EndToEndResult:
                 "best_step": self.best_step, "steps_run": self.steps}
 
 
-def encoded_weights(cfg: ModelConfig, plan: Plan) -> tuple[int, int]:
-    """(weights of the trunk and head linears the pack stores as EXL3, ... stored fp16): what this stage holds."""
-    exl3 = fixed = 0
-    for s in pack_spec(cfg, plan).encoded:
-        if s.key.startswith("layers.") or s.key == HEAD_KEY:
-            if s.K == UNQUANTIZED:
-                fixed += s.numel
-            else:
-                exl3 += s.numel
-    return exl3, fixed
-
-
-def end_to_end_needs(cfg: ModelConfig, plan: Plan, rows: int, cols: int, settings: EndToEndSettings) -> int:
-    """Bytes the stage holds at its peak: the model (Engram tables included), each EXL3 linear's codes
-    three times (the codes, the weight of a step, its gradient) and each fp16 one once, the native
-    log-probabilities of every row, and one autograd pass over `batch_rows` rows: every block's saved
-    tensors (SAVED_PER_BLOCK times its forward peak) and the head's logits."""
-    exl3, fixed = encoded_weights(cfg, plan)
+def end_to_end_needs(cfg: ModelConfig, rows: int, cols: int, settings: EndToEndSettings) -> int:
+    """Bytes the stage holds at its peak: the model (Engram tables included; the encoded linears' float32
+    codes replace their native weights), the native log-probabilities of every row, and one autograd pass
+    over `batch_rows` rows: every block's saved tensors (SAVED_PER_BLOCK times its forward peak) and the
+    head's logits. The scales act on activations (ScaledCodes): a step builds no weight and no weight-sized
+    gradient."""
     blocks = sum(max(block_activations(cfg, layer, settings.batch_rows, cols, DTYPE).values())
                  for layer in range(cfg.num_layers))
     backward = SAVED_PER_BLOCK * blocks + settings.batch_rows * cols * cfg.vocab_size * LOGIT_BYTES
-    return model_bytes(cfg, DTYPE) + 4 * (3 * exl3 + fixed) + rows * cols * cfg.vocab_size * 4 + backward
+    return model_bytes(cfg, DTYPE) + rows * cols * cfg.vocab_size * 4 + backward
 
 
-def check_end_to_end_fits(cfg: ModelConfig, plan: Plan, rows: int, cols: int, settings: EndToEndSettings,
+def check_end_to_end_fits(cfg: ModelConfig, rows: int, cols: int, settings: EndToEndSettings,
                           device: str) -> int:
     """The stage's memory, or a refusal saying what it needs against what the device has free."""
-    return check_fits(end_to_end_needs(cfg, plan, rows, cols, settings), device,
+    return check_fits(end_to_end_needs(cfg, rows, cols, settings), device,
                       "--tune-e2e holds the whole model and one backward pass",
                       "use --tune (block-wise) alone, or fewer or shorter calibration rows")
 
@@ -122,32 +109,32 @@ def end_to_end(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows
     linears = stored_linears(ck, plan, quantize_work, job)
     store = TunedStore(work)
     store.drop_unfinished()
-    units = sorted(d for _, digests in linears.values() for d in digests)
+    units = sorted(d for stored in linears.values() for d in stored.digests)
     digest = block_digest(MODEL_FILE, units, settings.record(), tokens_digest(rows),
                           ",".join(p.name for p in block_files) or None)
-    keys = [k for lin, _ in linears.values() for k in lin.exl3]
+    keys = [k for stored in linears.values() for k in stored.exl3]
     path = store.path(MODEL_FILE, digest)
     if store.load(MODEL_FILE, digest, keys) is not None:
         info = store.info(path)
         say(f"tune-e2e: reused {path.name}")
         return EndToEndResult(path, info["kl_before"], info["kl_after"], info["best_step"], info["steps"], False,
                               n_tune, n_held, settings.record(), time.monotonic() - start)
-    needs = check_end_to_end_fits(cfg, plan, *rows.shape, settings, device)
+    needs = check_end_to_end_fits(cfg, *rows.shape, settings, device)
     say(f"tune-e2e: {n_tune} tuning + {n_held} held-out rows x {rows.shape[1]} tokens, up to {settings.steps} Adam "
         f"steps of {settings.batch_rows} row(s) over {len(keys)} EXL3 linears; needs about {gib(needs)} GiB on {device}")
     model = DeepseekModel.from_checkpoint(ck, DTYPE, device)
     model.requires_grad_(False)
-    merged = _gather(linears, store.entries(list(block_files)), device)
     rows = rows.to(device)
     tune_rows, held_rows = rows[:n_tune], rows[n_tune:]
     with torch.no_grad():
         native_tune = [torch.log_softmax(model(tune_rows[i:i + 1]), -1) for i in range(n_tune)]
         native_held = [torch.log_softmax(model(held_rows[i:i + 1]), -1) for i in range(n_held)]
+    merged = _gather(linears, store.entries(list(block_files)), device)
+    drop_native_weights(model, set(merged.sources))
     scales = RelativeScales(merged.exl3)
 
     def hooks(suh: dict, svh: dict) -> ForwardHooks:
-        return override_hooks(merged, linear_weights(merged, {k: t.float() for k, t in suh.items()},
-                                                     {k: t.float() for k, t in svh.items()}))
+        return scaled_hooks(merged, {k: t.float() for k, t in suh.items()}, {k: t.float() for k, t in svh.items()})
 
     def held_kl(u16: dict, v16: dict) -> float:
         with torch.no_grad():
@@ -200,16 +187,17 @@ def _kl(native_log_probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return (native_log_probs.exp() * (native_log_probs - torch.log_softmax(logits, -1))).sum(-1).mean()
 
 
-def _gather(linears: dict[str, tuple[BlockLinears, list[str]]], start: dict[str, TensorEntry], device: str
-            ) -> BlockLinears:
+def _gather(linears: dict[str, StoredBlock], start: dict[str, TensorEntry], device: str) -> BlockLinears:
     """Every stored linear of the model as one BlockLinears on `device`, each EXL3 one with the scales tuning
     starts from: the block-wise stage's where `start` has them, else the stored ones."""
-    exl3, fixed, sources = {}, {}, {}
-    for lin, _ in linears.values():
+    exl3, fixed, sources, joined = {}, {}, {}, {}
+    for stored in linears.values():
+        lin = stored.load(device)
         for key, f in lin.exl3.items():
-            suh, svh = (read_tensor(start[f"{key}.{leaf}"]) if f"{key}.{leaf}" in start else getattr(f, leaf)
-                        for leaf in ("suh", "svh"))
-            exl3[key] = FactoredLinear(f.codes.to(device), suh.to(device), svh.to(device))
-        fixed.update({k: w.to(device) for k, w in lin.fixed.items()})
+            suh, svh = (read_tensor(start[f"{key}.{leaf}"]).to(device) if f"{key}.{leaf}" in start
+                        else getattr(f, leaf) for leaf in ("suh", "svh"))
+            exl3[key] = ScaledCodes(f.codes, suh, svh)
+        fixed.update(lin.fixed)
         sources.update(lin.sources)
-    return BlockLinears(exl3, fixed, sources)
+        joined.update(lin.joined)
+    return BlockLinears(exl3, fixed, sources, joined)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from quantizer.tune.factor import FactoredLinear
+from quantizer.model.hooks import ScaledCodes
 
 
 class RelativeScales:
-    def __init__(self, exl3: dict[str, FactoredLinear]):
+    def __init__(self, exl3: dict[str, ScaledCodes]):
         self.keys = list(exl3)
         self.base_u = {k: f.suh.float() for k, f in exl3.items()}
         self.base_v = {k: f.svh.float() for k, f in exl3.items()}

@@ -21,6 +21,7 @@ class TuneSettings:
     lr: float = 3e-3  # on the relative change of each scale (suh = suh0 * (1 + a))
     batch_rows: int = 2  # calibration rows per Adam step
     heldout: float = 0.25  # share of the calibration rows held out for early stopping (at least one row)
+    heldout_rows: int = 16  # held-out rows at most (each measurement runs them all)
     eval_every: int = 5  # steps between held-out measurements
     patience: int = 2  # held-out measurements without improvement before a block stops
     inputs: str = "native"
@@ -34,14 +35,19 @@ class TuneSettings:
             raise UserError(f"tune target {self.target!r}; choose {' or '.join(TARGETS)}")
         if self.target == "model" and self.inputs != "quantized":
             raise UserError("tune target model differs from block only with quantized inputs")
-        if self.steps < 1 or self.batch_rows < 1 or self.eval_every < 1 or self.patience < 1 or self.lr <= 0:
-            raise UserError("tune: steps, batch rows, eval interval and patience must be at least 1, lr above 0")
+        if min(self.steps, self.batch_rows, self.heldout_rows, self.eval_every, self.patience) < 1 or self.lr <= 0:
+            raise UserError("tune: steps, batch rows, held-out rows, eval interval and patience must be at least 1, "
+                            "lr above 0")
         if not 0 < self.heldout < 1:
             raise UserError(f"tune: held-out share {self.heldout} must lie between 0 and 1")
 
     def split(self, rows: int) -> tuple[int, int]:
-        """(tuning rows, held-out rows) of `rows` calibration rows."""
-        return split_rows(rows, self.heldout, "--tune")
+        """(tuning rows, held-out rows) of `rows` calibration rows: the first rows and the last ones, as
+        split_rows splits them, the tuning rows no more than `steps` steps of `batch_rows` can draw and the
+        held-out ones at most `heldout_rows`. The stage holds every row it uses (tune_memory), so a real
+        build's 250 calibration rows do not all have to fit beside a block."""
+        tune, held = split_rows(rows, self.heldout, "--tune")
+        return min(tune, self.steps * self.batch_rows), min(held, self.heldout_rows)
 
     def record(self) -> dict:
         return asdict(self)

@@ -6,8 +6,9 @@ their own forward state. Block L's inputs are the native model's (settings.input
 the quantized blocks before it, already tuned ("quantized"); its targets are the native block's outputs
 on those same inputs. A finished block's scales are saved under WORK/tuned/ (store.py) and a rerun
 reuses them, so a killed run resumes at the first unfinished block.
-It runs on the build's device: every row's streams, one block and its decoded codes live there
-(tune_memory); on a CPU a real-size block takes about an hour (docs/tuning.md, cost at real scale).
+It runs on the build's device: the rows' streams and one block live there, the block's native weights
+while its targets are computed, then its decoded codes in their place (tune_memory). Blocks are read and
+decoded one at a time, so the stage streams the model like every other.
 The drafter (`mtp.*`) and the head are not tuned here: our forward has no drafter, and the head is no
 block (end_to_end.py tunes it).
 """
@@ -22,14 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from quantizer.calibrate.stage import tokens_digest
 from quantizer.calibrate.unit_kl import free_memory
-from quantizer.checkpoint.safetensors_file import read_tensor
+from quantizer.checkpoint.safetensors_file import TensorEntry, read_tensor
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED
+from quantizer.model.linear import NativeLinear
 from quantizer.model.streaming import CheckpointSource, block_weight_bytes, estimate_stream_memory, load_block
 from quantizer.model.targets import targets
 from quantizer.model.transformer import DeepseekModel
@@ -38,9 +41,9 @@ from quantizer.plan.plan import Plan
 from quantizer.plan.spec import pack_spec
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.results import ResultStore
-from quantizer.report import gib
-from quantizer.tune.block import Batch, BlockLinears, QuantizedBlock, fork, tune_block
-from quantizer.tune.factor import FactoredLinear, factor
+from quantizer.report import GIB, gib
+from quantizer.tune.block import Batch, BlockLinears, QuantizedBlock, fork, join_linears, tune_block
+from quantizer.tune.factor import factor, unit_scaled
 from quantizer.tune.settings import TuneSettings
 from quantizer.tune.store import TunedStore, block_digest
 
@@ -51,6 +54,19 @@ HEAD_KEY = "head"  # the head's stored key: not in a block, tuned end to end onl
 # against 210 MiB estimated with 3; with 4 the estimate is 261 MiB (docs/tuning.md).
 BACKWARD_FACTOR = 4
 MEMORY_SHARE = 0.9  # a tuning stage is refused up front when it needs more than this share of the free memory
+# One block's tuning on one H200, measured by bench/tune_block_gpu.py (docs/tuning.md) on V4.1-Flash blocks
+# of 48 and 384 routed experts (7.0 and 51.3 GiB of float32 weights), 2048-token rows: seconds of the native
+# block's forward per row, and an Adam step's forward and backward per row in such forwards (the many small
+# expert products of a real block make both grow with it); decoding the codes, per GiB of the block. And from
+# bench/rehearsal.py --tune (the stage in a build, a full-width slice): reading a block from the checkpoint
+# (in the page cache), per GiB of its float32 weights, and the stage's start with its first backward pass.
+MEASURED_BLOCK_GIB = (7.0, 51.3)
+ROW_FORWARD_S = (0.0545, 0.085)
+STEP_FORWARDS = (2.75, 4.56)
+DECODE_S_PER_GIB = 0.043
+READ_S_PER_GIB = 0.075
+START_S = 9.0
+MEASURED_COLS = 2048
 
 
 @dataclass(frozen=True)
@@ -71,15 +87,53 @@ class TuneResult:
 
 
 def tune_memory(cfg, rows: int, cols: int, settings: TuneSettings) -> int:
-    """Bytes the stage holds at its peak: every row's block inputs and targets (two copies of the
-    streams) and two of the state (the state the block receives, forked, beside the one it advanced for
-    the next block; with target "model" also the native forward's streams and state), the largest block
-    three times (native, decoded codes, the weights of a step), and one autograd pass over `batch_rows` rows."""
-    stream = estimate_stream_memory(cfg, rows, cols, DTYPE, rows)  # its states: one copy of streams and state
+    """Bytes the stage holds at its peak for `rows` calibration rows (of which settings.split uses some):
+    the used rows' block inputs and targets (two copies of the streams) and two of the state (the state
+    the block receives, forked, beside the one it advanced for the next block; with target "model" also
+    the native forward's streams and state), the largest block once in float32 (its native weights, then
+    its decoded codes in their place), the embedding the rows start from, and one autograd pass over
+    `batch_rows` rows."""
+    used = sum(settings.split(rows))
+    stream = estimate_stream_memory(cfg, used, cols, DTYPE, used)  # its states: one copy of streams and state
     step = estimate_stream_memory(cfg, settings.batch_rows, cols, DTYPE, settings.batch_rows)
     block = max(v for k, v in block_weight_bytes(cfg, DTYPE).items() if k.startswith("layers."))
     native_beside = stream.states if settings.target == "model" else 0  # the native forward's streams and state
-    return 2 * stream.states + native_beside + 3 * block + BACKWARD_FACTOR * step.activations
+    embed = cfg.vocab_size * cfg.hidden_size * torch.finfo(DTYPE).bits // 8
+    return 2 * stream.states + native_beside + block + embed + BACKWARD_FACTOR * step.activations
+
+
+def tune_seconds(cfg, rows: int, cols: int, settings: TuneSettings) -> float:
+    """Seconds the stage takes on one H200 at most (no early stop: every step and held-out measurement paid)."""
+    return START_S + sum(block_seconds(size, rows, cols, settings) for name, size in block_weight_bytes(cfg, DTYPE).items()
+                         if name.startswith("layers."))
+
+
+def block_seconds(block_bytes: int, rows: int, cols: int, settings: TuneSettings) -> float:
+    """One block of `block_bytes` float32 weights at most: reading it, its targets (a forward of every row
+    used), the codes' decoding, `steps` Adam steps and the held-out measurements, at the measured rates
+    above, interpolated in the block's size."""
+    n_tune, n_held = settings.split(rows)
+    evals = 1 + settings.steps // settings.eval_every + (settings.steps % settings.eval_every > 0)
+    gib = block_bytes / GIB
+    row = _interpolate(gib, ROW_FORWARD_S) * cols / MEASURED_COLS
+    forwards = n_tune + n_held + settings.steps * settings.batch_rows * _interpolate(gib, STEP_FORWARDS)
+    return row * (forwards + evals * n_held) + (DECODE_S_PER_GIB + READ_S_PER_GIB) * gib
+
+
+def _interpolate(gib: float, values: tuple[float, float]) -> float:
+    """A measured rate at a block of `gib`, on the line through the two measured blocks (never below the smaller's half)."""
+    (g0, g1), (v0, v1) = MEASURED_BLOCK_GIB, values
+    return max(v0 / 2, v0 + (v1 - v0) * (gib - g0) / (g1 - g0))
+
+
+def tune_line(cfg, rows: int, cols: int, settings: TuneSettings, ranks: tuple[int, ...] = (1, 8)) -> str:
+    """What `plan` and `build` state of the stage's time; it runs on one GPU while a job's other ranks wait,
+    so a job of g GPUs holds g times its hours."""
+    hours = tune_seconds(cfg, rows, cols, settings) / 3600
+    held = ", ".join(f"{hours * g:,.2f} on {g} GPU{'s' if g > 1 else ''}" for g in ranks)
+    return (f"tune (--tune): at most {hours:,.2f} h on one H200 at measured rates ({cfg.num_layers} blocks, "
+            f"{settings.steps} steps each on {sum(settings.split(rows))} of {rows} rows x {cols}); it runs on one "
+            f"GPU while a job's others wait, GPU-hours held: {held}")
 
 
 def check_fits(needs: int, device: str, what: str, instead: str) -> int:
@@ -95,7 +149,7 @@ def check_fits(needs: int, device: str, what: str, instead: str) -> int:
 def check_tune_fits(cfg, rows: int, cols: int, settings: TuneSettings, device: str = "cpu") -> int:
     """The block-wise stage's memory on `device`, or a refusal."""
     return check_fits(tune_memory(cfg, rows, cols, settings), device,
-                      "--tune holds a block three times in float32 and every row's streams",
+                      "--tune holds a block in float32 and the streams of the rows it uses",
                       "drop --tune, or use fewer or shorter calibration rows (--calib-rows, --calib-cols)")
 
 
@@ -113,7 +167,7 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
     store = TunedStore(work)
     store.drop_unfinished()
     digests = _digests(layers, settings, tokens_digest(rows))
-    if all(store.load(b, d, list(layers[b][0].exl3)) is not None for b, d in digests.items()):
+    if all(store.load(b, d, list(layers[b].exl3)) is not None for b, d in digests.items()):
         files = [store.path(b, d) for b, d in digests.items()]  # a rerun after a finished one: no forward
         errors = {b: (i["error_before"], i["error_after"]) for b, i in zip(digests, map(store.info, files))}
         say(f"tune: {len(files)} blocks, all reused")
@@ -126,17 +180,17 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
     b = settings.batch_rows
     with torch.no_grad():
         tune_in = [root.start(rows[i:min(i + b, n_tune)]) for i in range(0, n_tune, b)]
-        held_in = [root.start(rows[i:i + b]) for i in range(n_tune, rows.shape[0], b)]
+        held_in = [root.start(rows[i:i + b]) for i in range(rows.shape[0] - n_held, rows.shape[0], b)]
     by_model = settings.target == "model"  # the native model's streams run beside the quantized ones
     native_tune = [(x, fork(st)) for x, st in tune_in] if by_model else []
     native_held = [(x, fork(st)) for x, st in held_in] if by_model else []
     files, errors, tuned = [], {}, 0
     for layer in range(cfg.num_layers):
         name = f"layers.{layer}"
+        lap = _Laps(device)
         block = load_block(source, layer, DTYPE, device)
         block.requires_grad_(False)
-        spec = layers[name][0] if name in layers else None
-        qb = QuantizedBlock(block, on_device(spec, device), root.hasher) if spec else None
+        lap("read_s")
         tune_t = tune_x = held_t = held_x = None  # the block before's: not alive beside this block's (tune_memory)
         if by_model:
             tune_t, _, native_tune = _targets(block, root.hasher, native_tune, "native")
@@ -145,7 +199,13 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
         else:
             tune_t, tune_x, tune_in = _targets(block, root.hasher, tune_in, settings.inputs)
             held_t, held_x, held_in = _targets(block, root.hasher, held_in, settings.inputs)
-        weights = None if qb is None else qb.weights()
+        lap("targets_s")
+        qb = None
+        if name in layers:  # the native weights gave the targets; the stored linears take their place
+            drop_native_weights(block, set(layers[name].sources))
+            qb = QuantizedBlock(block, layers[name].load(device), root.hasher)
+            lap("codes_s")
+        hooks = None if qb is None else qb.hooks()
         if qb is not None and qb.linears.exl3:
             digest = digests[name]
             keys = list(qb.linears.exl3)
@@ -154,26 +214,42 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
                 tick = _progress(say, name, settings, cfg.num_layers - layer) if tuned == 0 else None
                 r = tune_block(qb, tune_x, tune_t, held_x, held_t, settings, tick)
                 info = {"error_before": r.error_before, "error_after": r.error_after, "best_step": r.best_step,
-                        "steps": r.steps, "seconds": round(r.seconds, 2)}
+                        "steps": r.steps, "seconds": round(r.seconds, 2), "held_s": round(r.held_seconds, 2),
+                        **{k: round(v, 2) for k, v in lap.parts.items()}}
                 store.save(name, digest, {k: t.cpu() for k, t in r.scales.items()}, info)
                 scales, tuned = r.scales, tuned + 1
                 say(f"tune: {name}: held-out block-output MSE {r.error_before:.4g} -> {r.error_after:.4g} "
                     f"({r.error_after / max(r.error_before, 1e-30):.3f}x) after {r.steps} steps (best "
-                    f"{r.best_step}), {r.seconds:.1f} s")
+                    f"{r.best_step}), {r.seconds:.1f} s ({r.held_seconds:.1f} s of it held-out measurements); "
+                    f"block read {lap.parts['read_s']:.1f} s, targets {lap.parts['targets_s']:.1f} s, "
+                    f"codes {lap.parts['codes_s']:.1f} s")
             else:
                 info = store.info(store.path(name, digest))
             files.append(store.path(name, digest))
             errors[name] = (info["error_before"], info["error_after"])
-            weights = qb.weights({k: scales[f"{k}.suh"].to(device).float() for k in keys},
-                                 {k: scales[f"{k}.svh"].to(device).float() for k in keys})
+            hooks = qb.hooks({k: scales[f"{k}.suh"].to(device).float() for k in keys},
+                             {k: scales[f"{k}.svh"].to(device).float() for k in keys})
         if settings.inputs == "quantized":  # the next block's inputs: this block as the pack stores it
             tune_t = held_t = None
             with torch.no_grad():
-                tune_in = [(_advance(block, qb, weights, x, root.hasher), x[1]) for x in tune_x]
-                held_in = [(_advance(block, qb, weights, x, root.hasher), x[1]) for x in held_x]
+                tune_in = [(_advance(block, qb, hooks, x, root.hasher), x[1]) for x in tune_x]
+                held_in = [(_advance(block, qb, hooks, x, root.hasher), x[1]) for x in held_x]
     say(f"tune: {len(files)} blocks, {tuned} tuned by this run, {len(files) - tuned} reused, "
         f"{time.monotonic() - start:.1f} s")
     return TuneResult(files, errors, len(files), tuned, n_tune, n_held, settings.record(), time.monotonic() - start)
+
+
+class _Laps:
+    """Seconds between calls, by name (the device's queued work finished first, so GPU time lands where it is spent)."""
+
+    def __init__(self, device: str):
+        self.device, self.parts, self.last = device, {}, time.monotonic()
+
+    def __call__(self, name: str) -> None:
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.monotonic()
+        self.parts[name], self.last = now - self.last, now
 
 
 def _targets(block, hasher, batches: list[Batch], inputs: str
@@ -188,26 +264,28 @@ def _targets(block, hasher, batches: list[Batch], inputs: str
         return [block(s, fork(st), hasher) for s, st in batches], batches, None
 
 
-def _digests(layers: dict[str, tuple[BlockLinears, list[str]]], settings: TuneSettings, rows_digest: str
-             ) -> dict[str, str]:
+def _digests(layers: dict[str, StoredBlock], settings: TuneSettings, rows_digest: str) -> dict[str, str]:
     """Each tuned block's file digest, in layer order; with quantized inputs each one covers the one before."""
     out, previous = {}, None
-    for name, (linears, unit_digests) in layers.items():
-        if linears.exl3:
-            out[name] = previous = block_digest(name, unit_digests, settings.record(), rows_digest,
+    for name, stored in layers.items():
+        if stored.exl3:
+            out[name] = previous = block_digest(name, stored.digests, settings.record(), rows_digest,
                                                 previous if settings.inputs == "quantized" else None)
     return out
 
 
-def on_device(linears: BlockLinears, device: str) -> BlockLinears:
-    """The block's stored linears with their codes, scales and fixed weights on `device`."""
-    exl3 = {k: FactoredLinear(f.codes.to(device), f.suh.to(device), f.svh.to(device)) for k, f in linears.exl3.items()}
-    return BlockLinears(exl3, {k: w.to(device) for k, w in linears.fixed.items()}, linears.sources)
+def drop_native_weights(block: nn.Module, names: set[str]) -> None:
+    """Free the native weights `names` (their stored linears replace them once the targets are computed), so
+    the decoded codes take their place in memory instead of sitting beside them. A forward that still
+    reached one would fail on its empty weight rather than run it."""
+    for module in block.modules():
+        if isinstance(module, NativeLinear) and module.native_name in names:
+            module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
-def _advance(block, qb: QuantizedBlock | None, weights, batch: Batch, hasher) -> torch.Tensor:
+def _advance(block, qb: QuantizedBlock | None, hooks, batch: Batch, hasher) -> torch.Tensor:
     """The block as the pack stores it (native where the pack keeps it native) on `batch`, advancing its state."""
-    return qb.run(batch, weights, advance=True) if qb else block(*batch, hasher)
+    return qb.run(batch, hooks, advance=True) if qb else block(*batch, hasher)
 
 
 def _progress(say, name: str, settings: TuneSettings, blocks_left: int):
@@ -220,10 +298,31 @@ def _progress(say, name: str, settings: TuneSettings, blocks_left: int):
     return tick
 
 
-def stored_linears(ck: Checkpoint, plan: Plan, quantize_work: Path, job: dict
-                   ) -> dict[str, tuple[BlockLinears, list[str]]]:
-    """Per trunk block (`layers.L`), and `head` when the pack encodes it: its stored linears from the
-    quantize stage's unit store, and their unit digests. The drafter's are left out: no forward runs it."""
+@dataclass(frozen=True)
+class StoredBlock:
+    """One block's (or the head's) stored linears as the quantize stage left them, not read yet: tensor
+    entries by stored key, per native weight name the stored keys it is made of (wo_a: its slices), and
+    the units' digests. `load` reads and decodes them, one block at a time."""
+
+    exl3: dict[str, dict[str, TensorEntry]]  # stored key -> its EXL3 leaves (trellis, suh, svh, codebook marker)
+    fixed: dict[str, TensorEntry]  # stored key -> its fp16 weight (K 16)
+    sources: dict[str, list[str]]
+    digests: list[str]
+
+    def load(self, device: str) -> BlockLinears:
+        """The linears on `device`, each EXL3 one decoded there to its codes (join_linears)."""
+        def read(entry: TensorEntry) -> torch.Tensor:
+            return read_tensor(entry).to(device)
+
+        exl3 = {k: factor(EXL3Linear.from_tensors({n: read(e) for n, e in leaves.items()}, k))
+                for k, leaves in self.exl3.items()}
+        fixed = {k: unit_scaled(read(e)) for k, e in self.fixed.items()}
+        return join_linears(exl3, fixed, self.sources)
+
+
+def stored_linears(ck: Checkpoint, plan: Plan, quantize_work: Path, job: dict) -> dict[str, StoredBlock]:
+    """Per trunk block (`layers.L`), and `head` when the pack encodes it: its stored linears in the quantize
+    stage's unit store. The drafter's are left out: no forward runs it."""
     spec = pack_spec(ck.config, plan)
     units = plan_units(spec, plan.codebook, job)
     unit_of = {k: u.digest for u in units for k in u.keys}
@@ -235,15 +334,14 @@ def stored_linears(ck: Checkpoint, plan: Plan, quantize_work: Path, job: dict
         block = HEAD_KEY if s.key == HEAD_KEY else ".".join(s.key.split(".")[:2])
         digests[block].add(unit_of[s.key])
         if s.K == UNQUANTIZED:
-            fixed[block][s.key] = read_tensor(entries[f"{s.key}.weight"]).float()
+            fixed[block][s.key] = entries[f"{s.key}.weight"]
         else:
-            leaves = {n: read_tensor(entries[n]) for n in (f"{s.key}.{leaf}" for leaf in ("trellis", "suh", "svh",
-                                                                                           "mul1", "mcg")) if n in entries}
-            exl3[block][s.key] = factor(EXL3Linear.from_tensors(leaves, s.key))
+            exl3[block][s.key] = {n: entries[n] for n in (f"{s.key}.{leaf}" for leaf in ("trellis", "suh", "svh",
+                                                                                          "mul1", "mcg")) if n in entries}
         sources[block].setdefault(f"{s.target.key}.weight", []).append(s.key)
     for t in targets(ck.config):
         warm = alias_of(plan, t.key)
         if warm and t.layer is not None and t.key.startswith("layers."):
             block = ".".join(t.key.split(".")[:2])
             sources[block][f"{t.key}.weight"] = sources[block][f"{warm}.weight"]
-    return {b: (BlockLinears(exl3[b], fixed[b], sources[b]), sorted(digests[b])) for b in sources}
+    return {b: StoredBlock(exl3[b], fixed[b], sources[b], sorted(digests[b])) for b in sources}
