@@ -14,7 +14,8 @@ class BuildPy(build_py):
 
 setup(
     packages=find_packages(include=["quantizer", "quantizer.*"])
-    + ["quantizer.configs", "quantizer.calibration", "quantizer.small_model", "quantizer.small_model_v4"],
+    + ["quantizer.configs", "quantizer.calibration", "quantizer.small_model", "quantizer.small_model_v4",
+       "quantizer.small_model_v4_moe64"],
     package_dir={"quantizer.configs": "configs", "quantizer.calibration": "calibration"},
     cmdclass={"build_py": BuildPy},
 )

@@ -1,6 +1,7 @@
 """Our builds against exllamav3's own converter along the bits axis, measured in stock exllamav3 (GPU).
 
-On the bundled small V4 model (the architecture stock exllamav3 1.6.5 runs): the converter
+On a bundled small V4 model (the architecture stock exllamav3 1.6.5 runs; --model, default the 8-expert
+`small_model_v4`, or `small_model_v4_moe64`, 64 experts routed top-6): the converter
 (`python -m exllamav3.conversion.convert_model`, its defaults, our calibration rows) at every bpw of
 --steps, and at each of --sizes our `quantizer build` at the converter's own bits there (equal bytes of
 the budgeted linears), once per --variants entry: `ours` (the defaults), `tune` (+ `--tune`, block-wise
@@ -14,8 +15,8 @@ KL to the converter's at the same bits, and `bits_equiv`, the bits at which the 
 KL (log KL interpolated linearly between its steps; `>` past the last step). `gain` = bits_equiv minus
 our bits: how many bits per weight our pack saves against the converter at equal quality.
 
-    python bench/converter_curve.py [--sizes 2,2.5,3,3.5] [--steps 2:4:0.25] [--variants ours,tune,gate2]
-                                    [--eval-text heldout,heldout-tests] [--json OUT]
+    python bench/converter_curve.py [--model small_model_v4_moe64] [--sizes 2,2.5,3,3.5] [--steps 2:4:0.25]
+                                    [--variants ours,tune,gate2] [--eval-text heldout,heldout-tests] [--json OUT]
 
 Rows are printed as they are measured and written to --json then, so a run cut short keeps what it measured.
 """
@@ -57,9 +58,21 @@ VARIANTS = {"ours": ([], "ours"), "tune": (["--tune"], "ours"), "gate2": (GATE2,
 CALIB_COLS = 2048
 
 
+def best_of(curve: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The steps no fewer-bits step beats: a converter user at b bits takes the best pack of at most b bits.
+    (On the 64-expert model the converter's 2.5, 3.0 and 3.5 bpw packs have more KL than its 2.25, 2.75
+    and 3.25 ones; interpolating through them would credit our packs with bits the converter never needs.)"""
+    kept: list[tuple[float, float]] = []
+    for bits, kl in curve:
+        if not kept or kl < kept[-1][1]:
+            kept.append((bits, kl))
+    return kept
+
+
 def bits_equiv(kl: float, curve: list[tuple[float, float]]) -> tuple[float, str]:
-    """The bits at which the (bits, KL) curve, KL falling with bits, reaches `kl`; log KL is interpolated
-    linearly between steps. ('<' or '>', the end) outside the measured range."""
+    """The bits at which the converter's (bits, KL) curve first reaches `kl`: log KL is interpolated linearly
+    between the steps of `best_of(curve)`. ('<' or '>', the end) outside the measured range."""
+    curve = best_of(curve)
     if kl >= curve[0][1]:
         return curve[0][0], "<"
     for (b0, k0), (b1, k1) in zip(curve, curve[1:]):
@@ -71,6 +84,8 @@ def bits_equiv(kl: float, curve: list[tuple[float, float]]) -> tuple[float, str]
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("small_model_v4", "small_model_v4_moe64"), default="small_model_v4",
+                    help="the bundled V4-architecture model (default %(default)s)")
     ap.add_argument("--sizes", default="2,2.5,3,3.5", help="comma-separated bpw of our builds (each must be a step)")
     ap.add_argument("--steps", default="2:4:0.25", help="converter bpw, START:STOP:STEP (STOP included)")
     ap.add_argument("--variants", default="ours,tune,gate2", help=f"comma-separated, from {', '.join(VARIANTS)}")
@@ -116,7 +131,7 @@ def main(argv=None) -> None:
 
 def run(args: argparse.Namespace, root: Path, steps: list[float], sizes: list[float], variants: list[str]) -> list[dict]:
     """Build and measure every pack; the measured rows."""
-    model = shipped("small_model_v4")
+    model = shipped(args.model)
     ck = Checkpoint.open(model)
     root.mkdir(parents=True, exist_ok=True)
     calibration = model_rows(ck.root, ck.config, text=shipped_text_path("calibration"), rows=None, cols=CALIB_COLS,

@@ -119,7 +119,7 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=TuneSettings.lr)
     ap.add_argument("--batch-rows", type=int, default=TuneSettings.batch_rows)
     ap.add_argument("--e2e-steps", type=int, default=EndToEndSettings.steps)
-    ap.add_argument("--model", choices=("small_model", "small_model_v4"), default="small_model")
+    ap.add_argument("--model", choices=("small_model", "small_model_v4", "small_model_v4_moe64"), default="small_model")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the builds' device, and e2e's")
     ap.add_argument("--work", type=Path, help="keep the work here (default: a temporary directory)")
     args = ap.parse_args(argv)

@@ -6,7 +6,8 @@
 CFG is configs/models/small-v41.json (the default: every V4.1 component, mHC, compressed attention
 with Full/Reuse/Reindex layers, Engram, MoE with a shared expert, one DSpark block) or
 configs/models/small-v4.json (V4: hash-routed layers, sliding/CSA/HCA attention, three DSpark
-blocks). The drafter has no forward here, so its blocks keep random initial weights. Training reads
+blocks) or configs/models/small-v4-moe64.json (the V4 testbed: 64 experts routed top-6, no drafter).
+The drafter has no forward here, so its blocks keep random initial weights. Training reads
 calibration/train.jsonl.zst through the 4096-token BPE tokenizer; the export is what DeepSeek ships
 for the architecture: FP8 e4m3 with E8M0 block grids (the config's weight_block_size), MXFP4 routed
 experts, BF16/F32/I64 elsewhere. OUT becomes the model directory (config, shards, tokenizer.json)
