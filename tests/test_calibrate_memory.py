@@ -3,8 +3,6 @@ sums every live storage exactly), on the CPU: the same code and tensors as on a 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,20 +15,15 @@ from quantizer.checkpoint.source import Checkpoint
 from quantizer.model.streaming import block_weight_bytes
 from quantizer.tiny.make import random_values
 from quantizer.tiny.native_writer import write_native_checkpoint
+from script_module import script_module
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "calibrate_memory.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("calibrate_memory", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+    with script_module(BENCH) as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 @pytest.fixture(scope="module")

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import lzma
 import subprocess
 from pathlib import Path
 
 import pytest
+from script_module import script_module
 
 SCRIPT = Path(__file__).resolve().parent / "gpu" / "device_cache.py"
 
 
 @pytest.fixture(scope="module")
 def device_cache():
-    spec = importlib.util.spec_from_file_location("device_cache", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with script_module(SCRIPT) as module:
+        yield module
 
 
 def test_the_packed_kit_holds_the_wheels_and_the_extension_joined_in_order(device_cache, tmp_path):

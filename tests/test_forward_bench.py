@@ -3,23 +3,21 @@ and the FLOP count it reports."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.model.flops import layer_flops
 from quantizer.shipped import model_config_path
+from script_module import script_module
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "forward_gpu_layer.py"
 
 
 def test_gpu_layer_bench_runs_tiny(tmp_path, monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location("forward_gpu_layer", BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     monkeypatch.setenv("OUT", str(tmp_path))
-    report = bench.main(["--tiny", "--repeat", "1", "--cols", "48"])
+    with script_module(BENCH) as bench:
+        report = bench.main(["--tiny", "--repeat", "1", "--cols", "48"])
     assert [r["mode"] for r in report["results"]] == ["top-k", "all experts"]
     assert all(r["finite"] and r["seconds"] > 0 and r["tflop"] > 0 for r in report["results"])
     assert report["results"][1]["tflop"] > report["results"][0]["tflop"]

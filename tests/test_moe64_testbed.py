@@ -8,7 +8,6 @@ stock exllamav3 1.6.5 runs, and as sparse as it claims.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,16 +19,15 @@ from quantizer.inventory.inventory import check_against_config
 from quantizer.model.targets import ROUTED, targets
 from quantizer.shipped import model_config_path, shipped
 from quantizer.textdata import shipped_tokenizer_path
+from script_module import script_module
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "converter_curve.py"
 
 
 @pytest.fixture(scope="module")
 def curve_bench():
-    spec = importlib.util.spec_from_file_location("converter_curve", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with script_module(BENCH) as module:
+        yield module
 
 
 def test_the_testbed_is_its_config_with_64_experts_top6_and_no_drafter():

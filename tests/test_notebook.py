@@ -3,11 +3,11 @@ failing cell, draws its three figures, and is committed with those figures in it
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import nbformat
 import pytest
+from script_module import script_module
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "first_look.ipynb"
@@ -17,10 +17,8 @@ FIGURES = 3 if DEMO_ROWS.exists() else 2
 
 
 def _execute():
-    spec = importlib.util.spec_from_file_location("notebook_execute", ROOT / "notebooks" / "execute.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.execute
+    with script_module(ROOT / "notebooks" / "execute.py") as module:
+        return module.execute
 
 
 def _images(nb) -> list[str]:

@@ -6,7 +6,6 @@ UserError naming the file."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -36,6 +35,7 @@ from quantizer.textdata import (
     text_argument,
     token_rows,
 )
+from script_module import script_module
 
 REPO = Path(__file__).resolve().parents[1]
 CALIBRATION = REPO / "calibration"
@@ -57,11 +57,8 @@ def sources(name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def rules():
     """calibration/build_corpus.py, whose constants are the split rules (it is a script, not a package module)."""
-    spec = importlib.util.spec_from_file_location("build_corpus", CALIBRATION / "build_corpus.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks itself up there while it is defined
-    spec.loader.exec_module(module)
-    return module
+    with script_module(CALIBRATION / "build_corpus.py") as module:
+        yield module
 
 
 def is_test_suite_file(rules, source: str) -> bool:
