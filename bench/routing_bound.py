@@ -9,14 +9,19 @@ scores as its choice would be). It also prints how often the pack's router alrea
 native one (the same top-k set), per routed layer. Hash layers take their experts from a table and
 agree by construction; they are left out of the agreement.
 
-With --refit-rows N it also tries the refit itself, on N rows of the calibration text (disjoint from the
-held-out sets): for each routed layer, a new selection bias fitted so that the pack's router scores plus
-the bias rank the native model's experts first (a hinge on the gap between the lowest native expert and
-the highest other one, Adam), layer after layer in --refit-rounds passes (each pass routes the
-calibration rows with the biases fitted so far); then the held-out KL of the pack with those biases.
+With --refit-rows N it also tries a refit, on N rows of the calibration text (disjoint from the held-out
+sets), then measures the held-out KL of the pack with the refitted routers. `--refit bias` (default): for
+each routed layer, a new selection bias fitted so that the pack's router scores plus the bias rank the
+native model's experts first (a hinge on the gap between the lowest native expert and the highest other
+one, Adam), layer after layer in --refit-rounds passes (each pass routes the calibration rows with the
+biases fitted so far). `--refit weight`: each routed layer's router weight (hidden x experts values, not
+one per expert) refitted in closed form, layer after layer, so that on the pack's own router inputs (the
+layers before already refitted) it gives the native router's logits on the native inputs of the same
+tokens (ridge least squares, pulled towards the native weight; rounded to the pack's dtype).
 
     python bench/routing_bound.py PACK [PACK ...] [--source DIR] [--eval-text SET ...] [--eval-rows 8]
-                                  [--cols 512] [--refit-rows 16 [--refit-rounds 2]] [--json OUT]
+                                  [--cols 512] [--refit-rows 16 [--refit bias|weight] [--refit-rounds 2]]
+                                  [--json OUT]
 
 PACK: packs of the source model (default the bundled small V4.1 model), for example the demo's packs
 (`quantizer demo --work W` keeps them under W/packs). The reference is the pack as it runs, measured in
@@ -61,19 +66,22 @@ class Choices:
         self.ids[self.key(layer)] = ids.clone()
 
 
-class WithBiases:
-    """A weight source whose routers' selection biases are replaced (`layers.L.ffn.gate.bias` -> tensor)."""
+class WithRouters:
+    """A weight source whose routers' tensors are replaced (`layers.L.ffn.gate.bias` or `.weight` -> tensor)."""
 
-    def __init__(self, source, biases: dict[str, torch.Tensor]):
-        self.source, self.config, self.biases = source, source.config, biases
+    def __init__(self, source, replaced: dict[str, torch.Tensor]):
+        self.source, self.config, self.replaced = source, source.config, replaced
 
     def weight(self, name: str, dtype: torch.dtype, device) -> torch.Tensor:
-        if name in self.biases:
-            return self.biases[name].to(device=device, dtype=dtype)
+        if name in self.replaced:
+            return self.replaced[name].to(device=device, dtype=dtype)
         return self.source.weight(name, dtype, device)
 
     def __getattr__(self, name):
         return getattr(self.source, name)
+
+
+PLURAL = {"bias": "biases", "weight": "weights"}
 
 
 def fit_bias(scores: torch.Tensor, native_ids: torch.Tensor, bias: torch.Tensor, steps: int = 300) -> torch.Tensor:
@@ -110,13 +118,51 @@ def refit_biases(pack: Path, rows: torch.Tensor, native: Choices, rounds: int) -
               for layer, _ in native.ids if layer not in native.hashed}
     for _ in range(rounds):
         seen: dict[str, list[torch.Tensor]] = defaultdict(list)
-        _predictions(WithBiases(PackSource(ck), biases), rows,
+        _predictions(WithRouters(PackSource(ck), biases), rows,
                      ForwardHooks(routing=lambda e: seen[e.layer].append(e.scores.detach())))
         for name in biases:
             layer = name.rsplit(".ffn.", 1)[0]
             target = torch.cat([native.ids[layer, n] for n in range(len(seen[layer]))])
             biases[name] = fit_bias(torch.cat(seen[layer]), target, biases[name])
     return biases
+
+
+def fit_router_weight(x: torch.Tensor, target: torch.Tensor, native: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
+    """The weight [E, D] whose logits on inputs x [N, D] are closest to `target` [N, E] in least squares, with
+    a ridge of `ridge` times the inputs' mean energy per feature pulling it towards `native`."""
+    gram = x.T @ x
+    reg = ridge * gram.diagonal().mean()
+    eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    return torch.linalg.solve(gram + reg * eye, x.T @ target + reg * native.T).T.contiguous()
+
+
+def _router_inputs(source, rows: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+    """Each named router weight's inputs [tokens, D] (float32) as `source` runs `rows`."""
+    seen: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+    def hook(name: str, x: torch.Tensor) -> None:
+        if name in names:
+            seen[name].append(x.reshape(-1, x.shape[-1]).float())
+
+    _predictions(source, rows, ForwardHooks(linear_input=hook))
+    return {name: torch.cat(seen[name]) for name in names}
+
+
+def refit_weights(pack: Path, native_ck: Checkpoint, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Router weights for the pack's routed layers, in order: each fitted (fit_router_weight) on the pack's
+    inputs to that router, the layers before already refitted, to the native logits on `rows`."""
+    ck = Checkpoint.open(pack)
+    hashed = _hashed_layers(native_ck)
+    names = sorted((n for n in native_ck.tensors if n.endswith(".ffn.gate.weight")
+                    and n.rsplit(".ffn.", 1)[0] not in hashed and n.startswith("layers.")),
+                   key=lambda n: int(n.split(".")[1]))
+    native_inputs = _router_inputs(CheckpointSource(native_ck), rows, names)
+    weights: dict[str, torch.Tensor] = {}
+    for name in names:
+        x = _router_inputs(WithRouters(PackSource(ck), weights), rows, [name])[name]
+        native = native_ck.raw(name).float()
+        weights[name] = fit_router_weight(x, native_inputs[name] @ native.T, native).to(ck.raw(name).dtype)
+    return weights
 
 
 def _hashed_layers(ck: Checkpoint) -> set[str]:
@@ -128,10 +174,10 @@ def _predictions(source, rows: torch.Tensor, hooks: ForwardHooks | None = None) 
 
 
 def measure(pack: Path, rows: torch.Tensor, native_preds: list, native: Choices,
-            biases: dict[str, torch.Tensor] | None = None) -> dict:
+            routers: dict[str, torch.Tensor] | None = None) -> dict:
     source = PackSource(Checkpoint.open(pack))
-    if biases is not None:
-        source = WithBiases(source, biases)
+    if routers is not None:
+        source = WithRouters(source, routers)
     own = Choices(native.hashed)
 
     def record(layer, ids):
@@ -177,17 +223,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-text", nargs="+", default=["heldout"], help="shipped sets or files (default heldout)")
     ap.add_argument("--eval-rows", type=int, default=8)
     ap.add_argument("--cols", type=int, default=512)
-    ap.add_argument("--refit-rows", type=int, default=0, help="calibration rows to refit the router biases on")
+    ap.add_argument("--refit-rows", type=int, default=0, help="calibration rows to refit the routers on")
+    ap.add_argument("--refit", choices=("bias", "weight"), default="bias",
+                    help="what of each routed layer's router is refitted (default %(default)s)")
     ap.add_argument("--refit-rounds", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write the rows here as JSON")
     args = ap.parse_args(argv)
     native_ck = Checkpoint.open(args.source or shipped("small_model"))
-    biases = {}
+    refits = {}
     if args.refit_rows:
         rows = model_rows(native_ck.root, native_ck.config, text=text_argument("calibration"), rows=args.refit_rows,
                           cols=args.cols, default_cols=args.cols)
-        native = _native(native_ck, rows)[1]
-        biases = {pack: refit_biases(pack, rows, native, args.refit_rounds) for pack in args.packs}
+        if args.refit == "bias":
+            native = _native(native_ck, rows)[1]
+            refits = {pack: refit_biases(pack, rows, native, args.refit_rounds) for pack in args.packs}
+        else:
+            refits = {pack: refit_weights(pack, native_ck, rows) for pack in args.packs}
     results = []
     for name in args.eval_text:
         rows = model_rows(native_ck.root, native_ck.config, text=text_argument(name), rows=args.eval_rows,
@@ -195,10 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         native_preds, native = _native(native_ck, rows)
         for pack in args.packs:
             row = {"eval_text": name, **measure(pack, rows, native_preds, native)}
-            if pack in biases:
-                refit = measure(pack, rows, native_preds, native, biases[pack])
-                row |= {"kl_refit": refit["kl"], "kl_refit_stderr": refit["kl_stderr"], "top1_refit": refit["top1"],
-                        "ppl_refit": refit["ppl"], "same_topk_refit": refit["same_topk"],
+            if pack in refits:
+                refit = measure(pack, rows, native_preds, native, refits[pack])
+                row |= {"refit": args.refit, "kl_refit": refit["kl"], "kl_refit_stderr": refit["kl_stderr"],
+                        "top1_refit": refit["top1"], "ppl_refit": refit["ppl"], "same_topk_refit": refit["same_topk"],
                         "same_topk_refit_mean": refit["same_topk_mean"]}
             results.append(row)
             print(f"{name:14s} {pack.name:28s} KL {row['kl']:.4f} ± {row['kl_stderr']:.4f} -> with the native "
@@ -206,10 +257,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"({row['kl_ratio']:.3f}x); top-1 {row['top1']:.4f} -> {row['top1_native_routing']:.4f}; "
                   f"same top-k as native on {row['same_topk_mean']:.1%} of routed tokens "
                   f"(per layer {', '.join(f'{v:.2f}' for v in row['same_topk'].values())})", flush=True)
-            if pack in biases:
-                print(f"{'':14s} {'':28s} refitted biases: KL {row['kl_refit']:.4f} ± {row['kl_refit_stderr']:.4f} "
-                      f"({row['kl_refit'] / row['kl']:.3f}x), top-1 {row['top1_refit']:.4f}, same top-k "
-                      f"{row['same_topk_refit_mean']:.1%}", flush=True)
+            if pack in refits:
+                print(f"{'':14s} {'':28s} refitted router {PLURAL[args.refit]}: KL {row['kl_refit']:.4f} ± "
+                      f"{row['kl_refit_stderr']:.4f} ({row['kl_refit'] / row['kl']:.3f}x), top-1 {row['top1_refit']:.4f}, "
+                      f"same top-k {row['same_topk_refit_mean']:.1%}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
