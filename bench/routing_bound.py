@@ -6,8 +6,10 @@ does, so this bench measures that bound in our forward (CPU): for each pack, KL 
 on held-out rows as the pack runs, and again with every routed layer's experts forced to the native
 model's choice for the same token (`ForwardHooks.expert_override`, weighted by the pack's own router
 scores as its choice would be). It also prints how often the pack's router already agrees with the
-native one (the same top-k set), per routed layer. Hash layers take their experts from a table and
-agree by construction; they are left out of the agreement.
+native one (the same top-k set), per routed layer, and how nearly tied the native routers are: the median
+gap between the k-th and (k+1)-th experts' selection scores over the chosen ones' mean score (the smaller,
+the smaller an input error that swaps an expert). Hash layers take their experts from a table and agree
+by construction; they are left out of both.
 
 With --refit-rows N it also tries a refit, on N rows of the calibration text (disjoint from the held-out
 sets), then measures the held-out KL of the pack with the refitted routers. `--refit bias` (default): for
@@ -205,15 +207,30 @@ def measure(pack: Path, rows: torch.Tensor, native_preds: list, native: Choices,
             "same_topk_mean": sum(per_layer.values()) / max(1, len(per_layer))}
 
 
-def _native(ck: Checkpoint, rows: torch.Tensor) -> tuple[list, Choices]:
-    """The native model's predictions on `rows` and its expert choices."""
+def selection_margin(selection: torch.Tensor, k: int) -> torch.Tensor:
+    """Per token of selection scores [N, E] (scores plus the selection bias): the gap between the k-th and
+    the (k+1)-th expert over the mean of the k chosen, the relative move of the scores that swaps an expert."""
+    top = selection.topk(k + 1, dim=-1).values
+    return (top[:, k - 1] - top[:, k]) / top[:, :k].mean(-1)
+
+
+def _native(ck: Checkpoint, rows: torch.Tensor) -> tuple[list, Choices, dict[str, torch.Tensor]]:
+    """The native model's predictions on `rows`, its expert choices, and per routed layer every token's
+    selection margin (how nearly tied its k-th and (k+1)-th experts are)."""
     native = Choices(_hashed_layers(ck))
+    margins: dict[str, list[torch.Tensor]] = defaultdict(list)
 
     def record(layer, ids):
         native.record(layer, ids)
         return None
 
-    return _predictions(CheckpointSource(ck), rows, ForwardHooks(expert_override=record)), native
+    def routed(event):
+        if event.layer not in native.hashed:
+            bias = ck.raw(f"{event.layer}.ffn.gate.bias").float()
+            margins[event.layer].append(selection_margin(event.scores + bias, ck.config.experts_per_token))
+
+    preds = _predictions(CheckpointSource(ck), rows, ForwardHooks(expert_override=record, routing=routed))
+    return preds, native, {layer: torch.cat(m) for layer, m in margins.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,9 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.eval_text:
         rows = model_rows(native_ck.root, native_ck.config, text=text_argument(name), rows=args.eval_rows,
                           cols=args.cols, default_cols=args.cols)
-        native_preds, native = _native(native_ck, rows)
+        native_preds, native, margins = _native(native_ck, rows)
+        medians = {layer: float(m.median()) for layer, m in margins.items()}
+        print(f"{name:14s} native routers: the k-th and (k+1)-th experts' selection scores differ by a median "
+              f"{', '.join(f'{v:.1%}' for v in medians.values())} of the chosen ones' mean (per routed layer)",
+              flush=True)
         for pack in args.packs:
-            row = {"eval_text": name, **measure(pack, rows, native_preds, native)}
+            row = {"eval_text": name, **measure(pack, rows, native_preds, native), "native_margin_median": medians}
             if pack in refits:
                 refit = measure(pack, rows, native_preds, native, refits[pack])
                 row |= {"refit": args.refit, "kl_refit": refit["kl"], "kl_refit_stderr": refit["kl_stderr"],

@@ -1,5 +1,6 @@
-"""bench/routing_bound.py's closed-form router weight refit: it must recover the map from the pack's router
-inputs to the native logits, and stay at the native weight where quantization did not move them."""
+"""bench/routing_bound.py's closed-form router weight refit (it must recover the map from the pack's router
+inputs to the native logits, and stay at the native weight where quantization did not move them), and its
+measure of how nearly tied a router's k-th and (k+1)-th experts are."""
 
 from __future__ import annotations
 
@@ -28,3 +29,10 @@ def test_weight_refit_keeps_the_native_weight_where_the_inputs_did_not_move():
     with script_module(BENCH) as bench:
         w = bench.fit_router_weight(x, x @ native_w.T, native_w)
     assert torch.allclose(w, native_w, atol=1e-4)
+
+
+def test_selection_margin_is_the_gap_at_the_kth_expert_over_the_chosen_mean():
+    scores = torch.tensor([[4.0, 3.0, 2.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    with script_module(BENCH) as bench:
+        margin = bench.selection_margin(scores, k=2)
+    assert torch.allclose(margin, torch.tensor([(3.0 - 2.0) / 3.5, 0.0]))  # a tie: any error swaps an expert
