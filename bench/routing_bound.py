@@ -83,9 +83,6 @@ class WithRouters:
         return getattr(self.source, name)
 
 
-PLURAL = {"bias": "biases", "weight": "weights"}
-
-
 def fit_bias(scores: torch.Tensor, native_ids: torch.Tensor, bias: torch.Tensor, steps: int = 300) -> torch.Tensor:
     """A selection bias under which scores [N, E] rank the native experts [N, k] first on as many tokens as
     it can: Adam on the mean hinge max(other) - min(native) + margin, keeping the best step's agreement."""
@@ -279,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"same top-k as native on {row['same_topk_mean']:.1%} of routed tokens "
                   f"(per layer {', '.join(f'{v:.2f}' for v in row['same_topk'].values())})", flush=True)
             if pack in refits:
-                print(f"{'':14s} {'':28s} refitted router {PLURAL[args.refit]}: KL {row['kl_refit']:.4f} ± "
+                print(f"{'':14s} {'':28s} router {args.refit} refitted: KL {row['kl_refit']:.4f} ± "
                       f"{row['kl_refit_stderr']:.4f} ({row['kl_refit'] / row['kl']:.3f}x), top-1 {row['top1_refit']:.4f}, "
                       f"same top-k {row['same_topk_refit_mean']:.1%}", flush=True)
     if args.json:
