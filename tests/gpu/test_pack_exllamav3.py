@@ -36,6 +36,7 @@ from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.model.targets import targets
 from quantizer.pack.manifest import MANIFEST_NAME
 from quantizer.plan.plan import make_plan
+from quantizer.ppl.exllamav3_engine import exllamav3_logits
 from quantizer.ppl.pack_source import PackSource
 from quantizer.quantize.settings import QuantizeSettings
 
@@ -70,13 +71,6 @@ def _load(pack: Path):
 def _stored(pack: Path, key: str) -> EXL3Linear:
     ck = Checkpoint.open(pack)
     return EXL3Linear.from_tensors({n: ck.raw(n) for n in ck.tensors if n.startswith(key + ".")}, key)
-
-
-def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
-    model = _load(path)
-    out = model.forward(ids.cuda(), {"attn_mode": "flash_attn_nc"}).float().cpu()
-    model.unload()
-    return out
 
 
 def _near_ties(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -139,7 +133,7 @@ def assert_engines_agree(pack: Path, native_checkpoint: Path, monkeypatch, min_c
     """exllamav3 runs the pack as our forward runs it (PackSource decode): on the tokens free of near-ties,
     as closely as the two engines agree on the native checkpoint; and the pack stays near the native."""
     ids = torch.randint(3, 4000, (1, 64), generator=torch.Generator().manual_seed(0))
-    logits, native = _logits(pack, ids)[0], _logits(native_checkpoint, ids)[0]
+    logits, native = exllamav3_logits(pack, ids)[0], exllamav3_logits(native_checkpoint, ids)[0]
     ours, pack_ties = _our_logits(pack, ids, monkeypatch)
     ours_native, native_ties = _our_logits(native_checkpoint, ids, monkeypatch)
     on_pack, on_native = ~pack_ties, ~native_ties
