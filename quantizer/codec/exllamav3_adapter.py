@@ -7,10 +7,12 @@ exllamav3 compiles its CUDA extension when imported, so every import here happen
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
 
+from quantizer.caches import on_reset
 from quantizer.exl3 import Codebook, parse_codebook, trellis_k
 
 from .linear import check_linear_inputs
@@ -136,6 +138,21 @@ def quantize_batch(
     with _own_rng(device):
         results = quantize_exl3_batch(ws, h_datas, qas)
     return [_to_linear(out, cb, k, proxy_err) for proxy_err, out in results]
+
+
+@on_reset
+def release_encoder_buffers() -> None:
+    """Free the trellis-search scratch exllamav3 keeps per (device, K) once it has encoded at that K
+    (`get_temp_buffers`, `get_temp_buffers_frac`: int16 edges of 256 x 2^(16-K) per tile in flight,
+    1-2 GiB at K 2; 5.3 GiB after a 2.5 bpw small-model build: docs/exl3-format.md). Nothing reads
+    them between calls, so the stages after quantization get that memory back."""
+    if "exllamav3.modules.quant.exl3_lib.quantize" not in sys.modules:
+        return  # nothing was encoded in this process: importing would compile the extension for nothing
+    from exllamav3.modules.quant.exl3_lib import quantize as encoder
+
+    encoder.get_temp_buffers.cache_clear()
+    encoder.get_temp_buffers_frac.cache_clear()
+    torch.cuda.empty_cache()
 
 
 def load_linear(q: EXL3Linear, device: torch.device | str = "cuda"):

@@ -31,6 +31,7 @@ from quantizer.calibrate.groups import stored_group
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.codec.exllamav3_adapter import release_encoder_buffers
 from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.exl3 import exl3_bytes
@@ -132,10 +133,14 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
         store.save(unit, encoded.tensors, encoded.proxy_err)
 
     desc = f"quantize rank {ranks.rank}" if ranks.joined else "quantize"
-    with tqdm(total=sum(u.weights for u in mine), unit="w", unit_scale=True, desc=desc) as bar:
-        for unit in run_pipeline(mine, prepare, encode, save, depth):
-            bar.set_postfix_str(unit.name, refresh=False)
-            bar.update(unit.weights)
+    try:
+        with tqdm(total=sum(u.weights for u in mine), unit="w", unit_scale=True, desc=desc) as bar:
+            for unit in run_pipeline(mine, prepare, encode, save, depth):
+                bar.set_postfix_str(unit.name, refresh=False)
+                bar.update(unit.weights)
+    finally:
+        if settings.device == "cuda":
+            release_encoder_buffers()  # the tune and pack stages after this one get the encoder's scratch back
     ranks.barrier()  # every rank's units are in before the results are read
     seconds = time.monotonic() - start
     return QuantizeResult(work, len(units), len(units) - len(todo), seconds, store.proxy_errors(units))
