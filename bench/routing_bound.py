@@ -126,9 +126,10 @@ def refit_biases(pack: Path, rows: torch.Tensor, native: Choices, rounds: int) -
     return biases
 
 
-def fit_router_weight(x: torch.Tensor, target: torch.Tensor, native: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
-    """The weight [E, D] whose logits on inputs x [N, D] are closest to `target` [N, E] in least squares, with
-    a ridge of `ridge` times the inputs' mean energy per feature pulling it towards `native`."""
+def fit_linear(x: torch.Tensor, target: torch.Tensor, native: torch.Tensor, ridge: float = 1e-3) -> torch.Tensor:
+    """The weight [out, in] whose outputs on inputs x [N, in] are closest to `target` [N, out] in least
+    squares, with a ridge of `ridge` times the inputs' mean energy per feature pulling it towards `native`
+    (here a router's weight; bench/asymmetric_experts.py fits experts' weights with it)."""
     gram = x.T @ x
     reg = ridge * gram.diagonal().mean()
     eye = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
@@ -148,7 +149,7 @@ def _router_inputs(source, rows: torch.Tensor, names: list[str]) -> dict[str, to
 
 
 def refit_weights(pack: Path, native_ck: Checkpoint, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Router weights for the pack's routed layers, in order: each fitted (fit_router_weight) on the pack's
+    """Router weights for the pack's routed layers, in order: each fitted (fit_linear) on the pack's
     inputs to that router, the layers before already refitted, to the native logits on `rows`."""
     ck = Checkpoint.open(pack)
     hashed = _hashed_layers(native_ck)
@@ -160,7 +161,7 @@ def refit_weights(pack: Path, native_ck: Checkpoint, rows: torch.Tensor) -> dict
     for name in names:
         x = _router_inputs(WithRouters(PackSource(ck), weights), rows, [name])[name]
         native = native_ck.raw(name).float()
-        weights[name] = fit_router_weight(x, native_inputs[name] @ native.T, native).to(ck.raw(name).dtype)
+        weights[name] = fit_linear(x, native_inputs[name] @ native.T, native).to(ck.raw(name).dtype)
     return weights
 
 

@@ -18,7 +18,7 @@ def test_weight_refit_undoes_a_linear_change_of_the_router_inputs():
     mix = torch.eye(16) + 0.2 * torch.randn(16, 16, generator=g)  # what quantization did to the inputs
     pack_x = native_x @ mix
     with script_module(BENCH) as bench:
-        w = bench.fit_router_weight(pack_x, native_x @ native_w.T, native_w, ridge=1e-6)
+        w = bench.fit_linear(pack_x, native_x @ native_w.T, native_w, ridge=1e-6)
     assert torch.allclose(pack_x @ w.T, native_x @ native_w.T, atol=1e-3)
     assert not torch.allclose(w, native_w, atol=1e-2)  # a different weight does it, not the native one
 
@@ -27,7 +27,7 @@ def test_weight_refit_keeps_the_native_weight_where_the_inputs_did_not_move():
     g = torch.Generator().manual_seed(1)
     x, native_w = torch.randn(512, 16, generator=g), torch.randn(8, 16, generator=g)
     with script_module(BENCH) as bench:
-        w = bench.fit_router_weight(x, x @ native_w.T, native_w)
+        w = bench.fit_linear(x, x @ native_w.T, native_w)
     assert torch.allclose(w, native_w, atol=1e-4)
 
 
