@@ -382,7 +382,7 @@ def test_a_mistyped_path_is_never_tried_as_a_repo_id(tmp_path, capsys, monkeypat
 
 
 def test_an_unreachable_hub_fails_at_once(tmp_path, capsys, monkeypatch):
-    import huggingface_hub
+    import huggingface_hub.constants
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # huggingface_hub's own refusal
