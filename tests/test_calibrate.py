@@ -220,3 +220,19 @@ def test_without_all_experts_a_sampled_prior_keeps_a_dead_expert_usable(ck, rows
     damped = finalize_hessian(h, count)
     assert damped is not None and torch.linalg.cholesky_ex(damped)[1] == 0
     assert (tmp_path / CALIBRATION_DIR / SUMMARY_FILE).exists()
+
+
+def test_default_rows_that_the_text_cannot_fill_say_so_and_asked_rows_do_not(tiny_v4, tmp_path, capsys):
+    from quantizer.calibrate.cli import calibration_rows
+    from quantizer.calibrate.settings import DEFAULT_ROWS
+
+    ck = Checkpoint.open(tiny_v4)
+    stream = tmp_path / "ids.npy"
+    np.save(stream, np.arange(3 * 64, dtype=np.int64) % 50 + 3)  # three rows of 64 tokens
+    rows = calibration_rows(ck, None, str(stream), None, 64)
+    err = capsys.readouterr().err
+    assert rows.shape == (3, 64)
+    assert f"calibrate: 3 rows of 64 tokens, all the token file holds (the default takes up to {DEFAULT_ROWS})" in err
+    assert "lowers its KL" in err
+    assert calibration_rows(ck, None, str(stream), 2, 64).shape == (2, 64)
+    assert capsys.readouterr().err.strip() == "calibrate: 2 rows of 64 tokens"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from quantizer.arguments import add_expert_hessians, count, tokens
 from quantizer.pipeline.build import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
+from quantizer.calibrate.cli import calibration_rows
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import current
@@ -25,7 +26,6 @@ from quantizer.fit.target import FitTarget
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS
 from quantizer.plan.profiles import LOADERS, default_loader, load_profile
-from quantizer.textdata import calibration_text, model_rows
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.plan import Plan
 from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
@@ -125,10 +125,11 @@ def run(args: argparse.Namespace) -> int:
     if args.sparks:
         context = ck.config.max_position_embeddings if args.context is None else args.context
         target = FitTarget(args.sparks, context, args.streams, args.engine or load_profile(loader).fit_engine)
+    rows = None if args.no_calibrate else calibration_rows(ck, args.text, args.tokens, args.calib_rows, args.calib_cols)
     req = BuildRequest(
         src=args.src, out=args.out, bpw=args.bpw, plan=plan, target=target, method=args.method,
         allocation=AllocationSettings(loader=loader, codebook=args.codebook or "mul1"),
-        calibration_rows=None if args.no_calibrate else _calibration_rows(args, ck),
+        calibration_rows=rows,
         calibration=calibration, work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
         measured_from_work=args.measured_errors,
@@ -161,13 +162,6 @@ def rebuild_command(argv: list[str]) -> tuple[str, ...]:
             continue
         command.append(arg)
     return tuple(command)
-
-
-def _calibration_rows(args: argparse.Namespace, ck: Checkpoint):
-    rows = model_rows(ck.root, ck.config, text=None if args.tokens else calibration_text(args.text),
-                      tokens=args.tokens, rows=args.calib_rows, cols=args.calib_cols,
-                      default_cols=DEFAULT_COLS)
-    return rows if args.calib_rows is not None else rows[:DEFAULT_ROWS]
 
 
 def summary(r: BuildResult) -> str:
