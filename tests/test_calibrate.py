@@ -223,7 +223,7 @@ def test_without_all_experts_a_sampled_prior_keeps_a_dead_expert_usable(ck, rows
 
 
 def test_default_rows_that_the_text_cannot_fill_say_so_and_asked_rows_do_not(tiny_v4, tmp_path, capsys):
-    from quantizer.calibrate.cli import calibration_rows
+    from quantizer.calibrate.rows import calibration_rows
     from quantizer.calibrate.settings import DEFAULT_ROWS
 
     ck = Checkpoint.open(tiny_v4)

@@ -10,22 +10,19 @@ Rerun the same command after an interruption and it continues from the next laye
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-import torch
 
 from quantizer.arguments import add_expert_hessians
 from quantizer.calibrate.settings import (
     DEFAULT_COLS, DEFAULT_ROWS, DEVICES, EXPERT_HESSIAN_DTYPES, CalibrationSettings,
 )
+from quantizer.calibrate.rows import calibration_rows
 from quantizer.calibrate.stage import CalibrationResult, calibrate
 from quantizer.calibrate.summary import KL_UNITS, MEASURED_KL
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.distributed import current
 from quantizer.inventory.inventory import require_consistent
 from quantizer.report import table
-from quantizer.textdata import calibration_text, model_rows
 
 DEFAULTS = CalibrationSettings()
 
@@ -82,24 +79,6 @@ def run(args: argparse.Namespace) -> int:
     result = calibrate(ck, rows, work, settings, resume_every=args.resume_every)
     print(report(result))
     return 0
-
-
-def calibration_rows(ck: Checkpoint, text: str | None, tokens: str | None, rows: int | None, cols: int | None
-                     ) -> torch.Tensor:
-    """The rows `calibrate` and `build` calibrate on: `rows` of the text or token file, else as many as it
-    holds up to DEFAULT_ROWS. Says how many on stderr, and when the default found fewer than it takes, that
-    more text helps (docs/calibration.md, "How much calibration text": 4x the rows, 15% less KL)."""
-    got = model_rows(ck.root, ck.config, text=None if tokens else calibration_text(text), tokens=tokens,
-                     rows=rows, cols=cols, default_cols=DEFAULT_COLS)
-    if rows is None:
-        got = got[:DEFAULT_ROWS]
-    line = f"calibrate: {got.shape[0]} rows of {got.shape[1]} tokens"
-    if rows is None and got.shape[0] < DEFAULT_ROWS:
-        line += (f", all the {'token file' if tokens else 'text'} holds (the default takes up to {DEFAULT_ROWS}); "
-                 "more text of the kinds the pack will serve lowers its KL (README, Calibration)")
-    if current().main:
-        print(line, file=sys.stderr)
-    return got
 
 
 def report(result: CalibrationResult) -> str:

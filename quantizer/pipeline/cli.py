@@ -14,7 +14,7 @@ from pathlib import Path
 
 from quantizer.arguments import add_expert_hessians, count, tokens
 from quantizer.pipeline.build import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
-from quantizer.calibrate.cli import calibration_rows
+from quantizer.calibrate.rows import calibration_rows
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import current
