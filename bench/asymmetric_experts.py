@@ -156,6 +156,8 @@ def main(argv=None) -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     variants = args.variants.split(",")
+    if args.damp < 0:
+        ap.error(f"--damp {args.damp}: must be 0 or more (it pulls the asymmetric target towards the native weight)")
     if unknown := [v for v in variants if v not in VARIANTS]:
         ap.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     try:

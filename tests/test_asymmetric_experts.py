@@ -1,6 +1,6 @@
 """bench/asymmetric_experts.py: the asymmetric target maps the quantized inputs to the native outputs (and
 is the native weight where the inputs did not move), each expert linear's tokens are weighted as `build`'s
-default weighting does, and an unknown variant is refused."""
+default weighting does, and an unknown variant or a negative damping is refused."""
 
 from __future__ import annotations
 
@@ -37,8 +37,12 @@ def test_gate_and_up_read_every_token_and_down_its_routed_tokens_plus_the_prior(
     assert torch.allclose(down, torch.tensor([0.36, 0.0, 0.01, 0.0]) + prior)
 
 
-def test_an_unknown_variant_is_refused(capsys):
+@pytest.mark.parametrize("argv, needle", [
+    (["pack", "--variants", "native,gptq"], "unknown gptq"),
+    (["pack", "--damp", "-1"], "--damp -1.0: must be 0 or more"),
+])
+def test_a_wrong_value_is_refused(capsys, argv, needle):
     with script_module(BENCH) as bench, pytest.raises(SystemExit) as stop:
-        bench.main(["pack", "--variants", "native,gptq"])
+        bench.main(argv)
     assert stop.value.code == 2
-    assert "unknown gptq" in capsys.readouterr().err
+    assert needle in capsys.readouterr().err

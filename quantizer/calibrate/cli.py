@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
 from quantizer.arguments import add_expert_hessians
 from quantizer.calibrate.settings import (
     DEFAULT_COLS, DEFAULT_ROWS, DEVICES, EXPERT_HESSIAN_DTYPES, CalibrationSettings,

@@ -16,7 +16,7 @@ def calibration_rows(ck: Checkpoint, text: str | None, tokens: str | None, rows:
                      ) -> torch.Tensor:
     """The rows `calibrate` and `build` calibrate on: `rows` of the text or token file, else as many as it
     holds up to DEFAULT_ROWS. Says how many on stderr, and when the default found fewer than it takes, that
-    more text helps (docs/calibration.md, "How much calibration text": 4x the rows, 15% less KL)."""
+    more text helps (docs/calibration.md, "How much calibration text")."""
     got = model_rows(ck.root, ck.config, text=None if tokens else calibration_text(text), tokens=tokens,
                      rows=rows, cols=cols, default_cols=DEFAULT_COLS)
     if rows is None:
