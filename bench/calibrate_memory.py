@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from live_bytes import LiveBytes, Peak  # noqa: E402
 from quantizer.calibrate import collect, stage  # noqa: E402
 from quantizer.calibrate.needs import CalibrationNeeds, calibration_needs  # noqa: E402
-from quantizer.calibrate.settings import CalibrationSettings  # noqa: E402
+from quantizer.calibrate.settings import EXPERT_HESSIANS, CalibrationSettings  # noqa: E402
 from quantizer.checkpoint.config import ModelConfig  # noqa: E402
 from quantizer.checkpoint.source import Checkpoint  # noqa: E402
 from quantizer.model import attention, block, engram, moe  # noqa: E402
@@ -59,7 +59,7 @@ MIB = 1 << 20
 REAL = "deepseek-v4.1-flash.json"
 ENGRAM_HASH_VOCAB = 40_000  # about a million 256-wide table rows at full width instead of 384 million
 # the moments calibrate/needs.py names, and the phase each is metered as
-MOMENTS = ("loading", "engram", "attention", "moe", "site gains", "site check", "finishing", "head")
+MOMENTS = ("loading", "engram", "attention", "moe", "site gains", "site check", "expert inputs", "finishing", "head")
 # torch.allclose's workspace is made inside one ATen kernel, where the meter does not see it: the
 # site check's estimate is not compared here (a CUDA run's max_memory_allocated includes it)
 UNSEEN = ("site check",)
@@ -86,6 +86,7 @@ POINTS = (
     Point(1, 16, 4, 2, 1024, 2, "bf16"),
     Point(1, 32, 8, 1, 2048, 1, "bf16"),
     Point(2, 8, 8, 4, 256, 4, "fp32"),
+    Point(1, 8, 2, 2, 512, 1, "bf16"),  # the widths at which routed experts are EXL3 targets (moe_intermediate 1152)
 )
 REAL_POINT = Point(1, 8, 1, 1, 256, 1, "bf16")
 
@@ -128,9 +129,10 @@ class ModelDtype(CalibrationSettings):
         return torch.bfloat16
 
 
-def settings_for(point: Point, device: str) -> CalibrationSettings:
+def settings_for(point: Point, device: str, expert_hessians: str = CalibrationSettings.expert_hessians
+                 ) -> CalibrationSettings:
     kind = ModelDtype if point.dtype == "bf16" and device == "cpu" else CalibrationSettings
-    return kind(device=device, measure_kl=False, row_chunk=point.chunk)
+    return kind(device=device, measure_kl=False, row_chunk=point.chunk, expert_hessians=expert_hessians)
 
 
 @contextmanager
@@ -151,6 +153,7 @@ def metered(live: LiveBytes):
             phase(block.Block, "forward", "block", advance=True), phase(engram.Engram, "forward", "engram"),
             phase(attention.Attention, "forward", "attention"), phase(moe.MoE, "forward", "moe"),
             phase(collect.LayerCollector, "_site_gains", "site gains"),
+            phase(collect.LayerCollector, "_finish_expert_inputs", "expert inputs"),
             phase(collect.LayerCollector, "finish", "finishing"), phase(stage, "write_stats_file", "writing"),
             phase(stage, "_head", "head"), phase(stage, "save_chunk", "resume")]
     try:
@@ -224,14 +227,14 @@ def _rss(field: str) -> int:
     return 0
 
 
-def run_point(point: Point, root: Path, device: str, seed: int = 0) -> dict:
+def run_point(point: Point, root: Path, device: str, expert_hessians: str, seed: int = 0) -> dict:
     raw = slice_config(point.layers, point.experts, point.scale)
     cfg = ModelConfig.from_dict(raw)
     src = root / "src"
     write_native_checkpoint(src, raw, random_values(cfg, torch.Generator().manual_seed(seed)), 2)
     ck = Checkpoint.open(src)
     tokens = torch.randint(0, cfg.vocab_size, (point.rows, point.cols), generator=torch.Generator().manual_seed(seed))
-    settings = settings_for(point, device)
+    settings = settings_for(point, device, expert_hessians)
     needs = calibration_needs(cfg, point.rows, point.cols, settings)
     kinds = ("cpu",) if device == "cpu" else ("cuda", "cpu")
     if device == "cuda":
@@ -298,6 +301,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--real", action="store_true", help="also the real width at 1 x 256 tokens (about 5 GiB)")
     ap.add_argument("--only", type=int, help="run only this point (index into the list)")
+    ap.add_argument("--expert-hessians", choices=tuple(EXPERT_HESSIANS), default=CalibrationSettings.expert_hessians,
+                    help="the routed experts' Hessians (calibrate's option; default: its default)")
     ap.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--out-json", type=Path)
     args = ap.parse_args(argv)
@@ -310,7 +315,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for point in points:
         root = Path(tempfile.mkdtemp(prefix="calibrate-memory-", dir=args.tmp))
         try:
-            reports.append(run_point(point, root, args.device))
+            reports.append(run_point(point, root, args.device, args.expert_hessians))
         finally:
             shutil.rmtree(root, ignore_errors=True)
         print_point(reports[-1])

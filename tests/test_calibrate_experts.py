@@ -32,7 +32,8 @@ def weighted(tiny_v41, tmp_path_factory):
     """(checkpoint, token rows, work directory, store) of one calibration with WEIGHTING."""
     work, ck = tmp_path_factory.mktemp("work"), Checkpoint.open(tiny_v41)
     rows = torch.from_numpy(np.random.default_rng(11).integers(3, 4096, size=(ROWS, COLS)))
-    settings = CalibrationSettings(expert_hessians=WEIGHTING, measure_kl=False, expert_hessian_dtype="float32")
+    settings = CalibrationSettings(expert_hessians=WEIGHTING, measure_kl=False, expert_hessian_dtype="float32",
+                                   row_chunk=1)  # one chunk per row: the experts' sums run over kept chunks
     calibrate(ck, rows, work, settings, progress=False)  # float32: the formula checked, not the storage
     return ck, rows, work, HessianStore(work, ck)
 

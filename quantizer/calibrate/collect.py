@@ -20,11 +20,15 @@ Without it, the routed part comes from the routed rows and the prior, after the 
 
 CalibrationSettings.expert_hessians sets the power p of w in those weights (2 by default: w^2, beta and
 w2 then use w^p and its layer mean) and, when not `shared`, gives each expert's gate/up projections a
-group of their own: S_e = sum_routed w^p x x^T over the MoE inputs x routed to e (w1's report, of its
-routed rows only; in all-experts mode the rows routed to e are picked out of the all-token report),
-plus, after the last chunk, prior_tokens * mean(w^p) times the layer's all-token MoE-input mean
-(`ffn.input`): the same blend as the down projection's, with the prior computed exactly instead of
-pushed through the expert. The allocator's statistics keep reading the shared `ffn.input` for gate/up.
+group of their own: S_e = sum_routed w^p x x^T over the MoE inputs x routed to e, plus prior_tokens *
+mean(w^p) times the layer's all-token MoE-input mean (`ffn.input`): the same blend as the down
+projection's, with the prior computed exactly instead of pushed through the expert. These groups are
+not summed while the rows run: each chunk's MoE input and routing are kept (hidden_size values per
+token), and after the layer's last chunk the experts' sums are made one at a time, each reduced to rank
+0, finished and packed there before the next. So the device holds one expert's square instead of all
+of them (on DeepSeek-V4.1-Flash at 250 x 2048 rows: 4.9 GiB of kept bf16 inputs instead of 75 GiB of
+float64 sums), and the products are the same per chunk as if summed on the way. The allocator's
+statistics keep reading the shared `ffn.input` for gate/up.
 
 Routing: per expert the top-k selections and the sum of squared routing weights. Site gains: the
 write energy of each mHC site into the residual streams relative to the streams it writes into,
@@ -91,12 +95,17 @@ class LayerCollector:
         self.total_tokens, self.chunks, self.device = total_tokens, chunks, device
         self.ranks, self.chunk = ranks, first_chunk  # the global index of the chunk being run
         self.groups = layer_groups(cfg, layer, settings.expert_inputs)
+        summed = [g for g in self.groups if not g.expert_input]  # the experts' own inputs come after the rows
+        self.own_groups = [g for g in self.groups if g.expert_input]
         self.by_reporter: dict[str, list[HGroup]] = {}
-        for g in self.groups:
+        for g in summed:
             self.by_reporter.setdefault(g.reporter, []).append(g)
         self.router = f"layers.{layer}.ffn.gate.weight"
-        self.sums = {g.key: torch.zeros(g.size, g.size, dtype=torch.float64, device=device) for g in self.groups}
-        self.rows = {g.key: 0 for g in self.groups}
+        self.sums = {g.key: torch.zeros(g.size, g.size, dtype=torch.float64, device=device) for g in summed}
+        self.rows = {g.key: 0 for g in summed}
+        self.kept_routing: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # per chunk (x, ids, w^p)
+        self.own_packed: dict[str, dict[str, torch.Tensor]] = {}  # finished own-input groups, packed (rank 0)
+        self.own_counts: dict[str, float] = {}
         self.experts = cfg.experts_in("layers")
         self.expert_tokens = torch.zeros(self.experts, dtype=torch.float64, device=device)
         self.expert_weight = torch.zeros(self.experts, dtype=torch.float64, device=device)  # sum of w^2
@@ -147,14 +156,19 @@ class LayerCollector:
 
     def reduce(self) -> None:
         """Sums, counts, energies and samples of every rank summed (or gathered in chunk order) on
-        rank 0; the other ranks keep partials and finish nothing."""
-        if not self.ranks.joined:
-            return
-        rows = torch.tensor([self.rows[g.key] for g in self.groups], dtype=torch.float64, device=self.device)
+        rank 0, then the experts' own input Hessians made from the kept routing; the other ranks keep
+        partials and finish nothing."""
+        if self.ranks.joined:
+            self._reduce_sums()
+        if self.own_groups:
+            self._finish_expert_inputs()
+
+    def _reduce_sums(self) -> None:
+        rows = torch.tensor(list(self.rows.values()), dtype=torch.float64, device=self.device)
         for t in [*self.sums.values(), self.expert_tokens, self.expert_weight, self.hessian_weight,
                   *self.site_energy.values(), rows]:
             self.ranks.sum_to_main(t)
-        self.rows = {g.key: int(n) for g, n in zip(self.groups, rows.tolist())}
+        self.rows = dict(zip(self.rows, map(int, rows.tolist())))
         width = self.cfg.hidden_size
         empty = torch.empty(0, width, dtype=self.settings.dtype, device=self.device)
         mine = [torch.cat(s) if s else empty for s in self.samples + [self.sample_all]]
@@ -184,6 +198,8 @@ class LayerCollector:
         self.expert_weight.index_add_(0, flat, w.square().reshape(-1).double())
         self.hessian_weight.index_add_(0, flat, wp.reshape(-1).double())
         self._routing = (ids, wp)
+        if self.own_groups:
+            self.kept_routing.append((self._moe_input, ids, wp))
         self._keep_samples(ids)
 
     def _routed_rows(self, g: HGroup, x: torch.Tensor) -> None:
@@ -191,12 +207,7 @@ class LayerCollector:
         projection in all-experts mode, the prior's beta on every token)."""
         ids, wp = self._routing
         if self.settings.all_experts:  # the report holds every token
-            weights = (wp * (ids == g.expert)).sum(1)
-            if g.expert_input:  # its prior is added exactly in finish(): only the routed rows here
-                routed = (ids == g.expert).any(1)
-                x, weights = x[routed], weights[routed]
-            else:
-                weights = weights + self.settings.prior_tokens * self.mean_wp / self.total_tokens
+            weights = (wp * (ids == g.expert)).sum(1) + self.settings.prior_tokens * self.mean_wp / self.total_tokens
         else:
             weights = wp.reshape(-1)[ids.reshape(-1) == g.expert]  # the MoE's (stable) expert-sorted order
             if weights.numel() != x.shape[0]:
@@ -244,16 +255,16 @@ class LayerCollector:
         """Mean Hessians (packed for storage), routing, per-tensor statistics and alias candidates."""
         if not self.settings.all_experts:
             self._sampled_prior(block)
-        self._input_prior()
         means, counts = self._means()
-        own_inputs = {g.key for g in self.groups if g.expert_input}  # the statistics read `ffn.input`
-        factors = {key: ldlq_factor(h) if counts[key] > 0 else 1.0 for key, h in means.items()
-                   if key not in own_inputs}
+        factors = {key: ldlq_factor(h) if counts[key] > 0 else 1.0 for key, h in means.items()}
         tensors = self._tensor_stats(block, means, factors)
         expert_dtype = STORAGE_DTYPES[self.settings.expert_hessian_dtype]
         packed: dict[str, torch.Tensor] = {}
         for g in self.groups:
-            packed.update(pack_hessian(g.key, means.pop(g.key), expert_dtype if g.routed else torch.float32))
+            packed.update(self.own_packed.pop(g.key) if g.expert_input else
+                          pack_hessian(g.key, means.pop(g.key), expert_dtype if g.routed else torch.float32))
+        counts.update(self.own_counts)
+        counts = {g.key: counts[g.key] for g in self.groups}
         gains = {site: float(e[0] / e[1].clamp(min=1e-30)) for site, e in self.site_energy.items()}
         stats = LayerStats(self.layer, self.expert_tokens.tolist(), self.expert_weight.tolist(),
                            gains["attn"], gains["ffn"], self._alias_candidates(block))
@@ -267,21 +278,44 @@ class LayerCollector:
                 hidden = block.ffn.experts[g.expert].hidden(sample, None)
                 accumulate(self.sums[g.key], hidden, torch.full((len(sample),), beta, device=sample.device))
 
-    def _input_prior(self) -> None:
-        """Each expert's own input sum += prior_tokens * mean(w^p) x the layer's all-token MoE-input mean."""
-        own = [g for g in self.groups if g.expert_input]
-        if not own:
-            return
+    def _finish_expert_inputs(self) -> None:
+        """Each routed expert's own gate/up Hessian, one expert at a time: its routed rows of every kept
+        chunk weighted by w^p (the same float32 product per chunk as a running sum would add), summed
+        over the ranks, plus prior_tokens * mean(w^p) x the layer's all-token MoE-input mean, divided by
+        its weight and packed on rank 0. The kept inputs go when the last expert is done."""
+        kept = []
+        for x, ids, wp in self.kept_routing:  # each chunk's (token, slot) pairs grouped by expert, once
+            flat = ids.reshape(-1)
+            order = flat.argsort(stable=True)  # ascending tokens within an expert: a token picks it once
+            ends = torch.bincount(flat, minlength=self.experts).cumsum(0).tolist()
+            kept.append((x, order, [0, *ends], wp.reshape(-1), ids.shape[1]))
         shared = f"layers.{self.layer}.ffn.input"
-        prior = self.sums[shared] * (self.settings.prior_tokens * self.mean_wp / max(self.rows[shared], 1))
-        for g in own:
-            self.sums[g.key] += prior
+        prior_weight = self.settings.prior_tokens * self.mean_wp
+        prior = (self.sums[shared] * (prior_weight / max(self.rows[shared], 1)) if self.ranks.main else None)
+        expert_dtype = STORAGE_DTYPES[self.settings.expert_hessian_dtype]
+        for g in self.own_groups:
+            total = torch.zeros(g.size, g.size, dtype=torch.float64, device=self.device)
+            for x, order, starts, wp, k in kept:
+                pairs = order[starts[g.expert]:starts[g.expert + 1]]
+                if len(pairs):
+                    accumulate(total, x[pairs // k], wp[pairs])
+            self.ranks.sum_to_main(total)
+            if self.ranks.main:
+                weight = float(self.hessian_weight[g.expert]) + prior_weight
+                mean = total.add_(prior).float()
+                self.own_packed[g.key] = pack_hessian(g.key, mean.div_(weight) if weight > 0 else mean,
+                                                         expert_dtype)
+                self.own_counts[g.key] = float(self.expert_tokens[g.expert]) + self.settings.prior_tokens
+            del total
+        self.kept_routing.clear()
 
     def _means(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """Each group's sum divided, in place, by its weight; counts in tokens."""
+        """Each summed group's sum divided, in place, by its weight; counts in tokens."""
         means, counts = {}, {}
         prior_weight = self.settings.prior_tokens * self.mean_wp
         for g in self.groups:
+            if g.expert_input:
+                continue
             total = self.sums.pop(g.key)
             if g.routed:
                 weight = float(self.hessian_weight[g.expert]) + prior_weight

@@ -14,7 +14,7 @@ A Hessian group is one input space seen by one or more linears. Per trunk layer:
   squared routing weight, blended with an all-token prior (collect.py);
 - `ffn.experts.<e>.input` (only with CalibrationSettings.expert_inputs): expert e's own H for its gate
   and up projections, from its routed tokens weighted by the routing weight, with the all-token
-  `ffn.input` as its prior (filled from w1's report, which sees exactly the routed tokens).
+  `ffn.input` as its prior (made after the layer's rows from the kept MoE inputs and routing: collect.py).
 The head has one group (`head`, the final hidden). Drafter (mtp) targets have none: the drafter is
 not run by calibration.
 """

@@ -8,6 +8,10 @@ then (bench/calibrate_memory.py meters each on the CPU and prints it beside this
                            the MoE inputs kept so far (see below) + one
                            row chunk's tensors at the block's peak moments (streaming.block_activations:
                            Engram, attention, MoE, then collect.py's site gains and its check)
+  layer L, expert inputs   (--expert-hessians other than shared) weights + kept inputs + the sums +
+                           every token's MoE input and routing, kept through the rows, while the
+                           experts' own gate/up Hessians are made one at a time (collect.py): one
+                           expert's float64 sum, the prior, the float32 mean and its packing
   layer L, finishing       weights + kept inputs + the sums turning into float32 means, then the
                            Cholesky and energy workspaces of the largest group / linear
   head                     the head weight twice (the model's and the one read for its statistics)
@@ -23,7 +27,7 @@ ram on the CPU = the device moments above, or a write with its bytes copies, whi
 disk = every layer file + the head file + the resume file twice (old and new while it is replaced);
   once complete the resume file is deleted. A layer file holds per group in * 4 (diagonal) +
   in * (in + 1) / 2 * (4, or 2 for float16 routed groups) bytes. With --expert-hessians other than
-  shared every routed expert adds a hidden_size-wide group (its own gate/up input) to the sums and files.
+  shared every routed expert adds a hidden_size-wide group (its own gate/up input) to the files.
 """
 
 from __future__ import annotations
@@ -146,8 +150,11 @@ def calibration_needs(cfg: ModelConfig, rows: int, cols: int, settings: Calibrat
     for layer in range(cfg.num_layers):
         groups = layer_groups(cfg, layer, settings.expert_inputs)
         block = weights.get(f"layers.{layer}", 0)
-        sums = sum(8 * g.size ** 2 for g in groups)
+        sums = sum(8 * g.size ** 2 for g in groups if not g.expert_input)
         parts = [stored_bytes(g.size, expert_dtype if g.routed else torch.float32) for g in groups]
+        own = [stored_bytes(g.size, expert_dtype) for g in groups if g.expert_input]  # none where no expert is a target
+        # kept for the experts' own inputs: every token's MoE input, expert ids (int64) and w^p (float32)
+        routing = tokens * (cfg.hidden_size * item + cfg.experts_per_token * 12) if own else 0
         before = files[-1] if files else 0  # the last layer's packed Hessians, alive until its successor's
         held = 0 if cuda else before
         loaded, read = _loading(cfg, layer, dtype, layout)
@@ -155,13 +162,21 @@ def calibration_needs(cfg: ModelConfig, rows: int, cols: int, settings: Calibrat
         acts = block_activations(cfg, layer, chunk, cols, dtype, DEFAULT_ATTN_CHUNK_ELEMENTS, cuda, hooked=True,
                                  all_experts=settings.all_experts)
         for name, act in acts.items():
-            moments.append((MemoryEstimate(block, states, act, f"layer {layer} {name}"), sums, kept + held, before))
-        widest = 4 * max((g.size ** 2 for g in groups), default=0)
+            moments.append((MemoryEstimate(block, states, act, f"layer {layer} {name}"), sums, kept + routing + held,
+                            before))
+        own_packed = 0 if cuda else sum(own)  # on the host with CUDA
+        if own:  # one expert's sum and the prior (float64), its mean, the packing's product, mask and triangle,
+            # beside each chunk's pairs sorted by expert (int64)
+            square = cfg.hidden_size ** 2
+            making = sums + 29 * square + tokens * cfg.experts_per_token * 8
+            moments.append((MemoryEstimate(block, states, 0, f"layer {layer} expert inputs"), making,
+                            kept + routing + held + own_packed, before + sum(own)))
+        widest = 4 * max((g.size ** 2 for g in groups if not g.expert_input), default=0)
         finishing = max(sums + widest, sums // 2 + 5 * widest,
                         sums // 2 + _energy_workspace(cfg, f"layers.{layer}.", item))
         packed = sum(parts)  # made as the means go, so never above them on the device
-        moments.append((MemoryEstimate(block, states, 0, f"layer {layer} finishing"), finishing, kept + held,
-                        before + packed))
+        moments.append((MemoryEstimate(block, states, 0, f"layer {layer} finishing"), finishing,
+                        kept + held + own_packed, before + packed))
         files.append(packed)
         writing = max(writing, packed + max(parts, default=0))  # the file's tensors and one's bytes copy
     head = head_group(cfg)
