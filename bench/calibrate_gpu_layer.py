@@ -2,7 +2,8 @@
 
 Random bf16 weights (bench/forward_gpu_layer.py builds them) and 8 rows x 2048 tokens (one default
 row chunk) go through the layer three ways in the same run: the plain top-k forward (the reference),
-the collector with all-experts capture, and the collector without it; then the collector's finish
+the collector with all-experts capture, and the collector without it; then the routed experts' own
+gate/up Hessians (the default --expert-hessians gate2) and the collector's finish
 (means, LDLQ factors, out energies, alias search, packing to the CPU). Printed: times, ratios to
 the plain forward, peak memory next to the stage's estimate, and the projected time of one layer
 and of the whole model at 250 rows x 2048.
@@ -88,6 +89,7 @@ def main(argv=None) -> dict:
             collector.run(block, parts(), None)
             timer.sync()
             t1 = time.perf_counter()
+            collector.reduce()  # one process: the experts' own input Hessians, where the settings ask for them
             collector.finish(block)
             timer.sync()
             t2 = time.perf_counter()

@@ -60,9 +60,10 @@ def add_expert_hessians(p: argparse.ArgumentParser) -> None:
     (one line, exit 2)."""
     p.add_argument("--expert-hessians", default=CalibrationSettings.expert_hessians, metavar="|".join(EXPERT_HESSIANS),
                    help="how routed experts' Hessians weight their tokens by the routing weight g (docs/calibration.md): "
-                        "shared (default): gate/up read the layer's all-token MoE input, down the g^2-weighted "
-                        "routed tokens; gate2, gate, count: gate/up and down both from the expert's routed tokens "
-                        "weighted by g^2, g or 1, plus the all-token prior")
+                        "gate2 (default), gate, count: gate/up and down both from the expert's routed tokens "
+                        "weighted by g^2, g or 1, plus the all-token prior; shared: gate/up read the layer's "
+                        "all-token MoE input (exllamav3's; a fifth of gate2's Hessian disk), down the g^2-weighted "
+                        "routed tokens")
 
 
 def _bits(text: str) -> float | None:

@@ -100,9 +100,11 @@ def test_every_target_has_a_symmetric_psd_hessian_shared_where_the_input_is(ck, 
     assert store.hessian("layers.2.attn.wq_b") is store.hessian("layers.2.attn.indexer.wq_b")
     shared = store.hessian(f"{layer}.ffn.shared_experts.w1")
     assert store.hessian(f"{layer}.ffn.shared_experts.w3") is shared
+    # the default (gate2): each routed expert's gate and up share its own H, not the shared expert's
     for e in range(ck.config.n_routed_experts):
-        for proj in ("w1", "w3"):
-            assert store.hessian(f"{layer}.ffn.experts.{e}.{proj}") is shared
+        own = store.hessian(f"{layer}.ffn.experts.{e}.w1")
+        assert store.hessian(f"{layer}.ffn.experts.{e}.w3") is own and own is not shared
+    assert not torch.equal(store.hessian(f"{layer}.ffn.experts.0.w1")[0], store.hessian(f"{layer}.ffn.experts.1.w1")[0])
     assert store.hessian(f"{layer}.ffn.experts.0.w2") is not store.hessian(f"{layer}.ffn.experts.1.w2")
 
 
@@ -120,9 +122,14 @@ def test_hessians_equal_a_direct_computation_from_the_whole_model(ck, rows, defa
         expected = ROWS * (COLS // cfg.ratio(t.layer)) if t.proj == "wk" else tokens
         assert count == expected, t.key
         _close(h, _direct(x, t.in_features))  # wo_a: the mean of its slices = over tokens and groups
-    for layer in (1, 4):  # the routed experts' w1/w3 read the MoE input, as the shared expert does
-        _close(_mean(store, f"layers.{layer}.ffn.experts.3.w1")[0],
-               _direct(inputs[f"layers.{layer}.ffn.shared_experts.w1.weight"], cfg.hidden_size))
+    for layer in (1, 4):  # the shared expert's w1/w3 read the MoE input, every token
+        _close(_mean(store, f"layers.{layer}.ffn.shared_experts.w1")[0],
+               _direct(inputs[f"layers.{layer}.ffn.gate.weight"], cfg.hidden_size))
+    # an expert no token reached: its own gate/up H (gate2, the default) is its prior alone, that same
+    # mean (to the float16 its correlations are stored in)
+    dead = _mean(store, f"layers.{DEAD_LAYER}.ffn.experts.{DEAD_EXPERT}.w1")[0]
+    direct = _direct(inputs[f"layers.{DEAD_LAYER}.ffn.gate.weight"], cfg.hidden_size)
+    assert (dead.double() - direct.double()).abs().max() <= 1e-3 * direct.abs().max()
     wo_a = "layers.2.attn.wo_a"
     size = store.hessian(wo_a)[0].shape[0]
     _close(_mean(store, f"{wo_a}.slice.1")[0], _direct(inputs[f"{wo_a}.weight"][..., 1, :], size))
@@ -208,9 +215,9 @@ def test_without_all_experts_routed_downs_use_routed_tokens_only_at_prior_zero(c
     w2 = (event.weights.double().square() * (event.expert_ids == e)).sum(1)
     _close(_mean(store, f"layers.{layer}.ffn.experts.{e}.w2")[0], (hidden.T * w2) @ hidden / w2.sum())
     assert store.hessian(f"layers.{DEAD_LAYER}.ffn.experts.{DEAD_EXPERT}.w2") is None  # nothing to go on
-    # all-experts capture changes no other Hessian and no routing
-    assert torch.equal(store.hessian("layers.3.ffn.experts.0.w1")[0],
-                       default_store.hessian("layers.3.ffn.experts.0.w1")[0])
+    # all-experts capture changes no Hessian outside the routed experts and no routing
+    for key in ("layers.3.ffn.shared_experts.w1", "layers.3.attn.wq_a"):
+        assert torch.equal(store.hessian(key)[0], default_store.hessian(key)[0]), key
     assert [s.expert_tokens for s in result.summary.layers] == [s.expert_tokens for s in default_run[0].summary.layers]
 
 

@@ -24,7 +24,7 @@ from quantizer.quantize.linears import plan_units
 from quantizer.quantize.settings import QuantizeSettings
 
 ROWS, COLS = 3, 24
-WEIGHTING = "gate"  # g^1: a power other than today's 2, so a wrong power cannot pass
+WEIGHTING = "gate"  # g^1: a power other than the default's 2, so a wrong power cannot pass
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_the_setting_is_recorded_and_no_unit_digest_survives_it(weighted, tmp_pa
     job = json.loads((work / CALIBRATION_DIR / JOB_FILE).read_text())
     assert job["settings"]["expert_hessians"] == WEIGHTING
     default = job_record(ck, rows, CalibrationSettings(measure_kl=False), tmp_path)
-    assert default["settings"]["expert_hessians"] == "shared" and default["fingerprint"] != store.record["fingerprint"]
+    assert default["settings"]["expert_hessians"] == "gate2" and default["fingerprint"] != store.record["fingerprint"]
     plan = uniform_plan(ck.config, 3.0)
     spec = pack_spec(ck.config, plan)
 

@@ -131,15 +131,22 @@ def test_stated_disk_matches_the_files_written(tiny_v41, tokens, finished, capsy
 
 
 def test_real_model_needs_are_bounded():
-    """V4.1-Flash at 250 x 2048: the routed down projections dominate the disk; float16 halves them."""
+    """V4.1-Flash at 250 x 2048: the routed experts' Hessians dominate the disk; float16 halves them; the
+    default's own gate/up Hessian per expert (gate2) still fits one H200, made one expert at a time."""
     cfg = ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
-    half = calibration_needs(cfg, 250, 2048, CalibrationSettings(device="cuda"))
-    full = calibration_needs(cfg, 250, 2048, CalibrationSettings(device="cuda", expert_hessian_dtype="float32"))
+    half = calibration_needs(cfg, 250, 2048, CalibrationSettings(device="cuda", expert_hessians="shared"))
+    full = calibration_needs(cfg, 250, 2048, CalibrationSettings(device="cuda", expert_hessians="shared",
+                                                                 expert_hessian_dtype="float32"))
     gib = 1 << 30
     assert 80 * gib < half.layer_files < 100 * gib < 2 * 80 * gib < full.layer_files < 2 * 100 * gib
     # fp32 hc streams of 512k tokens (39 GiB) + the forward state (index selections, compressed KV)
     assert 39 * gib < half.resume_file < 70 * gib
     assert half.device < 139 * gib  # one H200
+    default = calibration_needs(cfg, 250, 2048, CalibrationSettings(device="cuda"))
+    # 384 x 40 more float16 triangles of 5120: 393 GiB more on disk
+    assert 450 * gib < default.layer_files < 500 * gib and default.resume_file == half.resume_file
+    # the kept MoE inputs of 512k tokens (4.9 GiB of bf16), not 75 GiB of float64 sums
+    assert half.device < default.device < half.device + 6 * gib < 139 * gib
 
 
 def test_v4_checkpoint_calibrates_every_trunk_target(tiny_v4, tmp_path):

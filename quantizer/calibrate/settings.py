@@ -13,6 +13,7 @@ EXPERT_HESSIAN_DTYPES = ("float16", "float32")
 # How a routed expert's Hessians weight its tokens: the power of the routing weight g each routed token's
 # x x^T is multiplied by, and whether the expert's gate/up projections get their own H (docs/calibration.md).
 # shared: gate/up share the layer's all-token MoE-input H (exllamav3's capture); down weights by g^2.
+# gate2 (the default): gate/up get their own H from the expert's routed tokens, weighted by g^2 like down.
 EXPERT_HESSIANS = {"shared": 2, "gate2": 2, "gate": 1, "count": 0}
 CHUNK_TOKENS = 16384  # tokens per row chunk pushed through a block together, by default
 # The calibration text `calibrate` and `build` take by default: exllamav3's, 250 rows x 2048 tokens.
@@ -33,11 +34,13 @@ class CalibrationSettings:
     row_chunk: rows pushed through a block together (None: CHUNK_TOKENS // cols).
     expert_hessian_dtype: storage of the routed experts' down-projection correlations (float16 halves
         the largest part of the disk; every other H is stored in float32).
-    expert_hessians: a name of EXPERT_HESSIANS. shared (today's default): a routed expert's gate and up
-        projections read the layer's all-token MoE-input H; its down projection the g^2-weighted routed
-        tokens plus the prior above. gate2 / gate / count: both get their own H from the expert's routed
-        tokens weighted by g^2 / g / 1, each with the prior (for gate/up: prior_tokens times the layer's
-        mean weight of the all-token MoE-input H), so an expert no token reached still gets a usable H.
+    expert_hessians: a name of EXPERT_HESSIANS. gate2 (the default) / gate / count: a routed expert's
+        gate/up and down projections get their own H from the expert's routed tokens weighted by g^2 / g
+        / 1, each with the prior (for gate/up: prior_tokens times the layer's mean weight of the
+        all-token MoE-input H), so an expert no token reached still gets a usable H. shared: its gate
+        and up projections read the layer's all-token MoE-input H (exllamav3's), its down projection the
+        g^2-weighted routed tokens plus the prior; a fifth of gate2's disk at real scale
+        (docs/calibration.md, Cost).
     cold_share, max_cold_fraction: an expert routed less than cold_share x the layer's mean is cold,
         at most max_cold_fraction of the layer's experts (the coldest first); cold experts get an alias
         candidate (the most similar warm expert of the layer).
@@ -54,7 +57,7 @@ class CalibrationSettings:
     prior_tokens: float = 512.0
     row_chunk: int | None = None
     expert_hessian_dtype: str = "float16"
-    expert_hessians: str = "shared"
+    expert_hessians: str = "gate2"
     cold_share: float = 0.25
     max_cold_fraction: float = 0.25
     alias_tokens: int = 128
