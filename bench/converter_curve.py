@@ -4,11 +4,13 @@ On a bundled small V4 model (the architecture stock exllamav3 1.6.5 runs; --mode
 `small_model_v4`, or `small_model_v4_moe64`, 64 experts routed top-6): the converter
 (`python -m exllamav3.conversion.convert_model`, its defaults, our calibration rows) at every bpw of
 --steps, and at each of --sizes our `quantizer build` at the converter's own bits there (equal bytes of
-the budgeted linears), once per --variants entry: `ours` (the defaults), `tune` (+ `--tune`, block-wise
-suh/svh, docs/tuning.md), `e2e` (+ `--tune-e2e`, every scale fitted to the native logits), `gate2`
-(+ `--expert-hessians gate2`, routing-weighted expert Hessians, docs/calibration.md), and their
-combinations joined by `+` (VARIANTS). Every pack is loaded by exllamav3 and compared with the native model's exllamav3
-logits on each --eval-text: KL, top-1 agreement, perplexity.
+the budgeted linears), once per --variants entry: `ours` (the defaults, whose routed experts' Hessians
+are `gate2` since 2026-12-03, docs/calibration.md), `tune` (+ `--tune`, block-wise suh/svh,
+docs/tuning.md), `e2e` (+ `--tune-e2e`, every scale fitted to the native logits), `shared` (+
+`--expert-hessians shared`, the previous default: every routed expert's gate/up on the layer's
+all-token input), and their combinations joined by `+` (VARIANTS). Every pack is loaded by exllamav3
+and compared with the native model's exllamav3 logits on each --eval-text: KL, top-1 agreement,
+perplexity.
 
 The reference is the converter's curve measured in the same run: for each of our packs, the ratio of its
 KL to the converter's at the same bits, and `bits_equiv`, the bits at which the converter reaches that
@@ -16,9 +18,13 @@ KL (log KL interpolated linearly between its steps; `>` past the last step). `ga
 our bits: how many bits per weight our pack saves against the converter at equal quality.
 
     python bench/converter_curve.py [--model small_model_v4_moe64] [--sizes 2,2.5,3,3.5] [--steps 2:4:0.25]
-                                    [--variants ours,tune,gate2] [--eval-text heldout,heldout-tests] [--json OUT]
+                                    [--variants ours,tune,shared] [--eval-text heldout,heldout-tests] [--json OUT]
+                                    [--work DIR]
 
 Rows are printed as they are measured and written to --json then, so a run cut short keeps what it measured.
+A --work directory of an earlier run on the same model and calibration is reused: its converter packs are
+measured again, not rebuilt (about 50 s each), and our builds resume from their work directories (only
+encodings no earlier build made are made).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,12 +57,14 @@ from quantizer.shipped import shipped
 from quantizer.textdata import model_rows, shipped_text_path, text_argument
 
 # variant -> (build flags, work directory group): the tuned variants share their untuned variant's work
-# directory (one calibration, the same codes and bytes); gate2 calibrates differently, so it has its own.
-GATE2 = ["--expert-hessians", "gate2"]
-VARIANTS = {"ours": ([], "ours"), "tune": (["--tune"], "ours"), "gate2": (GATE2, "gate2"),
-            "e2e": (["--tune-e2e"], "ours"), "tune+e2e": (["--tune", "--tune-e2e"], "ours"),
-            "gate2+tune": ([*GATE2, "--tune"], "gate2"), "gate2+tune+e2e": ([*GATE2, "--tune", "--tune-e2e"], "gate2")}
+# directory (one calibration, the same codes and bytes); shared calibrates differently, so it has its own.
+SHARED = ["--expert-hessians", "shared"]
+VARIANTS = {"ours": ([], "ours"), "tune": (["--tune"], "ours"), "e2e": (["--tune-e2e"], "ours"),
+            "tune+e2e": (["--tune", "--tune-e2e"], "ours"), "shared": (SHARED, "shared"),
+            "shared+tune": ([*SHARED, "--tune"], "shared"), "shared+tune+e2e": ([*SHARED, "--tune", "--tune-e2e"], "shared")}
 CALIB_COLS = 2048
+CALIBRATION_FILE = "cal.safetensors"  # the rows the converter reads, in --work
+DONE = "converter-done"  # written into a converter pack once exllamav3's converter has finished it
 
 
 def best_of(curve: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -88,12 +97,12 @@ def main(argv=None) -> None:
                     help="the bundled V4-architecture model (default %(default)s)")
     ap.add_argument("--sizes", default="2,2.5,3,3.5", help="comma-separated bpw of our builds (each must be a step)")
     ap.add_argument("--steps", default="2:4:0.25", help="converter bpw, START:STOP:STEP (STOP included)")
-    ap.add_argument("--variants", default="ours,tune,gate2", help=f"comma-separated, from {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="ours,tune,shared", help=f"comma-separated, from {', '.join(VARIANTS)}")
     ap.add_argument("--eval-text", default="heldout,heldout-tests", help="comma-separated texts to measure on")
     ap.add_argument("--eval-rows", type=int, default=16)
     ap.add_argument("--eval-cols", type=int, default=512)
-    ap.add_argument("--work", type=Path, help="keep packs here, an empty or new directory (default: a temporary "
-                                              "directory, deleted at the end)")
+    ap.add_argument("--work", type=Path, help="keep packs here: a new or empty directory, or an earlier run's, which "
+                                              "is reused (default: a temporary directory, deleted at the end)")
     ap.add_argument("--json", type=Path, help="write each measured row to this file as it is measured (JSON lines)")
     args = ap.parse_args(argv)
     try:
@@ -112,8 +121,9 @@ def main(argv=None) -> None:
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         ap.error(f"unknown variant(s) {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
-    if args.work and args.work.exists() and any(args.work.iterdir()):
-        ap.error(f"--work {args.work} is not empty: the packs of another run would be in the way")
+    if args.work and args.work.exists() and any(args.work.iterdir()) and not (args.work / CALIBRATION_FILE).is_file():
+        ap.error(f"--work {args.work} holds no earlier run of this bench (no {CALIBRATION_FILE}): its files would "
+                 "be in the way")
     if args.json and not args.json.parent.is_dir():
         ap.error(f"--json {args.json}: no directory {args.json.parent}")
     if not torch.cuda.is_available() or importlib.util.find_spec("exllamav3") is None:
@@ -129,14 +139,27 @@ def main(argv=None) -> None:
     report(measured, steps)
 
 
+def reuse_converter(root: Path, model: str, calibration: torch.Tensor) -> None:
+    """Write the calibration rows the converter reads, or check that an earlier run's in --work are these
+    (same model, same rows): its packs are only reused then."""
+    path, record = root / CALIBRATION_FILE, {"model": model}
+    if path.is_file():
+        with safe_open(str(path), "pt") as f:
+            same = f.metadata() == record and torch.equal(f.get_tensor("input_ids"), calibration)
+        if not same:
+            raise UserError(f"{root}: an earlier run on another model or other calibration rows; give an empty --work")
+        return
+    save_file({"input_ids": calibration}, str(path), metadata=record)
+
+
 def run(args: argparse.Namespace, root: Path, steps: list[float], sizes: list[float], variants: list[str]) -> list[dict]:
     """Build and measure every pack; the measured rows."""
     model = shipped(args.model)
     ck = Checkpoint.open(model)
     root.mkdir(parents=True, exist_ok=True)
     calibration = model_rows(ck.root, ck.config, text=shipped_text_path("calibration"), rows=None, cols=CALIB_COLS,
-                             default_cols=CALIB_COLS)
-    save_file({"input_ids": calibration.to(torch.long).contiguous()}, str(root / "cal.safetensors"))
+                             default_cols=CALIB_COLS).to(torch.long).contiguous()
+    reuse_converter(root, args.model, calibration)
     texts = {name: model_rows(ck.root, ck.config, text=text_argument(name), rows=args.eval_rows, cols=args.eval_cols,
                               default_cols=args.eval_cols) for name in args.eval_text.split(",")}
     native = {name: exllamav3_predictions(model, rows) for name, rows in texts.items()}
@@ -157,15 +180,21 @@ def run(args: argparse.Namespace, root: Path, steps: list[float], sizes: list[fl
     converter_bits = {}
     for bpw in steps:
         pack, t0 = root / f"exl3-{bpw:g}", time.monotonic()
-        subprocess.run([sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(model), "-o", str(pack),
-                        "-w", str(root / f"exl3-{bpw:g}.work"), "-b", str(bpw), "-cd", str(root / "cal.safetensors"),
-                        "-cr", str(len(calibration)), "-cc", str(CALIB_COLS)], check=True, stdout=subprocess.DEVNULL)
+        if not (pack / DONE).is_file():  # an earlier run's finished pack is measured again, not rebuilt
+            shutil.rmtree(pack, ignore_errors=True)
+            shutil.rmtree(root / f"exl3-{bpw:g}.work", ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "exllamav3.conversion.convert_model", "-i", str(model), "-o",
+                            str(pack), "-w", str(root / f"exl3-{bpw:g}.work"), "-b", str(bpw), "-cd",
+                            str(root / CALIBRATION_FILE), "-cr", str(len(calibration)), "-cc", str(CALIB_COLS)],
+                           check=True, stdout=subprocess.DEVNULL)
+            (pack / DONE).write_text(f"{bpw:g}\n")
         converter_bits[bpw] = stored_bpw(pack, ck.config)
         record("converter", bpw, pack, converter_bits[bpw], time.monotonic() - t0)
     for variant in variants:  # every size of one variant before the next: a run cut short keeps whole curves
         for size in sizes:
             flags, group = VARIANTS[variant]
             pack, work, t0 = root / f"{variant}-{size:g}", root / f"{group}-{size:g}.work", time.monotonic()
+            shutil.rmtree(pack, ignore_errors=True)  # an earlier run's: rebuilt from its work directory's cache
             if quantizer(["build", str(model), "--out", str(pack), "--device", "cuda", "--work", str(work),
                           "--bpw", f"{converter_bits[size]:.6f}", *flags]) != 0:
                 raise UserError(f"the build of {variant} at {size:g} bpw failed (its error is above)")

@@ -12,9 +12,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from quantizer.checkpoint.config import V4
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.errors import UserError
 from quantizer.inventory.inventory import check_against_config
 from quantizer.model.targets import ROUTED, targets
 from quantizer.shipped import model_config_path, shipped
@@ -59,3 +61,20 @@ def test_the_converter_is_credited_with_its_best_pack_of_at_most_b_bits(curve_be
     assert curve_bench.bits_equiv(0.2, curve) == (2.0, "<") and curve_bench.bits_equiv(0.01, curve) == (3.25, ">")
     monotone = [(2.0, 0.38), (2.5, 0.19), (3.0, 0.10)]
     assert curve_bench.best_of(monotone) == monotone and curve_bench.bits_equiv(0.19, monotone) == (2.5, "")
+
+
+def test_an_earlier_runs_converter_packs_are_reused_only_for_the_same_model_and_rows(curve_bench, tmp_path):
+    rows = torch.arange(12).view(3, 4)
+    curve_bench.reuse_converter(tmp_path, "small_model_v4", rows)  # a new --work: the rows are written
+    curve_bench.reuse_converter(tmp_path, "small_model_v4", rows.clone())  # the same run again: reused
+    for model, other in (("small_model_v4", rows + 1), ("small_model_v4_moe64", rows)):
+        with pytest.raises(UserError, match="an earlier run on another model or other calibration rows"):
+            curve_bench.reuse_converter(tmp_path, model, other)
+
+
+def test_a_work_directory_of_something_else_is_refused(curve_bench, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_:
+        curve_bench.main(["--work", str(tmp_path)])
+    assert exit_.value.code == 2 and "holds no earlier run of this bench" in capsys.readouterr().err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
