@@ -51,6 +51,7 @@ from quantizer.textdata.shipped_sets import SET_FILES
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PYTHON_VERSION = "3.11.7"
+STDLIB = "Lib/ of the CPython installation that runs the script (sysconfig's stdlib path)"  # no machine path in the record
 WHEEL_ENV = "EXLLAMAV3_WHEEL"  # the exllamav3 1.6.5 wheel (PyPI: exllamav3-1.6.5-py3-none-any.whl)
 CAL_DATA = "exllamav3/conversion/standard_cal_data/"
 
@@ -332,7 +333,7 @@ def build(wheel: Path) -> tuple[dict[str, bytes], dict]:
             "cpython-stdlib": {
                 "kind": "code",
                 "what": f"CPython {PYTHON_VERSION} standard library .py modules (Lib/)",
-                "path": str(root),
+                "path": STDLIB,
                 "licence": "PSF License Version 2 (LICENSE.txt of the same installation)",
                 "licence_file_sha256": sha256(licence),
                 "documents": len(code),
@@ -342,14 +343,14 @@ def build(wheel: Path) -> tuple[dict[str, bytes], dict]:
                 "kind": "code",
                 "what": f"CPython {PYTHON_VERSION} test suites: .py files under Lib/test/, Lib/*/tests/ and "
                 "idlelib/idle_test/ (UTF-8 ones)",
-                "path": str(root),
+                "path": STDLIB,
                 "licence": "PSF License Version 2 (LICENSE.txt of the same installation)",
                 "documents": len(tests),
             },
             "cpython-doc-topics": {
                 "kind": "prose",
                 "what": "reference-manual topics in Lib/pydoc_data/topics.py (generated from the Python documentation)",
-                "path": str(root / "pydoc_data" / "topics.py"),
+                "path": f"{STDLIB}/pydoc_data/topics.py",
                 "licence": "PSF License Version 2 (Python documentation); code in it also Zero-Clause BSD",
                 "file_sha256": sha256((root / "pydoc_data" / "topics.py").read_bytes()),
                 "documents": len(topics),
