@@ -14,11 +14,11 @@ alternatives use the inputs the quantized model produces instead:
   undoes what the layers before got wrong. --damp adds damp x mean(diag H_q) to C and H_q, pulling A
   towards W (damp large: A = W, the `sequential` variant).
 - `native` is the control: the same encoder, rows, seed and weighting on the native inputs, what
-  `build` does. The pack's own KL is printed too, but its encoding saw other rows, so only the three
+  `build --expert-hessians shared` does. The pack's own KL is printed too, but its encoding saw other rows, so only the three
   variants are compared with each other.
 
 Every variant keeps each expert linear's K from the pack and encodes with our CPU codec; the weighting
-is `build`'s default (`--expert-hessians shared`, docs/calibration.md): gate and up projections on every
+is `--expert-hessians shared` (`build`'s default until 2026-12-03, docs/calibration.md): gate and up projections on every
 token of the layer, the down projection on its routed tokens weighted by the squared gate plus the
 all-token prior of 512 tokens. Everything that is not a routed expert stays as the pack holds it. The
 model is held whole in memory (DeepseekModel), so this is for the bundled small models.

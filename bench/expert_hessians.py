@@ -1,14 +1,15 @@
 """What routing-weighted expert Hessians change: KL, top-1 and perplexity of packs of the bundled small
-V4.1 model against the native model on held-out text, each weighting against today's default.
+V4.1 model against the native model on held-out text, each weighting against the default.
 
 For each --expert-hessians setting (calibrate/settings.py, docs/calibration.md) the model is calibrated
 and built in a work directory of its own, by each method at each size, for the exllamav3 loader
-profile, on the CPU with our codec. `shared` (today's default) is built first and plans each
+profile, on the CPU with our codec. The default (`gate2` since 2026-12-03; `shared`, against which
+docs/calibration.md's tables were measured, before) is built first and plans each
 (method, size); every other weighting is built with that same plan (`build --plan`), so each pair of
 packs holds exactly the same bytes and differs only in the Hessians the encoder saw. The trellis
-search is chaotic (any change of H moves its path), so `shared` is also rebuilt with another job seed
+search is chaotic (any change of H moves its path), so the default is also rebuilt with another job seed
 (--noise-seed): its ratio is the noise floor a weighting's ratio is judged against. Ratios are
-against `shared` at the default seed, in the same run; each pack's numbers are also printed as a
+against the default at its default seed, in the same run; each pack's numbers are also printed as a
 JSON line as soon as it is measured. With 16 x 512 calibration tokens and 4 held-out rows, the four
 weightings, two methods and two sizes took about 80 minutes on 2 cores shared with other jobs (the
 default calibration's unit-KL measurement, which `ours` plans on, about 12 of them; --no-measure-kl
