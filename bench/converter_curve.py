@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -144,12 +144,17 @@ def reuse_converter(root: Path, model: str, calibration: torch.Tensor) -> None:
     (same model, same rows): its packs are only reused then."""
     path, record = root / CALIBRATION_FILE, {"model": model}
     if path.is_file():
-        with safe_open(str(path), "pt") as f:
-            same = f.metadata() == record and torch.equal(f.get_tensor("input_ids"), calibration)
+        try:
+            with safe_open(str(path), "pt") as f:
+                same = f.metadata() == record and torch.equal(f.get_tensor("input_ids"), calibration)
+        except (OSError, SafetensorError, KeyError) as e:  # truncated, not safetensors, or without the rows
+            raise UserError(f"{path}: unreadable ({e}); give an empty --work") from None
         if not same:
             raise UserError(f"{root}: an earlier run on another model or other calibration rows; give an empty --work")
         return
-    save_file({"input_ids": calibration}, str(path), metadata=record)
+    partial = path.with_name(path.name + ".tmp")  # renamed once whole: a killed run leaves no half file
+    save_file({"input_ids": calibration}, str(partial), metadata=record)
+    partial.replace(path)
 
 
 def run(args: argparse.Namespace, root: Path, steps: list[float], sizes: list[float], variants: list[str]) -> list[dict]:

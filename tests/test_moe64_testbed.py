@@ -70,6 +70,10 @@ def test_an_earlier_runs_converter_packs_are_reused_only_for_the_same_model_and_
     for model, other in (("small_model_v4", rows + 1), ("small_model_v4_moe64", rows)):
         with pytest.raises(UserError, match="an earlier run on another model or other calibration rows"):
             curve_bench.reuse_converter(tmp_path, model, other)
+    path = tmp_path / curve_bench.CALIBRATION_FILE
+    path.write_bytes(path.read_bytes()[:40])  # a run killed while writing it, or a damaged copy
+    with pytest.raises(UserError, match="unreadable"):
+        curve_bench.reuse_converter(tmp_path, "small_model_v4", rows)
 
 
 def test_a_work_directory_of_something_else_is_refused(curve_bench, tmp_path, capsys):
