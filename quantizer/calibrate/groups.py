@@ -123,8 +123,8 @@ def _model_groups(cfg: ModelConfig, expert_inputs: bool) -> tuple[tuple[HGroup, 
         groups[key] = HGroup(key, t.in_features, t.layer, reporter, expert=expert)
         if expert is not None and expert_inputs:
             own = expert_input_key(t.layer, expert)
-            groups[own] = HGroup(own, cfg.hidden_size, t.layer, f"{t.key.rsplit('.', 1)[0]}.w1.weight",
-                                 expert=expert, expert_input=True)
+            groups[own] = HGroup(own, cfg.hidden_size, t.layer, f"layers.{t.layer}.{_REPORTERS['ffn.input']}",
+                                 expert=expert, expert_input=True)  # the router's input, kept per chunk
     return tuple(tuple(groups.values()) for groups in per_layer)
 
 
