@@ -3,7 +3,8 @@
 Random bf16 weights (bench/forward_gpu_layer.py builds them) and 8 rows x 2048 tokens (one default
 row chunk) go through the layer three ways in the same run: the plain top-k forward (the reference),
 the collector with all-experts capture, and the collector without it; then the routed experts' own
-gate/up Hessians (the default --expert-hessians gate2) and the collector's finish
+gate/up Hessians (the default --expert-hessians gate2; they grow with the rows, so the all-experts run
+is repeated on twice the rows and that step extrapolated linearly) and the collector's finish
 (means, LDLQ factors, out energies, alias search, packing to the CPU). Printed: times, ratios to
 the plain forward, peak memory next to the stage's estimate, and the projected time of one layer
 and of the whole model at 250 rows x 2048.
@@ -76,35 +77,46 @@ def main(argv=None) -> dict:
                 block(s, state, None, None)
 
     results = [{"mode": "plain top-k forward", "seconds": timer.best(plain, 2)}]
-    finish = {}
-    for all_experts in (True, False):
+    finish, experts = {}, {}
+    # the routed experts' own Hessians are built from every kept row at the end of the layer, so their time
+    # grows with the rows: the all-experts collector runs once more on twice the rows (two chunks, as a
+    # real run feeds them) and that step is extrapolated from the two points
+    for all_experts, chunks in ((True, 1), (True, 2), (False, 1)):
         run_settings = CalibrationSettings(device=device.type, all_experts=all_experts)
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        collector = LayerCollector(cfg, args.layer, run_settings, rows * cols, 1, device)
+        collector = LayerCollector(cfg, args.layer, run_settings, chunks * rows * cols, 1, device)
         with torch.no_grad():
             timer.sync()
             t0 = time.perf_counter()
-            collector.run(block, parts(), None)
+            collector.run(block, [p for _ in range(chunks) for p in parts()], None)
             timer.sync()
             t1 = time.perf_counter()
             collector.reduce()  # one process: the experts' own input Hessians, where the settings ask for them
-            collector.finish(block)
             timer.sync()
             t2 = time.perf_counter()
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            collector.finish(block)
+            timer.sync()
+            t3 = time.perf_counter()
         mode = "collect, all experts" if all_experts else "collect, top-k + sampled prior"
-        results.append({"mode": mode, "seconds": t1 - t0, "peak_gib": peak / 2**30})
-        finish[mode] = t2 - t1
+        if chunks == 1:
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+            results.append({"mode": mode, "seconds": t1 - t0, "peak_gib": peak / 2**30})
+            finish[mode] = t3 - t2
+        if all_experts:
+            experts[chunks * rows] = t2 - t1
+    (r1, e1), (r2, e2) = sorted(experts.items())
+    experts_full = max(e1, e2, e1 + (e2 - e1) / (r2 - r1) * (FULL_ROWS - r1))  # timing noise never shrinks it
     base = results[0]["seconds"]
     needs = calibration_needs(cfg, rows, cols, settings)
     full = calibration_needs(cfg, FULL_ROWS, cols, settings)
-    per_layer = results[1]["seconds"] * FULL_ROWS / rows + finish[results[1]["mode"]]
+    per_layer = results[1]["seconds"] * FULL_ROWS / rows + experts_full + finish[results[1]["mode"]]
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "config": config, "layer": args.layer, "rows": rows, "cols": cols,
         "results": results, "finish_seconds": finish,
+        "expert_hessians_seconds": {str(r): v for r, v in experts.items()} | {str(FULL_ROWS): experts_full},
         "estimate_gib": {"this_run_layer_part": (needs.stream.weights + needs.stream.activations + needs.hessians
                                                  + needs.extras) / 2**30,
                          "full_run_device": full.device / 2**30, "full_run_disk": full.disk / 2**30},
@@ -115,6 +127,8 @@ def main(argv=None) -> dict:
     print(table(["mode", "s", "x plain", "peak GiB"],
                 [[r["mode"], f"{r['seconds']:.2f}", f"{r['seconds'] / base:.2f}", f"{r.get('peak_gib', 0):.1f}"]
                  for r in results]))
+    print("experts' own Hessians: " + ", ".join(f"{r} rows {v:.2f} s" for r, v in experts.items())
+          + f", {FULL_ROWS} rows {experts_full:.1f} s (linear in the rows)")
     print("finish: " + ", ".join(f"{k} {v:.2f} s" for k, v in finish.items()))
     print(f"estimated peak for this run's layer work {report['estimate_gib']['this_run_layer_part']:.1f} GiB "
           f"(streams of the rows not included); full run {report['estimate_gib']['full_run_device']:.1f} GiB device, "

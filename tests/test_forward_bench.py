@@ -1,5 +1,5 @@
-"""The GPU layer benchmark's logic at tiny shapes (it must not first break on the GPU machine),
-and the FLOP count it reports."""
+"""The GPU layer benchmarks' logic at tiny shapes (they must not first break on the GPU machine),
+and the FLOP count the forward bench reports."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from quantizer.shipped import model_config_path
 from script_module import script_module
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "forward_gpu_layer.py"
+CALIBRATE_BENCH = BENCH.with_name("calibrate_gpu_layer.py")
 
 
 def test_gpu_layer_bench_runs_tiny(tmp_path, monkeypatch, capsys):
@@ -23,6 +24,23 @@ def test_gpu_layer_bench_runs_tiny(tmp_path, monkeypatch, capsys):
     assert report["results"][1]["tflop"] > report["results"][0]["tflop"]
     assert json.loads((tmp_path / "forward_gpu_layer.json").read_text())["cols"] == 48
     assert "all experts" in capsys.readouterr().out
+
+
+def test_calibrate_layer_bench_projects_every_part_of_a_layer(tmp_path, monkeypatch, capsys):
+    """The projection bench/rehearsal.py reads: the collector's pass scaled to 250 rows, the experts' own
+    Hessians (timed at two row counts) extrapolated and never below what either count measured, the finish."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    with script_module(CALIBRATE_BENCH) as bench:
+        report = bench.main(["--tiny", "--rows", "1", "--cols", "32"])
+    experts = report["expert_hessians_seconds"]
+    assert sorted(experts, key=int) == ["1", "2", "250"]
+    assert experts["250"] >= max(experts["1"], experts["2"]) > 0
+    collect = report["results"][1]
+    assert collect["mode"] == "collect, all experts"
+    expected = collect["seconds"] * 250 + experts["250"] + report["finish_seconds"][collect["mode"]]
+    assert abs(report["projected_layer_seconds_at_250_rows"] - expected) < 1e-9
+    assert json.loads((tmp_path / "calibrate_gpu_layer.json").read_text()) == report
+    assert "experts' own Hessians: 1 rows" in capsys.readouterr().out
 
 
 def test_layer_flops_match_the_active_parameters():
