@@ -3,8 +3,8 @@
 Random bf16 weights (bench/forward_gpu_layer.py builds them) and 8 rows x 2048 tokens (one default
 row chunk) go through the layer three ways in the same run: the plain top-k forward (the reference),
 the collector with all-experts capture, and the collector without it; then the routed experts' own
-gate/up Hessians (the default --expert-hessians gate2; they grow with the rows, so the all-experts run
-is repeated on twice the rows and that step extrapolated linearly) and the collector's finish
+gate/up Hessians (the default --expert-hessians gate2; made from every kept row, so they may grow with the
+rows: the all-experts run is repeated on twice the rows and that step extrapolated linearly) and the collector's finish
 (means, LDLQ factors, out energies, alias search, packing to the CPU). Printed: times, ratios to
 the plain forward, peak memory next to the stage's estimate, and the projected time of one layer
 and of the whole model at 250 rows x 2048.
@@ -79,7 +79,7 @@ def main(argv=None) -> dict:
     results = [{"mode": "plain top-k forward", "seconds": timer.best(plain, 2)}]
     finish, experts = {}, {}
     # the routed experts' own Hessians are built from every kept row at the end of the layer, so their time
-    # grows with the rows: the all-experts collector runs once more on twice the rows (two chunks, as a
+    # may grow with the rows: the all-experts collector runs once more on twice the rows (two chunks, as a
     # real run feeds them) and that step is extrapolated from the two points
     for all_experts, chunks in ((True, 1), (True, 2), (False, 1)):
         run_settings = CalibrationSettings(device=device.type, all_experts=all_experts)
