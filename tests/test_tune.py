@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib
 import re
+import shutil
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -280,6 +283,33 @@ def test_tuning_that_does_not_fit_is_refused_before_any_stage(flag, instead, tin
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and f"error: {flag} holds" in err[-1] and "GiB" in err[-1] and instead in err[-1], err
     assert not (tmp_path / "work").exists() and not (tmp_path / "pack").exists()
+
+
+def test_a_rerun_of_a_finished_tuned_build_needs_none_of_the_tuning_memory(e2e_pack, packs, tiny_v41, tmp_path,
+                                                                           monkeypatch):
+    """The up-front check guards stages still to run: a rerun whose tuning finished (its pack lost, or
+    wanted again) reuses the tuned files on a machine that could not tune now; changed settings are
+    still refused before any stage, and a tuned file gone since is tuned again, checked by the stage."""
+    monkeypatch.setattr(stage, "free_memory", lambda device: 2**20)
+    plan, rows = _plan(Checkpoint.open(tiny_v41).config), torch.load(packs / "rows.pt")
+
+    def request(out: Path, work: Path, tune: TuneSettings) -> BuildRequest:
+        return BuildRequest(str(tiny_v41), out, plan=plan, calibration_rows=rows,
+                            calibration=CalibrationSettings(measure_kl=False), work=work, tune=tune, end_to_end=E2E)
+
+    again = build(request(tmp_path / "again", packs / "work", SETTINGS))
+    assert again.tuned.tuned == 0 and not again.end_to_end.tuned
+    assert again.manifest.settings["end_to_end"] == e2e_pack.manifest.settings["end_to_end"]
+    with pytest.raises(UserError, match="--tune holds"):
+        build(request(tmp_path / "changed", packs / "work", replace(SETTINGS, steps=SETTINGS.steps + 1)))
+    assert not (tmp_path / "changed").exists()
+
+    work = tmp_path / "work"
+    shutil.copytree(packs / "work", work)
+    next(work.glob("tuned/layers.1.*.safetensors")).unlink()
+    with pytest.raises(UserError, match="--tune holds"):
+        build(request(tmp_path / "lost", work, SETTINGS))
+    assert not (tmp_path / "lost").exists()
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -79,8 +79,10 @@ def unit_kl_needs(cfg: ModelConfig, rows: int, cols: int, dtype: torch.dtype) ->
 
 
 def free_memory(device: str) -> int:
-    """Bytes free for the probe: the GPU's free memory, or the host's MemAvailable."""
+    """Bytes free for the probe: the GPU's free memory (this process's cached blocks returned first: they
+    are its own to reuse), or the host's MemAvailable."""
     if device == "cuda":
+        torch.cuda.empty_cache()
         return int(torch.cuda.mem_get_info()[0])
     try:
         with open("/proc/meminfo") as f:

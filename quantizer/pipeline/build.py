@@ -58,9 +58,10 @@ from quantizer.quantize.rates import plan_estimate
 from quantizer.quantize.results import measured_encodings
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import QuantizeResult, measured_proxies, quantize
-from quantizer.tune.end_to_end import EndToEndResult, check_end_to_end_fits, end_to_end
+from quantizer.tune.end_to_end import STAGE as E2E_STAGE, EndToEndResult, check_end_to_end_fits, end_to_end
 from quantizer.tune.settings import EndToEndSettings, TuneSettings
-from quantizer.tune.stage import TuneResult, check_tune_fits, tune, tune_line
+from quantizer.tune.stage import STAGE as TUNE_STAGE, TuneResult, check_tune_fits, tune, tune_line
+from quantizer.tune.store import finished, run_record
 from quantizer.verify.verify import VerifyReport, verify_pack
 
 QUANTIZE_DIR = "quantize"
@@ -122,10 +123,7 @@ def build(req: BuildRequest) -> BuildResult:
     if req.plan is not None:
         check_given_plan(ck, req.plan, str(req.plan_file or "--plan"))
     estimate = req.plan or check_plannable(ck.config, req)
-    if req.tune is not None:  # tuning stages run last: refused now rather than after the other stages
-        check_tune_fits(ck.config, *req.calibration_rows.shape, req.tune, req.quantize.device)
-    if req.end_to_end is not None:
-        check_end_to_end_fits(ck.config, *req.calibration_rows.shape, req.end_to_end, req.quantize.device)
+    check_tuning_fits(ck.config, req)
     calibration_disk = 0 if req.calibration_rows is None else calibration_needs(
         ck.config, *req.calibration_rows.shape, req.calibration).disk
     check_space(req.out, req.work_dir, disk_needs(ck, estimate, calibration_disk, req.work_dir))
@@ -153,14 +151,14 @@ def build(req: BuildRequest) -> BuildResult:
             tuned = ranks.on_main(lambda: tune(ck, plan, req.work_dir / QUANTIZE_DIR, req.work_dir,
                                                req.calibration_rows, req.tune, settings.record(),
                                                device=req.quantize.device))
-            require_unchanged(pin, "tune", made, req.work_dir)
+            require_unchanged(pin, TUNE_STAGE, made, req.work_dir)
         tuned_files = tuple(tuned.files) if tuned else ()
         e2e = None
         if req.end_to_end is not None:
             e2e = ranks.on_main(lambda: end_to_end(ck, plan, req.work_dir / QUANTIZE_DIR, req.work_dir,
                                                    req.calibration_rows, req.end_to_end, settings.record(),
                                                    tuned_files, req.quantize.device))
-            require_unchanged(pin, "tune-e2e", made, req.work_dir)
+            require_unchanged(pin, E2E_STAGE, made, req.work_dir)
         pack = PackSettings(settings.record(), req.shard_size, req.revision, req.base_model, req.command,
                             tuned_files=tuned_files + ((e2e.file,) if e2e else ()),
                             tuning=tuned.record() if tuned else None, end_to_end=e2e.record() if e2e else None)
@@ -168,6 +166,16 @@ def build(req: BuildRequest) -> BuildResult:
         ranks.barrier()
     return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, tuned, e2e, manifest, verified,
                        time.monotonic() - start)
+
+
+def check_tuning_fits(cfg: ModelConfig, req: BuildRequest) -> None:
+    """Tuning stages run last: one that cannot fit the device is refused now rather than after the other
+    stages, unless the work directory holds a finished run of it (a rerun reuses its files)."""
+    rows = req.calibration_rows
+    if req.tune is not None and not finished(req.work_dir, TUNE_STAGE, run_record(req.tune.record(), rows)):
+        check_tune_fits(cfg, *rows.shape, req.tune, req.quantize.device)
+    if req.end_to_end is not None and not finished(req.work_dir, E2E_STAGE, run_record(req.end_to_end.record(), rows)):
+        check_end_to_end_fits(cfg, *rows.shape, req.end_to_end, req.quantize.device)
 
 
 def pack_and_publish(ck: Checkpoint, plan: Plan, req: BuildRequest, settings: PackSettings, partial: Path,

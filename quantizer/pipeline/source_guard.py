@@ -115,10 +115,10 @@ class StageOutputs:
         if not self.had_job and (self.quantize / JOB_NAME).exists():
             (self.quantize / JOB_NAME).unlink()
         tuned = [work / TUNED_DIR / name for name in _files(work / TUNED_DIR) if name not in self.tuned]
-        for p in tuned:
+        for p in tuned:  # the tuned files and the record of a stage that finished (store.finished)
             p.unlink()
-        if tuned:
-            deleted.append(f"the {len(tuned)} block(s) tuned in this run")
+        if files := [p for p in tuned if p.name.endswith(SUFFIX)]:
+            deleted.append(f"the {len(files)} block(s) tuned in this run")
         if _files(work / CALIBRATION_DIR) != self.calibration:
             shutil.rmtree(work / CALIBRATION_DIR)
             deleted.append("the calibration (computed in this run, at least in part)")

@@ -43,9 +43,10 @@ from quantizer.tune.block import BlockLinears, scaled_hooks
 from quantizer.tune.scales import BestHeldOut, RelativeScales
 from quantizer.tune.settings import EndToEndSettings
 from quantizer.tune.stage import DTYPE, StoredBlock, check_fits, drop_native_weights, stored_linears
-from quantizer.tune.store import TunedStore, block_digest
+from quantizer.tune.store import TunedStore, block_digest, run_record
 
 MODEL_FILE = "model"  # WORK/tuned/model.<digest>.safetensors
+STAGE = "tune-e2e"  # WORK/tuned/tune-e2e.done.json (store.finished)
 # What autograd keeps of one block for the backward, in multiples of the block's forward peak
 # (block_activations): every intermediate of attention, MoE and mHC, not just the largest moment's.
 # Fitted with bench/tune_small.py --device cuda on the small V4 model (1 row x 2048 tokens a step): 4.5
@@ -117,6 +118,7 @@ def end_to_end(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows
     if store.load(MODEL_FILE, digest, keys) is not None:
         info = store.info(path)
         say(f"tune-e2e: reused {path.name}")
+        store.mark_finished(STAGE, run_record(settings.record(), rows))
         return EndToEndResult(path, info["kl_before"], info["kl_after"], info["best_step"], info["steps"], False,
                               n_tune, n_held, settings.record(), time.monotonic() - start)
     needs = check_end_to_end_fits(cfg, *rows.shape, settings, device)
@@ -176,6 +178,7 @@ def end_to_end(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows
             "step_seconds": round(step_seconds, 3), "seconds": round(time.monotonic() - start, 2)}
     store.save(MODEL_FILE, digest, {f"{k}.suh": best_u[k].cpu() for k in keys} | {f"{k}.svh": best_v[k].cpu() for k in keys},
                info)
+    store.mark_finished(STAGE, run_record(settings.record(), rows))
     say(f"tune-e2e: held-out KL {best.start:.4g} -> {best.value:.4g} ({best.value / max(best.start, 1e-30):.3f}x) "
         f"after {step} steps (best {best.step}), {time.monotonic() - start:.1f} s")
     return EndToEndResult(path, best.start, best.value, best.step, step, True, n_tune, n_held, settings.record(),

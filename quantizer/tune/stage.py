@@ -45,9 +45,10 @@ from quantizer.report import GIB, gib
 from quantizer.tune.block import Batch, BlockLinears, QuantizedBlock, fork, join_linears, tune_block
 from quantizer.tune.factor import factor, unit_scaled
 from quantizer.tune.settings import TuneSettings
-from quantizer.tune.store import TunedStore, block_digest
+from quantizer.tune.store import TunedStore, block_digest, run_record
 
 DTYPE = torch.float32
+STAGE = "tune"  # its name in WORK/tuned/<stage>.done.json (store.finished) and in the build's messages
 HEAD_KEY = "head"  # the head's stored key: not in a block, tuned end to end only (end_to_end.py)
 # Saved tensors of one autograd pass through a block, in multiples of one forward's peak activations
 # (estimate_stream_memory). bench/tune_small.py at 16 x 512 rows measured peaks of 250 and 292 MiB
@@ -171,7 +172,9 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
         files = [store.path(b, d) for b, d in digests.items()]  # a rerun after a finished one: no forward
         errors = {b: (i["error_before"], i["error_after"]) for b, i in zip(digests, map(store.info, files))}
         say(f"tune: {len(files)} blocks, all reused")
+        store.mark_finished(STAGE, run_record(settings.record(), rows))
         return TuneResult(files, errors, len(files), 0, n_tune, n_held, settings.record(), time.monotonic() - start)
+    check_tune_fits(cfg, *rows.shape, settings, device)  # build skipped it for a rerun of a finished stage
     source = CheckpointSource(ck)
     with torch.device("meta"):
         root = DeepseekModel(cfg, DTYPE, source.engram_token_map(), with_layers=False)
@@ -236,6 +239,7 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
                 held_in = [(_advance(block, qb, hooks, x, root.hasher), x[1]) for x in held_x]
     say(f"tune: {len(files)} blocks, {tuned} tuned by this run, {len(files) - tuned} reused, "
         f"{time.monotonic() - start:.1f} s")
+    store.mark_finished(STAGE, run_record(settings.record(), rows))
     return TuneResult(files, errors, len(files), tuned, n_tune, n_held, settings.record(), time.monotonic() - start)
 
 

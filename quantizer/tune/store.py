@@ -3,7 +3,9 @@
 Like the quantize stage's unit store (quantize/results.py), a file is named by the digest of everything
 that determines it (the block's unit digests, the tuning settings, the calibration rows and, when block
 inputs come from the tuned blocks before it, their digests), appears by rename, and is reused by a rerun;
-one that cannot be read back is deleted and its block tuned again.
+one that cannot be read back is deleted and its block tuned again. A stage that finished leaves
+`<stage>.done.json` with its settings and rows, so a rerun of the same build knows before any stage that
+it needs none of the stage's memory (`finished`).
 """
 
 from __future__ import annotations
@@ -14,13 +16,31 @@ from pathlib import Path
 
 import torch
 
+from quantizer.calibrate.stage import tokens_digest
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, TensorEntry, planned, read_header, read_tensor, write_safetensors
 from quantizer.errors import UserError
 from quantizer.exl3 import PACK_ALIGN
+from quantizer.workdir import write_json_atomic
 
 TUNED_DIR = "tuned"
 SUFFIX = ".safetensors"
 DIGEST_CHARS = 16
+DONE_SUFFIX = ".done.json"
+
+
+def run_record(settings: dict, rows: torch.Tensor) -> dict:
+    """What a finished run of a tuning stage is recorded by: its settings and its calibration rows."""
+    return {"settings": settings, "rows": tokens_digest(rows)}
+
+
+def finished(work: Path, stage: str, record: dict) -> bool:
+    """Whether a run of `stage` under `record` (run_record) finished in `work`, so that a rerun reuses its
+    files. Only reads: build asks before it claims the work directory. A rerun whose codes changed since
+    tunes again; the stage then checks its memory itself."""
+    try:
+        return json.loads((Path(work) / TUNED_DIR / f"{stage}{DONE_SUFFIX}").read_text()) == record
+    except (OSError, ValueError):
+        return False
 
 
 def block_digest(block: str, unit_digests: list[str], settings: dict, rows_digest: str, previous: str | None) -> str:
@@ -32,6 +52,9 @@ class TunedStore:
     def __init__(self, work: Path):
         self.dir = Path(work) / TUNED_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
+
+    def mark_finished(self, stage: str, record: dict) -> None:
+        write_json_atomic(self.dir / f"{stage}{DONE_SUFFIX}", record)
 
     def drop_unfinished(self) -> None:
         for stale in self.dir.glob("*.tmp"):
