@@ -128,7 +128,7 @@ def main(argv=None) -> dict:
                 [[r["mode"], f"{r['seconds']:.2f}", f"{r['seconds'] / base:.2f}", f"{r.get('peak_gib', 0):.1f}"]
                  for r in results]))
     print("experts' own Hessians: " + ", ".join(f"{r} rows {v:.2f} s" for r, v in experts.items())
-          + f", {FULL_ROWS} rows {experts_full:.1f} s (linear in the rows)")
+          + f", {FULL_ROWS} rows {experts_full:.1f} s (extrapolated linearly in the rows, never below what was measured)")
     print("finish: " + ", ".join(f"{k} {v:.2f} s" for k, v in finish.items()))
     print(f"estimated peak for this run's layer work {report['estimate_gib']['this_run_layer_part']:.1f} GiB "
           f"(streams of the rows not included); full run {report['estimate_gib']['full_run_device']:.1f} GiB device, "

@@ -1,8 +1,10 @@
 """Encode rates per K on one GPU, and our quantize stage against exllamav3's `quantize_exl3_batch`.
 
-Sixteen real-shape V4.1 routed experts are generated on the GPU: their w1 (in 5120, out 2304, one
-shared random SPD Hessian, as the gate/up projections share the MoE input) stored as a native MXFP4
-checkpoint (what the real model ships), and their w2 (in 2304, out 5120, a Hessian each).
+Sixteen real-shape V4.1 routed experts are generated on the GPU: their w1 (in 5120, out 2304) stored
+as a native MXFP4 checkpoint (what the real model ships), with a random SPD Hessian each as the default
+calibration (`gate2`) gives every expert's gate/up its own (`--w1-hessians shared`: one for all, as
+`--expert-hessians shared` and exllamav3 do; the encoder factors each distinct Hessian, so shared is
+faster), and their w2 (in 2304, out 5120, a Hessian each under either calibration).
 
 - rates: `quantize_exl3_batch` on the dequantized fp32 weights already on the GPU, for every K of the
   mul1 grid (half-integer rates included) and both shapes; written as the encode-rate table the
@@ -52,6 +54,7 @@ IN, OUT, EXPERTS = 5120, 2304, 16
 HESSIAN_ROWS = 8192
 COMPARE_KS = (2.0, 2.5, 3.0, 4.0)
 KEYS = [f"layers.0.ffn.experts.{e}.w1" for e in range(EXPERTS)]
+W1_HESSIANS = {"each": "one SPD Hessian each (gate2 calibration)", "shared": "one shared SPD Hessian"}
 
 
 def write_source(root: Path, device: torch.device) -> list[torch.Tensor]:
@@ -105,19 +108,21 @@ def direct(weights, hessians, K: float, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def ours(src: Path, work: Path, hessian, K: float, device: torch.device) -> float:
+def ours(src: Path, work: Path, hessians, K: float, device: torch.device) -> float:
+    """Seconds of the quantize stage on the 16 w1 tensors; `hessians` as for `direct`."""
     ck = Checkpoint.open(src)
     # Only these 16 experts' w1, at every K of the grid (half rates too): no engine loads such a plan, so
     # it is made without a profile's checks; the per-expert layout of vllm-exl3 decides the units.
     plan = Plan(ck.config.arch, "mul1", VLLM_EXL3, {t.key: (K if t.key in KEYS else None) for t in targets(ck.config)})
     torch.cuda.synchronize(device)
     start = time.perf_counter()
-    quantize(ck, plan, work, QuantizeSettings(device="cuda"), hessian=lambda key: hessian)
+    quantize(ck, plan, work, QuantizeSettings(device="cuda"),
+             hessian=lambda key: hessians if isinstance(hessians, tuple) else hessians[KEYS.index(key)])
     torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
-def rate_table(rates: list[dict], device: torch.device) -> dict:
+def rate_table(rates: list[dict], device: torch.device, w1_hessians: str) -> dict:
     """The measured rates in the format of configs/encode_rates/*.json."""
     from importlib.metadata import version
 
@@ -126,7 +131,7 @@ def rate_table(rates: list[dict], device: torch.device) -> dict:
         "encoder": f"exllamav3 {version('exllamav3')} quantize_exl3_batch (LDLQ, trellis search, packing), mul1",
         "measured_by": "bench/quantize_gpu.py (direct quantize_exl3_batch on the dequantized weights already on the GPU)",
         "source": f"{datetime.date.today().isoformat()}: {EXPERTS} random routed experts of DeepSeek-V4.1-Flash's "
-                  "shapes; w1 (in 5120) sharing one SPD Hessian, w2 (in 2304) with one each",
+                  f"shapes; w1 (in 5120) with {W1_HESSIANS[w1_hessians]}, w2 (in 2304) with one SPD Hessian each",
         "rates": [{k: r[k] for k in ("K", "in_features", "out_features", "batch", "weights_per_s")} for r in rates],
     }
 
@@ -136,6 +141,8 @@ def main() -> None:
     ap.add_argument("--ks", type=float, nargs="+", default=list(rate_grid("mul1")), help="K values to measure")
     ap.add_argument("--compare-ks", type=float, nargs="*", default=list(COMPARE_KS),
                     help="K values at which the stage is compared with the direct call")
+    ap.add_argument("--w1-hessians", choices=sorted(W1_HESSIANS), default="each",
+                    help="each: one Hessian per expert's w1 (calibration's default, gate2); shared: one for all")
     args = ap.parse_args()
     device = torch.device("cuda", 0)
     n_weights = EXPERTS * IN * OUT
@@ -145,9 +152,10 @@ def main() -> None:
         w1 = write_source(tmp / "src", device)
         gen = torch.Generator(device=device).manual_seed(2)
         w2 = [torch.randn(IN, OUT, device=device, generator=gen) / math.sqrt(OUT) for _ in range(EXPERTS)]
-        h1 = spd_hessian(IN, device)
+        h1 = spd_hessian(IN, device) if args.w1_hessians == "shared" else \
+            [spd_hessian(IN, device, seed=100 + e) for e in range(EXPERTS)]
         h2 = [spd_hessian(OUT, device, seed=10 + e) for e in range(EXPERTS)]
-        direct(w1[:2], h1, 2, device)  # warm-up: kernels, streams, pinned buffers
+        direct(w1[:2], h1 if isinstance(h1, tuple) else h1[:2], 2, device)  # warm-up: kernels, streams, pinned buffers
         for K in args.ks:
             for ws, hs, (i, o) in ((w1, h1, (IN, OUT)), (w2, h2, (OUT, IN))):
                 seconds = direct(ws, hs, K, device)
@@ -174,7 +182,7 @@ def main() -> None:
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"])
         (out / "quantize_gpu.json").write_text(json.dumps({"rates": rates, "compared": compared}, indent=1) + "\n")
-        (out / "encode_rates.json").write_text(json.dumps(rate_table(rates, device), indent=1) + "\n")
+        (out / "encode_rates.json").write_text(json.dumps(rate_table(rates, device, args.w1_hessians), indent=1) + "\n")
 
 
 if __name__ == "__main__":

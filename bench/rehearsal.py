@@ -12,8 +12,9 @@ the same run: every kind of unit the stage encoded (a layer's routed w1 / w2 / w
 each attention linear, the head) is encoded again by a direct call on its first unit (batches cut to
 --sample experts, the head to its first rows), with the weights already dequantized on the GPU and
 the calibrated Hessians; the stage's units priced at those rates give the direct time (goal:
-stage rate >= 0.9 of it). The direct rates also price the real model's plan: the projection on 1, 2,
-4 and 8 GPUs (calibration data-parallel, quantize units spread over ranks, pack and verify on one),
+stage rate >= 0.9 of it). The real model's plan is priced as `plan` prices it (the shipped encode
+rates of full-size experts) times the slice's measured over stated quantize time: the projection on 1,
+2, 4 and 8 GPUs (calibration data-parallel, quantize units spread over ranks, pack and verify on one),
 and the disk its Hessians, work directory and pack need.
 
 Every estimate `build` prints before a stage (calibration's GPU memory, RAM and disk; quantize's RAM,
@@ -22,7 +23,9 @@ measured, with their ratio (goal 0.75-1.33).
 
 The real model's calibration time is projected from a full-size layer when --layer-rate gives the
 JSON bench/calibrate_gpu_layer.py wrote on the same GPU; without it, from the slice's per-layer rate
-(measured at two row counts, so start-up is not scaled) with its experts scaled up, an upper bound.
+(a fixed part and a part per token, measured at two row counts) scaled by the experts, an upper bound:
+the fixed part holds gate2's per-expert Hessians, which grow with the experts, and the start-up, which
+does not (on one H200, 1.63 h against the full-size layer's 0.91).
 
 On the GPU machine (one H200; 64 experts x 2 layers: 5.7 G weights to encode, about 8-9 minutes):
 
@@ -67,7 +70,6 @@ from quantizer.plan.plan import TOTAL, expected_bytes  # noqa: E402
 from quantizer.plan.uniform import uniform_plan  # noqa: E402
 from quantizer.plan.spec import pack_spec  # noqa: E402
 from quantizer.quantize.linears import work_units  # noqa: E402
-from quantizer.quantize.rates import EncodeRate, RateTable, estimate  # noqa: E402
 from quantizer.quantize.settings import QuantizeSettings  # noqa: E402
 from quantizer.quantize.stage import WeightReader, quantize_needs  # noqa: E402
 from quantizer.quantize.pipeline import PREFETCH_UNITS  # noqa: E402
@@ -181,12 +183,12 @@ def _kind(unit) -> str:
     return ".".join(p for p in parts if not p.startswith(("batch", "K"))) + f"@K{unit.K:g}"
 
 
-def direct_rates(ck: Checkpoint, plan, work: Path, sample: int) -> tuple[dict[str, float], list[EncodeRate]]:
+def direct_rates(ck: Checkpoint, plan, work: Path, sample: int) -> dict[str, float]:
     """weights/s of quantize_exl3_batch on the first unit of every unit kind (see the module docstring)."""
     linears = {s.key: s for s in pack_spec(ck.config, plan).encoded}
     store = HessianStore(work, ck)
     reader = WeightReader(ck, "cuda")
-    rates, table_rows = {}, []
+    rates = {}
     for unit in work_units(list(linears.values()), "cuda"):
         kind = _kind(unit)
         if kind in rates or unit.K == 16:
@@ -203,17 +205,18 @@ def direct_rates(ck: Checkpoint, plan, work: Path, sample: int) -> tuple[dict[st
         seconds = direct(weights, hs[0] if shared else hs, unit.K, torch.device("cuda", torch.cuda.current_device()))
         n = sum(w.numel() for w in weights)
         rates[kind] = n / seconds
-        table_rows.append(EncodeRate(float(unit.K), weights[0].shape[1], weights[0].shape[0], n / seconds))
         del weights
-    return rates, table_rows
+    return rates
 
 
 def printed_estimates(ck: Checkpoint, plan, args, work: Path) -> dict[str, dict[str, float]]:
     """What `build` states before each stage, from the functions that print it, per stage."""
-    calib = calibration_needs(ck.config, args.rows, args.cols, CalibrationSettings(device="cuda", measure_kl=False))
+    settings = CalibrationSettings(device="cuda", measure_kl=False)
+    calib = calibration_needs(ck.config, args.rows, args.cols, settings)
     linears = pack_spec(ck.config, plan).encoded
     by_key = {s.key: s for s in linears}
-    ram, disk = quantize_needs(work_units(linears, "cuda"), by_key, plan.codebook, PREFETCH_UNITS, "cuda")
+    ram, disk = quantize_needs(work_units(linears, "cuda"), by_key, plan.codebook, PREFETCH_UNITS, "cuda",
+                               settings.expert_inputs)
     return {
         "calibrate": {"GPU memory": calib.device, "RAM above start": calib.ram("cuda"), "disk kept": calib.layer_files},
         "quantize": {"RAM": ram, "disk added": disk, "seconds": plan_estimate(ck.config, plan).seconds},
@@ -287,20 +290,24 @@ def full_layer_rate(path: Path | None) -> dict | None:
     return rate
 
 
-def real_needs(bpw: float, run_table: RateTable, stage_over_direct: float, run: dict) -> dict:
-    """The real model at --bpw (uniform plan: the K mix an allocator starts from): GPU time at this run's
-    direct rates over the stage ratio, calibration and pack scaled from this run, and the disk."""
+def real_needs(bpw: float, measured_over_stated: float, run: dict) -> dict:
+    """The real model at --bpw (uniform plan: the K mix an allocator starts from): the GPU time `plan`
+    states for it (the shipped encode rates, measured on full-size experts) times what this run's quantize
+    stage took over what `build` stated for it, calibration and pack scaled from this run, and the disk.
+    (Pricing the real plan at this run's own direct rates instead would price experts at a K the slice's
+    plan did not give them with another linear's rate: small linears encode several times slower.)"""
     cfg = ModelConfig.from_file(model_config_path(REAL))
     plan = uniform_plan(cfg, bpw)
-    quantize_s = estimate(pack_spec(cfg, plan).encoded, run_table).seconds / stage_over_direct
+    quantize_s = plan_estimate(cfg, plan).seconds * measured_over_stated
     layer = run.get("full_layer")
     if layer:  # bench/calibrate_gpu_layer.py's measured rate on a full-size layer
         calibrate_s = cfg.num_layers * layer["seconds"] * (REAL_ROWS * REAL_COLS) / (FULL_LAYER_ROWS * layer["cols"])
-    else:  # the slice's per-layer rate with its experts scaled up: an upper bound (the small expert
-        # matmuls of a slice run far below the GPU's rate; see the README)
+    else:  # the slice's per-layer rate, all of it scaled by the experts: an upper bound (the small expert
+        # matmuls of a slice run far below the GPU's rate, and the fixed part, which holds gate2's per-expert
+        # Hessians, also holds the start-up; see the README)
         rate = run["calibration_rate"]
         calibrate_s = cfg.num_layers * (rate["fixed_s_per_layer"] + rate["token_s_per_layer"] * REAL_ROWS * REAL_COLS
-                                        * cfg.n_routed_experts / run["experts"])
+                                        ) * cfg.n_routed_experts / run["experts"]
     pack_bytes = expected_bytes(cfg, plan)[TOTAL]
     tail_s = (run["stages"]["pack"]["seconds"] + run["stages"]["verify"]["seconds"]) * pack_bytes / run["pack_bytes"]
     needs = calibration_needs(cfg, REAL_ROWS, REAL_COLS, CalibrationSettings(device="cuda"))
@@ -390,7 +397,7 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
     pack_bytes = sum(r.bytes for r in result.manifest.shards)
     stages["pack"].weights = stages["verify"].weights = None
 
-    rates, rows = direct_rates(ck, result.plan, root / "pack.work", args.sample)
+    rates = direct_rates(ck, result.plan, root / "pack.work", args.sample)
     units = work_units(linears, "cuda")
     direct_s = sum(u.weights / rates[_kind(u)] for u in units if u.K != 16)
     stage_s = stages["quantize"].seconds
@@ -404,7 +411,6 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
         est[TUNE_STAGE], got[TUNE_STAGE] = (
             {"GPU memory above its start": run["tune"]["memory_estimate"], "seconds": run["tune"]["seconds_estimate"]},
             {"GPU memory above its start": run["tune"]["memory_measured"], "seconds": run["tune"]["seconds"]})
-    run_table = RateTable(torch.cuda.get_device_name(), tuple(rows))
     return {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "device": torch.cuda.get_device_name(), "source_bytes": _du(src), **run,
@@ -417,7 +423,7 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
         "estimates": [{"stage": st, "what": what, "estimate": est[st][what], "measured": got[st][what],
                        "ratio": est[st][what] / got[st][what] if got[st][what] else float("nan")}
                       for st in est for what in est[st]],
-        "real_model": real_needs(args.bpw, run_table, ratio, run),
+        "real_model": real_needs(args.bpw, got["quantize"]["seconds"] / est["quantize"]["seconds"], run),
     }
 
 
