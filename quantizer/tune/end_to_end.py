@@ -114,11 +114,12 @@ def end_to_end(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows
     digest = block_digest(MODEL_FILE, units, settings.record(), tokens_digest(rows),
                           ",".join(p.name for p in block_files) or None)
     keys = [k for stored in linears.values() for k in stored.exl3]
+    done_record = run_record(settings.record(), rows)  # before the rows move to `device`
     path = store.path(MODEL_FILE, digest)
     if store.load(MODEL_FILE, digest, keys) is not None:
         info = store.info(path)
         say(f"tune-e2e: reused {path.name}")
-        store.mark_finished(STAGE, run_record(settings.record(), rows))
+        store.mark_finished(STAGE, done_record)
         return EndToEndResult(path, info["kl_before"], info["kl_after"], info["best_step"], info["steps"], False,
                               n_tune, n_held, settings.record(), time.monotonic() - start)
     needs = check_end_to_end_fits(cfg, *rows.shape, settings, device)
@@ -178,7 +179,7 @@ def end_to_end(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows
             "step_seconds": round(step_seconds, 3), "seconds": round(time.monotonic() - start, 2)}
     store.save(MODEL_FILE, digest, {f"{k}.suh": best_u[k].cpu() for k in keys} | {f"{k}.svh": best_v[k].cpu() for k in keys},
                info)
-    store.mark_finished(STAGE, run_record(settings.record(), rows))
+    store.mark_finished(STAGE, done_record)
     say(f"tune-e2e: held-out KL {best.start:.4g} -> {best.value:.4g} ({best.value / max(best.start, 1e-30):.3f}x) "
         f"after {step} steps (best {best.step}), {time.monotonic() - start:.1f} s")
     return EndToEndResult(path, best.start, best.value, best.step, step, True, n_tune, n_held, settings.record(),

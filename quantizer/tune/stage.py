@@ -168,11 +168,12 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
     store = TunedStore(work)
     store.drop_unfinished()
     digests = _digests(layers, settings, tokens_digest(rows))
+    done_record = run_record(settings.record(), rows)  # before the rows move to `device`
     if all(store.load(b, d, list(layers[b].exl3)) is not None for b, d in digests.items()):
         files = [store.path(b, d) for b, d in digests.items()]  # a rerun after a finished one: no forward
         errors = {b: (i["error_before"], i["error_after"]) for b, i in zip(digests, map(store.info, files))}
         say(f"tune: {len(files)} blocks, all reused")
-        store.mark_finished(STAGE, run_record(settings.record(), rows))
+        store.mark_finished(STAGE, done_record)
         return TuneResult(files, errors, len(files), 0, n_tune, n_held, settings.record(), time.monotonic() - start)
     check_tune_fits(cfg, *rows.shape, settings, device)  # build skipped it for a rerun of a finished stage
     source = CheckpointSource(ck)
@@ -239,7 +240,7 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
                 held_in = [(_advance(block, qb, hooks, x, root.hasher), x[1]) for x in held_x]
     say(f"tune: {len(files)} blocks, {tuned} tuned by this run, {len(files) - tuned} reused, "
         f"{time.monotonic() - start:.1f} s")
-    store.mark_finished(STAGE, run_record(settings.record(), rows))
+    store.mark_finished(STAGE, done_record)
     return TuneResult(files, errors, len(files), tuned, n_tune, n_held, settings.record(), time.monotonic() - start)
 
 
