@@ -77,7 +77,7 @@ class Point:
 
     def __str__(self) -> str:
         return (f"{self.layers} layer(s) x {self.experts} experts, width 1/{self.scale}, {self.rows} x {self.cols} "
-                f"tokens, chunk {self.chunk} rows, {self.dtype}")
+                f"tokens, chunks of {self.chunk} row(s), {self.dtype}")
 
 
 POINTS = (
