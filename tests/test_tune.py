@@ -34,7 +34,7 @@ from quantizer.shipped import model_config_path
 from quantizer.tune import end_to_end, stage
 from quantizer.tune.factor import factor
 from quantizer.tune.settings import EndToEndSettings, TuneSettings
-from quantizer.tune.store import TunedStore
+from quantizer.tune.store import TunedStore, finished, run_record
 
 # Few tokens: a measurement after every step, since a tiny block's scales over-fit 12 rows within a few
 SETTINGS = TuneSettings(steps=4, lr=1e-2, eval_every=1, patience=3, batch_rows=4)
@@ -310,6 +310,19 @@ def test_a_rerun_of_a_finished_tuned_build_needs_none_of_the_tuning_memory(e2e_p
     with pytest.raises(UserError, match="--tune holds"):
         build(request(tmp_path / "lost", work, SETTINGS))
     assert not (tmp_path / "lost").exists()
+
+
+def test_only_a_readable_matching_record_counts_as_a_finished_stage(tmp_path):
+    """A missing, truncated or other run's record means the memory check runs; asking writes nothing."""
+    record = run_record(SETTINGS.record(), "abc")
+    assert not finished(tmp_path / "work", stage.STAGE, record) and not (tmp_path / "work").exists()
+    TunedStore(tmp_path).mark_finished(stage.STAGE, record)
+    assert finished(tmp_path, stage.STAGE, record)
+    assert not finished(tmp_path, end_to_end.STAGE, record)
+    assert not finished(tmp_path, stage.STAGE, run_record(SETTINGS.record(), "abd"))
+    done = next((tmp_path / "tuned").glob("*.done.json"))
+    done.write_text(done.read_text()[:10])
+    assert not finished(tmp_path, stage.STAGE, record)
 
 
 @pytest.mark.parametrize("argv, message", [

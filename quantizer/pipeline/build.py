@@ -172,9 +172,12 @@ def check_tuning_fits(cfg: ModelConfig, req: BuildRequest) -> None:
     """Tuning stages run last: one that cannot fit the device is refused now rather than after the other
     stages, unless the work directory holds a finished run of it (a rerun reuses its files)."""
     rows = req.calibration_rows
-    if req.tune is not None and not finished(req.work_dir, TUNE_STAGE, run_record(req.tune.record(), rows)):
+    if req.tune is None and req.end_to_end is None:
+        return
+    digest = tokens_digest(rows)
+    if req.tune is not None and not finished(req.work_dir, TUNE_STAGE, run_record(req.tune.record(), digest)):
         check_tune_fits(cfg, *rows.shape, req.tune, req.quantize.device)
-    if req.end_to_end is not None and not finished(req.work_dir, E2E_STAGE, run_record(req.end_to_end.record(), rows)):
+    if req.end_to_end is not None and not finished(req.work_dir, E2E_STAGE, run_record(req.end_to_end.record(), digest)):
         check_end_to_end_fits(cfg, *rows.shape, req.end_to_end, req.quantize.device)
 
 

@@ -111,10 +111,11 @@ def end_to_end(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows
     store = TunedStore(work)
     store.drop_unfinished()
     units = sorted(d for stored in linears.values() for d in stored.digests)
-    digest = block_digest(MODEL_FILE, units, settings.record(), tokens_digest(rows),
+    rows_digest = tokens_digest(rows)
+    digest = block_digest(MODEL_FILE, units, settings.record(), rows_digest,
                           ",".join(p.name for p in block_files) or None)
     keys = [k for stored in linears.values() for k in stored.exl3]
-    done_record = run_record(settings.record(), rows)  # before the rows move to `device`
+    done_record = run_record(settings.record(), rows_digest)
     path = store.path(MODEL_FILE, digest)
     if store.load(MODEL_FILE, digest, keys) is not None:
         info = store.info(path)

@@ -167,8 +167,9 @@ def tune(ck: Checkpoint, plan: Plan, quantize_work: Path, work: Path, rows: torc
     layers = {b: v for b, v in stored_linears(ck, plan, quantize_work, job).items() if b != HEAD_KEY}
     store = TunedStore(work)
     store.drop_unfinished()
-    digests = _digests(layers, settings, tokens_digest(rows))
-    done_record = run_record(settings.record(), rows)  # before the rows move to `device`
+    rows_digest = tokens_digest(rows)
+    digests = _digests(layers, settings, rows_digest)
+    done_record = run_record(settings.record(), rows_digest)
     if all(store.load(b, d, list(layers[b].exl3)) is not None for b, d in digests.items()):
         files = [store.path(b, d) for b, d in digests.items()]  # a rerun after a finished one: no forward
         errors = {b: (i["error_before"], i["error_after"]) for b, i in zip(digests, map(store.info, files))}

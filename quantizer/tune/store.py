@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from quantizer.calibrate.stage import tokens_digest
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, TensorEntry, planned, read_header, read_tensor, write_safetensors
 from quantizer.errors import UserError
 from quantizer.exl3 import PACK_ALIGN
@@ -28,9 +27,10 @@ DIGEST_CHARS = 16
 DONE_SUFFIX = ".done.json"
 
 
-def run_record(settings: dict, rows: torch.Tensor) -> dict:
-    """What a finished run of a tuning stage is recorded by: its settings and its calibration rows."""
-    return {"settings": settings, "rows": tokens_digest(rows)}
+def run_record(settings: dict, rows_digest: str) -> dict:
+    """What a finished run of a tuning stage is recorded by: its settings and its calibration rows' digest
+    (calibrate.stage.tokens_digest)."""
+    return {"settings": settings, "rows": rows_digest}
 
 
 def finished(work: Path, stage: str, record: dict) -> bool:
