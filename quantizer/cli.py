@@ -4,7 +4,9 @@ User errors (bad input, impossible targets) print one line and exit 2, and so do
 errors a user fixes (a full disk, a read-only or forbidden location); a stage that finds faults
 (verify, inspect) exits 1; nothing prints a traceback for something the user can fix. Ctrl-C (exit 130)
 and SIGTERM (a scheduler's stop, or torchrun stopping the other ranks; exit 143) print one line and
-stop the way an interrupt does: finished work is kept, and the same command resumes.
+stop the way an interrupt does: finished work is kept, and the same command resumes. That holds from
+the first moment: this module imports nothing heavy, and the sub-commands (and torch, a second to
+import) are imported inside main(), so a Ctrl-C while they load is the same one line.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import sys
 import threading
 
 from quantizer import __version__
-from quantizer.distributed import join_from_env, leave
 from quantizer.errors import UserError
 
 # What the user does about each file-system error that is theirs to fix, not a bug of ours.
@@ -73,6 +74,22 @@ def _say(line: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:  # before the command began (its imports) or once it had ended
+        command = next((a for a in argv if not a.startswith("-")), None)
+        return _interrupted(e, f"quantizer{' ' + command if command else ''}")
+
+
+def _interrupted(e: KeyboardInterrupt, who: str) -> int:
+    how = " by SIGTERM" if isinstance(e, Terminated) else ""
+    _say(f"{who}: interrupted{how}; rerun the same command to resume")
+    return 128 + signal.SIGTERM if how else 130
+
+
+def _main(argv: list[str]) -> int:
+    from quantizer.distributed import join_from_env, leave
+
     args = build_parser().parse_args(argv)
     args.argv = argv  # the command as given (build records it in the pack's card)
     ranks = join_from_env()  # under torchrun: this process's rank of the job
@@ -90,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"quantizer {args.command}{who}: error: {e.filename or 'writing'}: {OS_ERRORS[e.errno]}")
         return 2
     except KeyboardInterrupt as e:
-        how = " by SIGTERM" if isinstance(e, Terminated) else ""
-        _say(f"quantizer {args.command}{who}: interrupted{how}; rerun the same command to resume")
-        return 128 + signal.SIGTERM if how else 130
+        return _interrupted(e, f"quantizer {args.command}{who}")
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)

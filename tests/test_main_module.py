@@ -1,9 +1,15 @@
-"""`python -m quantizer` is the `quantizer` command: same parser, same exit codes, same one-line errors."""
+"""`python -m quantizer` is the `quantizer` command: same parser, same exit codes, same one-line errors, and
+Ctrl-C from the very first moment (while torch is imported) is the one line "interrupted", exit 130."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
+
+import pytest
 
 from quantizer import __version__
 
@@ -22,3 +28,31 @@ def test_python_m_quantizer_reports_a_user_error_in_one_line_with_exit_2(tmp_pat
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"quantizer verify: error: {tmp_path / 'nothing'}: not a directory; "
                                                 "pass the pack directory that holds manifest.json"]
+
+
+# What pip's console script `quantizer` runs (its entry point, quantizer.cli:main).
+CONSOLE_SCRIPT = "import sys; from quantizer.cli import main; sys.exit(main())"
+
+
+@pytest.mark.parametrize("how", [["-m", "quantizer"], ["-c", CONSOLE_SCRIPT]])
+def test_ctrl_c_while_torch_is_imported_is_one_line_and_exit_130(how, tmp_path):
+    """Ctrl-C in the first second of any command, while `import torch` runs (before the command began),
+    is the one line a Ctrl-C always gives, not a traceback. The signal is sent once torch's shared
+    libraries are mapped into the process: it is then inside `import torch`, which takes most of a second."""
+    proc = subprocess.Popen([sys.executable, *how, "verify", str(tmp_path / "nothing")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while "libtorch" not in _maps(proc.pid):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "torch was never imported"
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert (proc.returncode, out, err) == (130, "", "quantizer verify: interrupted; rerun the same command to resume\n")
+
+
+def _maps(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
