@@ -138,9 +138,10 @@ def test_a_pack_published_meanwhile_is_never_replaced(tiny_v41, plan_file, tmp_p
     real = writer._copy_side_files
 
     def another_build_publishes(src, pack):
-        real(src, pack)
+        copied = real(src, pack)
         out.mkdir()
         (out / "theirs.txt").write_text("another build's pack")
+        return copied
 
     monkeypatch.setattr(writer, "_copy_side_files", another_build_publishes)
     assert _build(tiny_v41, plan_file, out) == 2
@@ -362,7 +363,7 @@ def test_ppl_on_a_corrupt_pack_exits_2_naming_the_shard(pack, tmp_path, rows, ca
     manifest = json.loads((corrupt / "manifest.json").read_text())  # a pack whose manifest vouches for the NaN
     for shard in manifest["shards"]:
         shard["sha256"] = fingerprint_module.sha256_file(corrupt / shard["file"])
-    (corrupt / "manifest.json").write_text(json.dumps(manifest))
+    (corrupt / "manifest.json").write_text(json.dumps(Manifest.from_dict(manifest, "vouching").to_dict()))
     assert main(["ppl", str(corrupt), "--tokens", str(rows)]) == 2
     _one_line(capsys.readouterr().err, "logits are not finite")
 
@@ -388,3 +389,26 @@ def test_an_unreachable_hub_fails_at_once(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # huggingface_hub's own refusal
     assert main(["inspect", "someone/some-model"]) == 2
     _one_line(capsys.readouterr().err, "not in the local Hugging Face cache and the hub cannot be reached")
+
+
+# ---- 11. the quantize stage's needs on CUDA are checked before calibration, not after it -------------
+
+def test_a_cuda_build_without_exllamav3_is_refused_before_calibration(tiny_v41, tmp_path, capsys, monkeypatch):
+    """A GPU is visible but exllamav3 (which encodes on CUDA) is not installed: before, calibration ran
+    (an hour on the real model) and the quantize stage refused after it."""
+    import importlib
+    import importlib.util
+
+    import torch
+
+    build_module = importlib.import_module("quantizer.pipeline.build")  # the package exports the function `build`
+    real = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "exllamav3" else real(name, *a))
+    monkeypatch.setattr(build_module, "calibrate", lambda *a, **k: pytest.fail("calibrated before refusing"))
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(3, 200, size=(4, 32)))
+    assert main(["build", str(tiny_v41), "--bpw", "2.5", "--method", "uniform", "--tokens", str(ids), "--device",
+                 "cuda", "--out", str(tmp_path / "pack")]) == 2
+    _one_line(capsys.readouterr().err, "--device cuda needs exllamav3 1.6.5: pip install 'quantizer[gpu]'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.npy"]

@@ -285,6 +285,22 @@ def test_tuning_that_does_not_fit_is_refused_before_any_stage(flag, instead, tin
     assert not (tmp_path / "work").exists() and not (tmp_path / "pack").exists()
 
 
+@pytest.mark.parametrize("flag", ["--tune-e2e", "--tune"])
+def test_too_few_calibration_rows_to_tune_are_refused_before_any_stage(flag, tiny_v41, tmp_path, capsys, monkeypatch):
+    """One row leaves none to hold out: refused before calibration and quantize, not after them."""
+    build_module = importlib.import_module("quantizer.pipeline.build")
+    monkeypatch.setattr(build_module, "calibrate", lambda *a, **k: pytest.fail("calibrated before refusing"))
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(3, 200, size=(1, 32)))
+    code = main(["build", str(tiny_v41), "--bpw", "2.5", "--method", "uniform", "--tokens", str(ids), flag,
+                 "--out", str(tmp_path / "pack"), "--work", str(tmp_path / "work")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].endswith(f"error: {flag} needs at least 2 calibration rows (one to tune on, one held "
+                                          "out); got 1"), err
+    assert "Traceback" not in "\n".join(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.npy"]
+
+
 def test_a_rerun_of_a_finished_tuned_build_needs_none_of_the_tuning_memory(e2e_pack, packs, tiny_v41, tmp_path,
                                                                            monkeypatch):
     """The up-front check guards stages still to run: a rerun whose tuning finished (its pack lost, or

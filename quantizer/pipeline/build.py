@@ -57,7 +57,7 @@ from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.quantize.rates import plan_estimate
 from quantizer.quantize.results import measured_encodings
 from quantizer.quantize.settings import QuantizeSettings
-from quantizer.quantize.stage import QuantizeResult, measured_proxies, quantize
+from quantizer.quantize.stage import QuantizeResult, check_cuda, measured_proxies, quantize
 from quantizer.tune.end_to_end import STAGE as E2E_STAGE, EndToEndResult, check_end_to_end_fits, end_to_end
 from quantizer.tune.settings import EndToEndSettings, TuneSettings
 from quantizer.tune.stage import STAGE as TUNE_STAGE, TuneResult, check_tune_fits, tune, tune_line
@@ -227,6 +227,11 @@ def check_request(req: BuildRequest) -> None:
         raise UserError("--tune fits the pack's scales to calibration rows; drop --no-calibrate (or drop --tune)")
     if req.end_to_end is not None and req.calibration_rows is None:
         raise UserError("--tune-e2e fits the pack's scales to calibration rows; drop --no-calibrate (or drop --tune-e2e)")
+    for tuning in (req.tune, req.end_to_end):  # each needs a row to tune on and one held out
+        if tuning is not None:
+            tuning.split(req.calibration_rows.shape[0])
+    if req.quantize.device == "cuda":  # the quantize stage's needs, not only after hours of calibration
+        check_cuda()
     if (req.measured is not None or req.measured_from_work) and (req.method != OURS or req.plan is not None):
         raise UserError("--measured-errors feeds our allocator; it needs --method ours and no --plan")
 

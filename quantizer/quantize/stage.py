@@ -88,7 +88,7 @@ def quantize(
     rank 0 holds the lock and checks the job; every rank encodes its share."""
     work = Path(work)
     if settings.device == "cuda":
-        _check_cuda()
+        check_cuda()
 
     def accept() -> None:
         spec = JobSpec(
@@ -170,7 +170,8 @@ def _todo(store: ResultStore, units: list[Unit]) -> list[Unit]:
     return [u for u in units if not store.done(u)]
 
 
-def _check_cuda() -> None:
+def check_cuda() -> None:
+    """The quantize stage on CUDA needs a visible GPU and exllamav3 (build checks it before its first stage)."""
     if not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible; use --device cpu or run on a GPU machine")
     if importlib.util.find_spec("exllamav3") is None:
