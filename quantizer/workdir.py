@@ -38,18 +38,24 @@ FINGERPRINT_CACHE = "source.json"  # quantizer/checkpoint/fingerprint.py keeps i
 TMP_SUFFIX = ".tmp"
 
 
-def write_json_atomic(path: Path, data) -> None:
-    """JSON to a temporary name, fsynced, then renamed: a reader sees the old file or the new one."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """`text` to a temporary name beside `path`, fsynced, then renamed: a reader sees the old file or the
+    new one, and a failed write (a full disk, Ctrl-C) leaves no temporary file behind."""
     tmp = path.with_name(path.name + TMP_SUFFIX)
     try:
         with open(tmp, "w") as f:
-            f.write(json.dumps(data, indent=1) + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """JSON written as write_text_atomic writes."""
+    write_text_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def read_json(path: str | os.PathLike, missing: str, hint: str = ""):

@@ -142,8 +142,9 @@ def test_a_source_byte_changed_while_packing_publishes_nothing(src, plan_file, t
     real = writer._copy_side_files
 
     def copy_then_change(source, pack):
-        real(source, pack)
+        copied = real(source, pack)
         _flip(src, "layers.0.attn_norm.weight")
+        return copied
 
     monkeypatch.setattr(writer, "_copy_side_files", copy_then_change)
     assert _build(src, plan_file, out) == 2

@@ -1,11 +1,15 @@
 """The pack's model card: `build` writes README.md with Hugging Face front matter and figures equal to the
-manifest's and `fit`'s; `ppl --record` changes only the manifest's measurement and the card; verify
-faults a card that is not the manifest's, and `quantizer card` rewrites it."""
+manifest's and `fit`'s; `ppl --record` changes only the manifest's measurement (and the digest that covers
+it) and the card; verify faults a card that is not the manifest's, and `quantizer card` rewrites it.
+A card is never written from claims edited by hand (bpw, K, base model, measurement): `card` and
+`ppl --record` refuse them and verify faults them; a full disk leaves no temporary file."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import re
 import shutil
 
@@ -100,8 +104,11 @@ def test_record_changes_only_the_measurement_and_the_card(built, copy, tiny_v41,
     assert main(["ppl", str(copy), "--against", str(tiny_v41), "--tokens", str(built / "rows.npy"), "--record", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     after = json.loads((copy / MANIFEST_NAME).read_text())
-    assert {k: v for k, v in after.items() if k != "measurement"} == {k: v for k, v in before.items() if k != "measurement"}
+    signed = ("measurement", "claims_sha256")
+    assert {k: v for k, v in after.items() if k not in signed} == {k: v for k, v in before.items() if k not in signed}
     assert before["measurement"] is None
+    assert after["claims_sha256"] != before["claims_sha256"] == Manifest.load(built / "pack").claims_digest()
+    assert after["claims_sha256"] == Manifest.load(copy).claims_digest()  # the digest now covers the measurement
     m = after["measurement"]
     assert m["text"] == "rows.npy" and m["text_sha256"] == hashlib.sha256((built / "rows.npy").read_bytes()).hexdigest()
     assert (m["rows"], m["cols"], m["tokens"]) == (2, 32, printed["tokens"])
@@ -153,3 +160,82 @@ def test_the_license_comes_from_the_source_cards_front_matter(tmp_path):
     assert source_license(tmp_path) == "mit"
     (tmp_path / CARD_NAME).write_text("# Model without front matter\n")
     assert source_license(tmp_path) is None
+
+
+TYPED_MEASUREMENT = {
+    "text": "heldout.jsonl", "text_sha256": "0" * 64, "rows": 16, "cols": 512, "tokens": 8176, "kl": 0.001,
+    "kl_stderr": 0.0001, "top1": 0.99, "top1_stderr": 0.001, "ppl": 36.0, "ppl_source": 36.0, "nll_delta": 0.0,
+    "nll_delta_stderr": 0.001, "engine": {"name": "x", "version": "1", "device": "cpu", "dtype": "float32"}}
+
+
+def _edit(pack, edit) -> None:
+    """Apply `edit` to manifest.json as a person with a text editor would (the digest left as it was)."""
+    manifest = json.loads((pack / MANIFEST_NAME).read_text())
+    edit(manifest)
+    (pack / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
+
+
+def _files(pack) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(pack.iterdir())}
+
+
+def _refused_everywhere(pack, capsys, built, source) -> None:
+    """`card` and `ppl --record` refuse the manifest in one line and change nothing; verify --full faults it."""
+    before = _files(pack)
+    capsys.readouterr()
+    assert main(["card", str(pack)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{pack / MANIFEST_NAME}: was edited after packing" in err[0] and "rebuild" in err[0]
+    assert main(["ppl", str(pack), "--against", str(source), "--tokens", str(built / "rows.npy"), "--record"]) == 2
+    assert "was edited after packing" in capsys.readouterr().err
+    assert _files(pack) == before
+    assert main(["verify", str(pack), "--full"]) == 1
+    assert f"FAULT {MANIFEST_NAME}: was edited after packing" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m["quantization"].__setitem__("bpw", 4.0),  # 2.5 -> 4.0, as the issue's user did
+    lambda m: m["quantization"]["k_histogram"].__setitem__("2", 99),
+    lambda m: m["tensors"][f"{ENCODED}.trellis"].__setitem__("K", 4),  # the K map
+    lambda m: m["source"].__setitem__("base_model", "other-org/a-bigger-model"),
+    lambda m: m["totals"]["attention"].__setitem__("bpw", 1.0),
+    lambda m: m["files"]["config.json"].__setitem__("bytes", 1),
+    lambda m: m.__setitem__("measurement", TYPED_MEASUREMENT),  # a quality figure typed in, never measured
+])
+def test_a_hand_edited_claim_is_never_carded_and_verify_faults_it(built, copy, tiny_v41, capsys, edit):
+    _edit(copy, edit)
+    _refused_everywhere(copy, capsys, built, tiny_v41)
+
+
+def test_an_edited_recorded_measurement_is_never_carded(built, copy, tiny_v41, capsys):
+    assert main(["ppl", str(copy), "--against", str(tiny_v41), "--tokens", str(built / "rows.npy"), "--record"]) == 0
+    assert main(["verify", str(copy), "--full"]) == 0
+    for key, value in (("kl", 0.0001), ("ppl", 1.5)):
+        pack = shutil.copytree(copy, copy.parent / key)
+        _edit(pack, lambda m: m["measurement"].__setitem__(key, value))
+        _refused_everywhere(pack, capsys, built, tiny_v41)
+
+
+def test_a_manifest_of_the_previous_version_is_refused_in_one_line_saying_to_rebuild(copy, capsys):
+    _edit(copy, lambda m: m.__setitem__("manifest_version", 2))
+    for command in (["verify", str(copy)], ["card", str(copy)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "manifest_version 2, written before packs recorded the files they own" in err[0]
+        assert "rebuild the pack with this quantizer" in err[0]
+
+
+def test_a_full_disk_while_writing_the_card_or_the_measurement_leaves_no_temporary_file(built, copy, tiny_v41,
+                                                                                          capsys, monkeypatch):
+    before = _files(copy)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert main(["card", str(copy)]) == 2
+    assert "no space left on the device" in capsys.readouterr().err
+    assert main(["ppl", str(copy), "--against", str(tiny_v41), "--tokens", str(built / "rows.npy"), "--record"]) == 2
+    assert "no space left on the device" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert _files(copy) == before  # no README.md.tmp, no manifest.json.tmp, nothing changed
+

@@ -26,8 +26,10 @@ from quantizer.cli import main
 from quantizer.model.targets import ROUTED, targets
 from quantizer.model.tensor_classes import ENGRAM_TABLE, classify
 from quantizer.pack.manifest import Manifest
+from quantizer.pack.owned import owned_files
 from quantizer.plan.plan import make_plan
 from quantizer.shipped import shipped
+from test_publish import _listed  # tests/ is on sys.path (pytest prepend import mode)
 
 EXL3_LEAVES = ("trellis", "suh", "svh", "mul1", "mcg")
 F8 = ("F8_E4M3", "F8_E5M2", "F8_E8M0")
@@ -189,3 +191,21 @@ def _relabel(shard, name: str, old: str, new: str) -> None:
         assert len(blob) <= size
         f.seek(8)
         f.write(blob + b" " * (size - len(blob)))
+
+
+def test_the_engram_directory_is_owned_like_the_pack_and_publish_uploads_the_pack_alone(packs, tmp_path, capsys):
+    """tensorfold: the sibling `<pack>-Engram/` holds the source's Engram shards and their index, nothing
+    else and no link; publish lists the pack's own files (the tables are the source's, byte for byte)."""
+    pack = shutil.copytree(packs / "tensorfold", tmp_path / "tensorfold")
+    sibling = shutil.copytree(packs / "tensorfold-Engram", tmp_path / "tensorfold-Engram")
+    capsys.readouterr()
+    assert main(["publish", str(pack), "--repo", "example-org/tiny-tensorfold", "--dry-run"]) == 0
+    assert set(_listed(capsys.readouterr().out)) == set(owned_files(Manifest.load(pack))) == {p.name for p in pack.iterdir()}
+    (sibling / "notes.txt").write_text("my notes")
+    (sibling / "extra.safetensors").symlink_to(next(sibling.glob("*.safetensors")))
+    assert main(["verify", str(pack)]) == 1
+    out = capsys.readouterr().out
+    assert "FAULT tensorfold-Engram/notes.txt: a file the manifest does not name" in out
+    assert "FAULT tensorfold-Engram/extra.safetensors: a symbolic link" in out and out.count("FAULT") == 2
+    assert main(["publish", str(pack), "--repo", "example-org/tiny-tensorfold", "--dry-run"]) == 2
+    assert "verify finds 2 fault(s)" in capsys.readouterr().err

@@ -1,5 +1,8 @@
 """verify: a clean pack passes; a flipped byte, a truncated, deleted or stray shard, a tampered index and a
-misaligned tensor each fail with the file named; no manifest is unusable input (exit 2)."""
+misaligned tensor each fail with the file named; no manifest is unusable input (exit 2). The pack owns
+exactly the files its manifest names: the source's tokenizer, generation and licence files are copied
+and recorded with their sha256 (nothing else of the source folder is), and an edited one, a stray file or
+a symbolic link is a fault."""
 
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ from quantizer.checkpoint.safetensors_file import PlannedTensor, read_header, re
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import main
 from quantizer.model.targets import targets
-from quantizer.pack.manifest import MANIFEST_NAME, sha256_file
+from quantizer.pack.manifest import MANIFEST_NAME, Manifest, sha256_file
+from quantizer.pack.owned import owned_files
 from quantizer.plan.plan import make_plan
 
 CAP = "4M"
@@ -107,11 +111,17 @@ def _rewrite_shard(pack, name, align, drop=()):
             s["bytes"], s["sha256"] = (pack / name).stat().st_size, sha256_file(pack / name)
     for n in drop:
         del manifest["tensors"][n]
-    (pack / MANIFEST_NAME).write_text(json.dumps(manifest))
     index = json.loads((pack / INDEX_NAME).read_text())
     index["weight_map"] = {n: f for n, f in index["weight_map"].items() if n not in drop}
     index["metadata"]["total_size"] -= sum(header.tensors[n].nbytes for n in drop)
     (pack / INDEX_NAME).write_text(json.dumps(index))
+    manifest["files"][INDEX_NAME] = {"bytes": (pack / INDEX_NAME).stat().st_size, "sha256": sha256_file(pack / INDEX_NAME)}
+    _write_sealed(pack, manifest)
+
+
+def _write_sealed(pack, manifest: dict) -> None:
+    """The manifest as that writer would write it: with the digest of what it claims."""
+    (pack / MANIFEST_NAME).write_text(json.dumps(Manifest.from_dict(manifest, "edited").to_dict()))
 
 
 def test_a_misaligned_tensor_fails_even_when_the_manifest_agrees(copy, capsys):
@@ -137,7 +147,7 @@ def test_a_tensor_dropped_from_shard_manifest_index_and_sources_is_caught_by_the
     _rewrite_shard(copy, manifest["tensors"][dropped]["shard"], align=64, drop=(dropped,))
     manifest = json.loads((copy / MANIFEST_NAME).read_text())
     del manifest["sources"][dropped]
-    (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
+    _write_sealed(copy, manifest)
     code, out = _verify(copy, capsys)
     assert code == 1 and f"FAULT {dropped}: missing (F32[" in out and out.count("FAULT") == 1
 
@@ -145,3 +155,63 @@ def test_a_tensor_dropped_from_shard_manifest_index_and_sources_is_caught_by_the
 def test_a_directory_without_a_manifest_is_unusable_input(tiny_v41, capsys):
     assert main(["verify", str(tiny_v41)]) == 2
     assert "no manifest" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def side_pack(tiny_v41, tmp_path_factory):
+    """A pack of a source folder that also holds a tokenizer (linked, as in a Hugging Face snapshot), a
+    generation config, a licence and files of the user's that are no part of any model."""
+    root = tmp_path_factory.mktemp("side")
+    src = shutil.copytree(tiny_v41, root / "src")
+    (root / "blob").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE"}}))
+    (src / "tokenizer.json").symlink_to(root / "blob")
+    (src / "generation_config.json").write_text('{"bos_token_id": 0}')
+    (src / "LICENSE").write_text("MIT License")
+    (src / "notes.txt").write_text("my notes")
+    (src / "convert.py").write_text("print('hello')")
+    (src / "README.md").write_text("# the source's own card")
+    cfg = Checkpoint.open(src).config
+    make_plan(cfg, {t.key: None for t in targets(cfg)}).save(root / "plan.json")
+    assert main(["build", str(src), "--plan", str(root / "plan.json"), "--out", str(root / "pack"), "--shard-size", CAP,
+                 "--no-calibrate"]) == 0
+    return root
+
+
+def test_the_pack_copies_and_records_only_the_sources_tokenizer_generation_and_licence_files(side_pack, capsys):
+    pack, src = side_pack / "pack", side_pack / "src"
+    manifest = Manifest.load(pack)
+    assert sorted(manifest.files) == ["LICENSE", "config.json", "generation_config.json", INDEX_NAME,
+                                      "quantization_config.json", "tokenizer.json"]
+    assert sorted(p.name for p in pack.iterdir()) == owned_files(manifest)  # no notes.txt, convert.py
+    for name in ("LICENSE", "generation_config.json", "tokenizer.json"):
+        assert not (pack / name).is_symlink() and (pack / name).read_bytes() == (src / name).read_bytes()
+    for name, record in manifest.files.items():
+        assert (record.bytes, record.sha256) == ((pack / name).stat().st_size, sha256_file(pack / name))
+    assert "# the source's own card" not in (pack / "README.md").read_text()
+    assert _verify(pack, capsys)[0] == 0
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "quantization_config.json", INDEX_NAME, "LICENSE"])
+def test_an_edited_file_of_the_pack_is_a_fault_naming_it(side_pack, tmp_path, capsys, name):
+    pack = shutil.copytree(side_pack / "pack", tmp_path / "pack")
+    path = pack / name
+    path.write_bytes(path.read_bytes().replace(b"1", b"2", 1) if b"1" in path.read_bytes() else path.read_bytes() + b" ")
+    code, out = _verify(pack, capsys)
+    assert code == 1 and f"FAULT {name}: not the file the pack stage wrote" in out
+    path.unlink()
+    code, out = _verify(pack, capsys)
+    assert code == 1 and f"FAULT {name}: missing; the pack stage wrote it" in out
+
+
+def test_strays_and_links_in_a_pack_are_faults_naming_them(copy, tmp_path, capsys):
+    (copy / "notes.txt").write_text("my notes")
+    (copy / "README.md.tmp").write_text("half a card")
+    (copy / "passwd.txt").symlink_to(tmp_path / "outside.txt")  # dangling or not, a link is a fault
+    (copy / "subdir").mkdir()
+    (copy / ".cache").mkdir()  # hidden: huggingface_hub's upload records, not part of the pack
+    code, out = _verify(copy, capsys)
+    assert code == 1
+    for name, what in (("notes.txt", "file"), ("README.md.tmp", "file"), ("subdir", "directory")):
+        assert f"FAULT {name}: a {what} the manifest does not name; not part of the pack" in out
+    assert "FAULT passwd.txt: a symbolic link" in out and ".cache" not in out
+    assert out.count("FAULT") == 4

@@ -9,13 +9,15 @@ drafter / vision policy, calibration, what the pack leaves out, the fit table fo
 card was written: the manifest keeps no verdict), the recorded quality (or "not measured") and the
 command that rebuilt it. `verify` checks that README.md is the card of the manifest, so a card that was
 edited, or not regenerated after a change of the manifest, is caught; a fit section computed against
-an older hardware profile is reported, not a fault (`quantizer card PACK` refreshes it).
+an older hardware profile is reported, not a fault (`quantizer card PACK` refreshes it). A card is
+written only from claims that match their digest (pack/manifest.py): a hand-edited bpw, measurement or
+base model is refused, never stated.
 """
 
 from __future__ import annotations
 
 import shlex
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -26,7 +28,7 @@ from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest
 from quantizer.pack.measurement import Measurement
 from quantizer.plan.profiles import load_profile
 from quantizer.report import size_text, table
-from quantizer.workdir import read_json, write_json_atomic
+from quantizer.workdir import write_json_atomic, write_text_atomic
 
 CARD_NAME = "README.md"
 LIBRARY = "exllamav3"
@@ -38,25 +40,28 @@ def card_path(pack: Path) -> Path:
 
 
 def write_card(pack: Path, manifest: Manifest | None = None) -> Path:
-    """Write (or rewrite) the card of `pack` from its manifest, atomically."""
-    manifest = manifest or Manifest.load(pack)
+    """Write (or rewrite) the card of `pack` from its manifest (read from the pack, where none is given,
+    and refused unless its claims check), atomically."""
+    if manifest is None:
+        manifest = _vouched(pack)
     path = card_path(pack)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render_card(manifest, pack_fit_table(pack)))
-    tmp.replace(path)
+    write_text_atomic(path, render_card(manifest, pack_fit_table(pack)))
     return path
 
 
 def record_measurement(pack: Path, measurement: Measurement) -> Manifest:
-    """Set the manifest's `measurement`, nothing else (the file is edited as JSON, so every other key stays
-    as written, and replaced atomically), then regenerate the card from it."""
-    path = Path(pack) / MANIFEST_NAME
-    data = read_json(path, "no manifest; this is not a pack written by quantizer (or it is incomplete)",
-                     "the manifest is corrupt")
-    data["measurement"] = asdict(measurement)
-    manifest = Manifest.from_dict(dict(data), str(path))  # refuse to write what would not load
-    write_json_atomic(path, data)
+    """Set the manifest's `measurement` (and the digest that covers it), nothing else, replaced atomically,
+    then regenerate the card from it. A manifest whose claims do not check is refused: recording would
+    vouch for a hand edit."""
+    manifest = replace(_vouched(pack), measurement=measurement)
+    write_json_atomic(Path(pack) / MANIFEST_NAME, manifest.to_dict())
     write_card(pack, manifest)
+    return manifest
+
+
+def _vouched(pack: Path) -> Manifest:
+    manifest = Manifest.load(pack)
+    manifest.require_claims(Path(pack) / MANIFEST_NAME)
     return manifest
 
 

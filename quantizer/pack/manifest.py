@@ -1,6 +1,6 @@
 """`manifest.json`: what a pack claims about itself, written by the pack stage and checked by verify.
 
-Schema (manifest_version 2):
+Schema (manifest_version 3):
 
 - `tool`: name, version, torch, `exllamav3_target` (the format version the pack is written for),
   `exllamav3` (the version that encoded it on the GPU, or null for the CPU codec) and `command` (the
@@ -21,9 +21,17 @@ Schema (manifest_version 2):
 - `aliases`: EXL3 key -> the key whose tensors stand in for it;
 - `totals`: per tensor class {tensors, bytes, params, bpw} (bpw = stored bits per source parameter);
 - `loader_features`: what a loader must support ("per-expert-K", "expert-aliases");
-- `claims_sha256`: the sha256 of `tool`, `source`, `plan` and `settings`, the claims no shard can
-  confirm (where the pack came from, how it was made), so verify finds a hand edit of them;
-- `measurement`: what `quantizer ppl PACK --against SRC --record` measured (pack/measurement.py), or null.
+- `files`: every other file the pack stage wrote or copied into the pack (index, config.json,
+  quantization_config.json, the tokenizer and generation files of the source, what a loader profile
+  adds) -> {bytes, sha256}; with the shards, manifest.json and README.md these are all the files the
+  pack owns (pack/owned.py), so verify and publish know a stray from a file of the pack;
+- `measurement`: what `quantizer ppl PACK --against SRC --record` measured (pack/measurement.py), or null;
+- `claims_sha256`: the sha256 of every key above, so a hand edit of any claim (where the pack came from,
+  how it was made, its bpw, K map, aliases, files, measurement) is found by verify and refused by
+  `card` and `ppl --record`, which rewrite the digest only of a manifest whose digest checks.
+
+Version 2 manifests (before `files`, and with a digest of tool, source, plan and settings only) are
+refused with one line saying to rebuild: what they claim about the rest cannot be vouched for.
 
 No fit verdict: whether a pack fits N Sparks depends on the hardware profile (configs/hardware/gb10.json),
 which is re-measured, so a stored verdict would go stale. The shards' headers are its inputs, and
@@ -35,7 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from quantizer.checkpoint.fingerprint import sha256_file  # noqa: F401 (the pack's shard hashes)
@@ -44,9 +52,8 @@ from quantizer.pack.measurement import Measurement
 from quantizer.workdir import read_json
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 2  # 2: plan.loader (a profile name) replaces plan.loader_mode
+MANIFEST_VERSION = 3  # 2: plan.loader (a profile name) replaces plan.loader_mode; 3: files, the digest covers all
 NATIVE = "native"
-CLAIMS = ("tool", "source", "plan", "settings")
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,12 @@ class ShardRecord:
     bytes: int
     sha256: str
     engram: bool = False
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    bytes: int
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -77,28 +90,61 @@ class Manifest:
     aliases: dict[str, str] = field(default_factory=dict)
     totals: dict[str, dict] = field(default_factory=dict)
     loader_features: list[str] = field(default_factory=list)
-    claims_sha256: str | None = None  # as read; to_dict writes the digest of the claims it holds
+    files: dict[str, FileRecord] = field(default_factory=dict)
     measurement: Measurement | None = None  # pack/measurement.py: set by `ppl --record` only
+    claims_sha256: str | None = None  # as read; to_dict writes the digest of the claims it holds
 
     def to_dict(self) -> dict:
-        data = {"manifest_version": MANIFEST_VERSION, **asdict(self)}
+        data = self._claims()
+        data["claims_sha256"] = _digest(data)
+        return data
+
+    def _claims(self) -> dict:
+        """Every key of manifest.json but the digest, as written."""
+        data = {"manifest_version": MANIFEST_VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            data[f.name] = asdict(value) if f.name == "measurement" and value is not None else value
+        data["shards"] = [asdict(s) for s in self.shards]
         data["tensors"] = {n: {"shard": t.shard, "K": t.K, "class": t.cls} for n, t in self.tensors.items()}
-        data["claims_sha256"] = self.claims_digest()
+        data["files"] = {n: asdict(r) for n, r in self.files.items()}
+        del data["claims_sha256"]
         return data
 
     def claims_digest(self) -> str:
-        """sha256 of the claims (CLAIMS) as they are now."""
-        body = json.dumps({k: getattr(self, k) for k in CLAIMS}, sort_keys=True, separators=(",", ":"))
-        return "sha256:" + hashlib.sha256(body.encode()).hexdigest()
+        """sha256 of every claim as it is now."""
+        return _digest(self._claims())
+
+    def claims_problem(self) -> str | None:
+        """Why the manifest's claims cannot be vouched for (None: they are as the pack stage, or
+        `ppl --record`, wrote them)."""
+        if self.claims_sha256 is None:
+            return "has no claims_sha256, so nothing it claims can be vouched for"
+        if self.claims_sha256 != self.claims_digest():
+            return ("was edited after packing (its claims_sha256 does not match what it claims: source, plan, "
+                    "settings, bpw, K, aliases, files or measurement)")
+        return None
+
+    def require_claims(self, where: str | Path) -> None:
+        """UserError unless the claims check: nothing may be stated, measured or signed off from claims
+        that were edited by hand."""
+        problem = self.claims_problem()
+        if problem:
+            raise UserError(f"{where}: {problem}; rebuild the pack, or copy it again from where it was built")
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> "Manifest":
         try:
             version = data.pop("manifest_version")
             data.pop("fit", None)  # a verdict older versions stored; stale by design (module docstring)
+            if version == 2:
+                raise UserError(f"{where}: manifest_version 2, written before packs recorded the files they own and "
+                                "the digest covered every claim; rebuild the pack with this quantizer (a build into a "
+                                "new --out with the old --work repacks without encoding again)")
             if version != MANIFEST_VERSION:
                 raise UserError(f"{where}: manifest_version {version} is not {MANIFEST_VERSION}; use a matching quantizer")
             data["shards"] = [ShardRecord(**s) for s in data["shards"]]
+            data["files"] = {n: FileRecord(**r) for n, r in data.get("files", {}).items()}
             data["tensors"] = {n: TensorRecord(t["shard"], t["K"], t["class"]) for n, t in data["tensors"].items()}
             if data.get("measurement") is not None:
                 data["measurement"] = Measurement.from_dict(data["measurement"])
@@ -116,4 +162,9 @@ class Manifest:
     def exl3_keys(self) -> dict[str, float | int]:
         """EXL3 linear key -> K, from the `.trellis` tensors the manifest lists."""
         return {n[: -len(".trellis")]: t.K for n, t in self.tensors.items() if n.endswith(".trellis")}
+
+
+def _digest(claims: dict) -> str:
+    body = json.dumps(claims, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(body.encode()).hexdigest()
 

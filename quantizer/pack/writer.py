@@ -9,6 +9,9 @@ tensor its profile converts), or kept in the sibling Engram directory `<out>-Eng
 engine reads the Engram tables from a directory of their own: the source shards that hold them, linked);
 nothing is dropped silently (a missing quantized result stops the stage with the key to redo).
 config.json carries the quantization_config the plan's engine reads (its loader profile's form).
+Of the source's other files only the tokenizer, generation and licence files (SIDE_FILES) are copied;
+the manifest records every file the stage writes or copies besides the shards, with its sha256
+(`files`): what the pack owns (pack/owned.py). A file a loader profile adds is recorded there too.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from importlib import metadata
 from pathlib import Path
 
@@ -40,11 +44,11 @@ from quantizer.checkpoint.safetensors_file import (
 )
 from quantizer.exl3 import PACK_ALIGN
 from quantizer.model.targets import DRAFT, HEAD_GROUP, ROUTED
-from quantizer.pack.card import CARD_NAME, source_license, write_card
+from quantizer.pack.card import source_license, write_card
 from quantizer.pack.exl3_config import (
     EXLLAMAV3_FORM, EXLLAMAV3_TARGET, fill_template, pack_config, profile_values, quantization_config, tensor_storage,
 )
-from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, ShardRecord, TensorRecord, sha256_file
+from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, FileRecord, Manifest, ShardRecord, TensorRecord, sha256_file
 from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, link_or_copy, reusable_sources, write_shards
 from quantizer.plan.plan import Plan, achieved_bpw
 from quantizer.plan.profiles import ENGRAM_SIBLING, load_profile
@@ -59,8 +63,12 @@ from quantizer.workdir import require_free_space, write_json_atomic
 DEFAULT_SHARD_SIZE = 8 << 30
 CONVERTED_FILE = "converted.scratch"  # plain tensors in the engine's dtypes, copied into shards, then removed
 ENGRAM_SUFFIX = "-Engram"  # TensorFold also finds a folder beside the model whose name holds "Engram"
-SKIPPED_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
-WRITTEN_FILES = ("config.json", INDEX_NAME, "quantization_config.json", MANIFEST_NAME, CARD_NAME)
+# The source's files a loader reads beside the weights (tokenizer, chat template, generation defaults)
+# and its licence terms; nothing else of the source folder (notes, scripts, its README) goes in a pack.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+              "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+              "generation_config.json", "LICENSE*", "LICENCE*", "NOTICE*")
+CONFIG_FILES = ("config.json", "quantization_config.json")  # written by _write_configs
 
 
 @dataclass(frozen=True)
@@ -125,11 +133,11 @@ def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settin
     records = _shard_records(partial, shards)
     _write_index(partial, shards)
     qcfg = _write_configs(ck, plan, spec, tensors, partial, _calibration(settings))
-    _copy_side_files(ck.root, partial)
+    files = _file_records(partial, [INDEX_NAME, *CONFIG_FILES, *_copy_side_files(ck.root, partial)])
     sibling = _write_engram_dir(ck, spec, engram_dir)
     if sibling:
         sibling["dir"] = engram_name
-    manifest = _manifest(ck, plan, linears, shards, records, sources, qcfg, settings, sibling)
+    manifest = _manifest(ck, plan, linears, shards, records, sources, qcfg, settings, sibling, files)
     write_json_atomic(partial / MANIFEST_NAME, manifest.to_dict())
     write_card(partial, manifest)
     return manifest
@@ -344,15 +352,28 @@ def _head_bits(plan: Plan) -> float | int:
     return _k(plan.head_bits) if plan.head_bits is not None else 16
 
 
-def _copy_side_files(src: Path, pack: Path) -> None:
-    """Tokenizer, generation config and the like; weights and the files the pack writes itself are not copied."""
-    for f in sorted(src.iterdir()):
-        if f.is_file() and not f.name.endswith(SKIPPED_FILES) and f.name not in WRITTEN_FILES:
-            shutil.copyfile(f, pack / f.name)
+def side_files(src: Path) -> list[Path]:
+    """The source's files that go into its packs (SIDE_FILES), in name order."""
+    return [f for f in sorted(Path(src).iterdir()) if f.is_file() and any(fnmatchcase(f.name, p) for p in SIDE_FILES)]
+
+
+def _copy_side_files(src: Path, pack: Path) -> list[str]:
+    """Copy the side files into the pack as files of its own (a Hugging Face snapshot links them to its
+    blobs: the link is followed here, never kept); returns their names."""
+    names = []
+    for f in side_files(src):
+        shutil.copyfile(f, pack / f.name)
+        names.append(f.name)
+    return names
+
+
+def _file_records(pack: Path, names: list[str]) -> dict[str, FileRecord]:
+    """Size and sha256 of each file the stage wrote besides the shards, as it is on disk."""
+    return {n: FileRecord((pack / n).stat().st_size, sha256_file(pack / n)) for n in sorted(names)}
 
 
 def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackSettings,
-              engram_dir: dict | None) -> Manifest:
+              engram_dir: dict | None, files: dict[str, FileRecord]) -> Manifest:
     tensors = {t.name: TensorRecord(s.file, t.K, t.cls) for s in shards for t in s.tensors}
     aliases = {t.key: alias_of(plan, t.key) for t in targets(ck.config) if alias_of(plan, t.key)}
     features = (["per-expert-K"] if load_profile(plan.loader).per_expert_k else []) + (["expert-aliases"] if aliases else [])
@@ -379,6 +400,7 @@ def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackS
         aliases=aliases,
         totals=_totals(ck, shards),
         loader_features=features,
+        files=files,
     )
 
 

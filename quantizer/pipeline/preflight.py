@@ -25,7 +25,7 @@ from typing import Iterator
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
-from quantizer.pack.writer import discard_partial
+from quantizer.pack.writer import discard_partial, side_files
 from quantizer.plan.plan import Plan, check_plan
 from quantizer.plan.spec import pack_spec
 from quantizer.report import size_text
@@ -49,7 +49,7 @@ class DiskNeeds:
 
 def disk_needs(ck: Checkpoint, plan: Plan, calibration_disk: int, work: Path) -> DiskNeeds:
     stored = pack_spec(ck.config, plan).tensors
-    side = sum(f.stat().st_size for f in ck.root.iterdir() if f.is_file() and not f.name.endswith(".safetensors"))
+    side = sum(f.stat().st_size for f in side_files(ck.root))
     pack = sum(t.nbytes for t in stored) + TENSOR_OVERHEAD * len(stored) + JSON_BYTES + side
     results = sum(t.nbytes for t in stored if t.linear is not None)
     held = sum(p.stat().st_size for p in work.rglob("*") if p.is_file()) if work.is_dir() else 0

@@ -20,14 +20,18 @@ from quantizer.codec import EXL3Linear, dequantize
 from quantizer.errors import UserError
 from quantizer.exl3 import EXL3_LEAVES
 from quantizer.model.streaming import CheckpointSource
-from quantizer.pack.manifest import Manifest
+from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 
 
 def require_intact(pack: Checkpoint) -> None:
-    """UserError naming the first shard whose sha256 is not the manifest's: a flipped byte in a trellis
-    decodes to slightly other weights and would measure a plausible, wrong number. The shards are hashed
-    in parallel threads (sha256 runs at about 1 GiB/s per core), one read of the pack before the measure."""
-    shards = Manifest.load(pack.root).shards
+    """UserError when the manifest's claims were edited (its aliases say which expert serves which), or
+    naming the first shard whose sha256 is not the manifest's: a flipped byte in a trellis decodes to
+    slightly other weights and would measure a plausible, wrong number. `ppl` and `eval` call it before
+    they score a pack. The shards are hashed in parallel threads (sha256 runs at about 1 GiB/s per
+    core), one read of the pack before the measure."""
+    manifest = Manifest.load(pack.root)
+    manifest.require_claims(pack.root / MANIFEST_NAME)
+    shards = manifest.shards
     paths = [pack.root / s.file for s in shards]
     for path in paths:
         if not path.is_file():

@@ -8,9 +8,12 @@ layout check: the shards hold exactly the tensors of the pack spec (plan/spec.py
 carry, so a pack that is self-consistent but not what any plan makes is caught. Then the loader
 check: the K and codebook each stored linear holds (read from the shards, not the manifest) against
 the rules of a loader profile (plan/profiles.py), by default the one the pack was made for; a fault
-names the tensor, the rule and the engine code it comes from. The manifest's own claims (source
-fingerprint, loader, plan, settings) must match the digest the pack stage wrote of them. --full adds
-the sha256 of every shard, which catches any flipped byte.
+names the tensor, the rule and the engine code it comes from. The manifest's claims (every key of it:
+source, plan, settings, bpw, K, aliases, files, measurement) must match the digest the pack stage (or
+`ppl --record`) wrote of them. The pack directory holds exactly the files it owns (pack/owned.py): a
+stray file or directory, and any symbolic link, is a fault, and each file the manifest records besides
+the shards (index, configs, tokenizer, ...) has its recorded sha256. --full adds the sha256 of every
+shard, which catches any flipped byte.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from quantizer.model.tensor_classes import ENGRAM_TABLE as ENGRAM_TABLE_CLASS
 from quantizer.pack.card import CARD_NAME, render_card, without_fit
 from quantizer.pack.exl3_config import EXLLAMAV3_FORM
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, sha256_file
+from quantizer.pack.owned import SYMLINK, engram_files, owned_files, strays
 from quantizer.pack.writer import ENGRAM_SUFFIX, engine_quantization_config
 from quantizer.plan.profiles import ENGRAM_SIBLING, LoaderProfile, Violation, load_profile, violations
 from quantizer.plan.plan import Plan
@@ -83,7 +87,7 @@ def verify_pack(pack: str | Path, full: bool = False, loader: str | None = None)
     profile = load_profile(loader or manifest.plan["loader"])
     report = VerifyReport(pack)
     headers = _check_shards(pack, manifest, profile, report)
-    _check_extra_files(pack, manifest, report)
+    _check_files(pack, manifest, report)
     _check_tensors(manifest, headers, report)
     _check_index(pack, headers, profile, report)
     _check_exl3(manifest, headers, report)
@@ -136,12 +140,41 @@ def _check_shards(pack: Path, manifest: Manifest, profile: LoaderProfile,
     return headers
 
 
-def _check_extra_files(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
-    """A loader reads every *.safetensors in the folder, so a stray one changes the model."""
-    listed = {s.file for s in manifest.shards}
-    for path in sorted(pack.glob("*.safetensors")):
-        if path.name not in listed:
-            report.fault(path.name, "shard not in the manifest; loaders would read it too")
+def _check_files(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """Only owned files in the pack (and its Engram directory), none a link; every file the manifest
+    records besides the shards as it was written. A loader reads every *.safetensors in the folder, so a
+    stray one changes the model; any other stray would be published beside the pack."""
+    found = {pack: strays(pack, owned_files(manifest))}
+    sibling = _engram_dir(pack, manifest)
+    if sibling is not None and sibling.is_dir():
+        found[sibling] = strays(sibling, engram_files(manifest))
+    for where, entries in found.items():
+        prefix = "" if where == pack else f"{where.name}/"
+        for name, what in entries.items():
+            if what == SYMLINK:
+                report.fault(prefix + name, "a symbolic link; a pack holds its own files and nothing of it is read "
+                                            "through a link: put the file itself there, or remove the link")
+            elif name.endswith(".safetensors"):
+                report.fault(prefix + name, "shard not in the manifest; loaders would read it too")
+            else:
+                report.fault(prefix + name, f"{what}; not part of the pack, and publish refuses a pack that holds "
+                                            "it: move it out")
+    bad = 0
+    for name, record in manifest.files.items():
+        path = pack / name
+        if name in found[pack]:
+            continue  # a link or a directory: faulted above
+        if not path.is_file():
+            problem = "missing; the pack stage wrote it"
+        elif path.stat().st_size != record.bytes or sha256_file(path) != record.sha256:
+            problem = "not the file the pack stage wrote (its size or sha256 differs from the manifest's)"
+        else:
+            continue
+        bad += 1
+        report.fault(name, f"{problem}: copy the pack again, or rebuild it")
+    if not bad and not any(found.values()):
+        report.ok("files", f"exactly the {len(owned_files(manifest))} files the manifest names, none a link; "
+                           f"{len(manifest.files)} recorded files as written")
 
 
 def _check_tensors(manifest: Manifest, headers: dict[str, SafetensorsHeader], report: VerifyReport) -> None:
@@ -308,13 +341,11 @@ def _check_storage_config(pack: Path, manifest: Manifest, report: VerifyReport) 
 def _check_claims(manifest: Manifest, report: VerifyReport) -> None:
     """The manifest's claims (source fingerprint, loader, plan hash, settings) are as the pack stage wrote
     them, and the loader features follow from the loader profile and the aliases it names."""
-    if manifest.claims_sha256 is None:
-        report.fault(MANIFEST_NAME, "no claims_sha256; its source, plan and settings cannot be vouched for")
-    elif manifest.claims_sha256 != manifest.claims_digest():
-        report.fault(MANIFEST_NAME, "tool, source, plan or settings were edited after packing (claims_sha256 "
-                                    "differs); rebuild the pack, or copy it again from where it was built")
+    problem = manifest.claims_problem()
+    if problem:
+        report.fault(MANIFEST_NAME, f"{problem}; rebuild the pack, or copy it again from where it was built")
     else:
-        report.ok(MANIFEST_NAME, "source, plan and settings as the pack stage wrote them (claims_sha256)")
+        report.ok(MANIFEST_NAME, "every claim as the pack stage (and ppl --record) wrote it (claims_sha256)")
     try:
         per_expert = load_profile(manifest.plan["loader"]).per_expert_k
     except UserError:
@@ -410,10 +441,7 @@ def _check_engram_dir(pack: Path, cfg: ModelConfig, manifest: Manifest, held: di
     inside = [t.name for t in tables if t.name in held]
     for name in inside[:10]:
         fault(name, "engram_tables", "Engram table inside the model directory; the engine reads it from its own directory")
-    info = manifest.plan.get("engram_dir") or {}
-    where = pack.parent / info.get("dir", pack.name + ENGRAM_SUFFIX)
-    if not where.is_dir():  # a pack checked before it is published: its sibling still has the partial's name
-        where = pack.with_name(pack.name + ENGRAM_SUFFIX)
+    where = _engram_dir(pack, manifest) or pack.with_name(pack.name + ENGRAM_SUFFIX)
     try:
         weight_map = json.loads((where / INDEX_NAME).read_text())["weight_map"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
@@ -429,6 +457,17 @@ def _check_engram_dir(pack: Path, cfg: ModelConfig, manifest: Manifest, held: di
         fault(name, "engram_tables", f"not in {where.name}/ as the source holds it")
     if not wrong and not inside:
         report.ok("engram", f"{len(tables)} Engram table tensors in {where.name}/ (point the engine at it), none in the pack")
+
+
+def _engram_dir(pack: Path, manifest: Manifest) -> Path | None:
+    """The pack's sibling Engram directory, where its manifest records one (None where it does not)."""
+    info = manifest.plan.get("engram_dir")
+    if not info:
+        return None
+    where = pack.parent / info.get("dir", pack.name + ENGRAM_SUFFIX)
+    if not where.is_dir():  # a pack checked before it is published: its sibling still has the partial's name
+        where = pack.with_name(pack.name + ENGRAM_SUFFIX)
+    return where
 
 
 def _model_config(pack: Path, manifest: Manifest, report: VerifyReport) -> ModelConfig | None:

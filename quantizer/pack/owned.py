@@ -1,0 +1,49 @@
+"""What a pack owns: exactly the files its manifest names. verify and publish both ask here.
+
+A pack directory owns its shards, manifest.json, its card (README.md) and the files the pack stage
+recorded in the manifest's `files` (the index, config.json, quantization_config.json, the tokenizer and
+generation files copied from the source, and whatever a loader profile writes: recording a file at
+pack time is all it takes to make it part of the pack). Anything else at the top level is a stray,
+and so is every symbolic link, whatever its name: a link can point out of the pack (at /etc/passwd as
+easily as at a shard), and nothing of the pack is ever read through one. Hidden entries (a name that
+starts with '.') are not part of the pack and are left alone: huggingface_hub keeps an upload's resume
+records in `.cache/` inside the folder it uploads. A profile that keeps the Engram tables in a sibling
+directory (`<pack>-Engram`) owns there the source shards the manifest names and their index.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantizer.checkpoint.source import INDEX_NAME
+from quantizer.pack.card import CARD_NAME
+from quantizer.pack.manifest import MANIFEST_NAME, Manifest
+
+SYMLINK = "a symbolic link"
+
+
+def owned_files(manifest: Manifest) -> list[str]:
+    """The names of the files the pack directory owns, sorted."""
+    return sorted({s.file for s in manifest.shards} | set(manifest.files) | {MANIFEST_NAME, CARD_NAME})
+
+
+def engram_files(manifest: Manifest) -> list[str]:
+    """The names of the files the sibling Engram directory owns (none where the profile has no such directory)."""
+    sibling = manifest.plan.get("engram_dir")
+    return sorted([*sibling["shards"], INDEX_NAME]) if sibling else []
+
+
+def strays(directory: Path, owned: list[str]) -> dict[str, str]:
+    """Entry name -> what it is, for every entry of `directory` that is not an owned regular file:
+    an unowned file or directory, an owned name that is not a regular file, and every symbolic link."""
+    owned, found = set(owned), {}
+    for entry in sorted(Path(directory).iterdir()):
+        if entry.is_symlink():
+            found[entry.name] = SYMLINK
+        elif entry.name.startswith("."):
+            continue
+        elif entry.name not in owned:
+            found[entry.name] = f"a {'directory' if entry.is_dir() else 'file'} the manifest does not name"
+        elif not entry.is_file():
+            found[entry.name] = "not a regular file"
+    return found
