@@ -1,7 +1,8 @@
 """Command-line arguments several commands share: a model shape (a checkpoint or --model-config),
 the plan options (--codebook, --head-bits, --drafter-bits), the calibration's --expert-hessians, token
 counts such as 1M and counts of at least 1 (a context of 0 tokens or -1 streams is refused while the
-arguments are read).
+arguments are read), and Hugging Face repository ids and revisions (refused while the arguments are
+read when the hub would refuse them: quantizer/hub.py).
 
 Command modules (`<stage>/cli.py`) import this, never each other.
 """
@@ -16,6 +17,7 @@ from quantizer.calibrate.settings import EXPERT_HESSIANS, CalibrationSettings
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
+from quantizer.hub import branch_problem, repo_id_problem
 from quantizer.shipped import model_config_path
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
@@ -39,6 +41,22 @@ def count(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
     return n
+
+
+def repo_id(text: str) -> str:
+    """A Hugging Face repository id, ORG/NAME."""
+    return _accepted(text, repo_id_problem(text))
+
+
+def revision(text: str) -> str:
+    """A branch (or tag, or commit) of a Hugging Face repository, by git's rules for a ref name."""
+    return _accepted(text, branch_problem(text))
+
+
+def _accepted(text: str, problem: str | None) -> str:
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
+    return text
 
 
 SRC_HELP = "native checkpoint directory (its config.json is read)"

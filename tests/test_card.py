@@ -2,7 +2,8 @@
 manifest's and `fit`'s; `ppl --record` changes only the manifest's measurement (and the digest that covers
 it) and the card; verify faults a card that is not the manifest's, and `quantizer card` rewrites it.
 A card is never written from claims edited by hand (bpw, K, base model, measurement): `card` and
-`ppl --record` refuse them and verify faults them; a full disk leaves no temporary file."""
+`ppl --record` refuse them and verify faults them; a full disk leaves no temporary file; a --base-model
+that is not a repository id never reaches a card."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 import yaml
 
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.cli import main
+from quantizer.cli import build_parser, main
 from quantizer.model.targets import targets
 from quantizer.fit.memory import pack_fit_table
 from quantizer.pack.card import CARD_NAME, render_card, source_license
@@ -239,3 +240,14 @@ def test_a_full_disk_while_writing_the_card_or_the_measurement_leaves_no_tempora
     assert "no space left on the device" in capsys.readouterr().err.strip().splitlines()[-1]
     assert _files(copy) == before  # no README.md.tmp, no manifest.json.tmp, nothing changed
 
+
+@pytest.mark.parametrize("base_model", ["not a repo", "../../etc/passwd", "org/name\n---\nlicense: other", "just-a-name",
+                                        "org/-name-", "org/na..me"])
+def test_a_base_model_that_is_not_a_repository_id_is_refused_before_any_work(base_model, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(["build", "src", "--bpw", "3", "--out", str(tmp_path / "o"),
+                                   "--base-model", base_model])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"quantizer build: error: argument --base-model: {base_model!r}: a repository id is ")
+    assert "Traceback" not in "\n".join(err) and not (tmp_path / "o").exists()

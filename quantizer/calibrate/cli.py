@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from quantizer.arguments import add_expert_hessians
+from quantizer.arguments import add_expert_hessians, revision
 from quantizer.calibrate.settings import (
     DEFAULT_COLS, DEFAULT_ROWS, DEVICES, EXPERT_HESSIAN_DTYPES, CalibrationSettings,
 )
@@ -61,7 +61,7 @@ def register(subparsers) -> None:
                    help=f"tokens per row of the KL measurement (default {DEFAULTS.kl_cols})")
     p.add_argument("--resume-every", type=int, default=1, metavar="N",
                    help="save the resume point (every row's hc streams and state) every N layers (default 1)")
-    p.add_argument("--revision", help="revision, for a Hugging Face repo id")
+    p.add_argument("--revision", type=revision, help="revision, for a Hugging Face repo id")
     p.set_defaults(func=run)
 
 

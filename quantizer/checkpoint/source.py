@@ -18,10 +18,10 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.dequant import dequantize
 from quantizer.checkpoint.safetensors_file import TensorEntry, read_header, read_tensor
 from quantizer.errors import UserError
+from quantizer.hub import repo_id_problem
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _ENGRAM_TABLE = re.compile(r"^layers\.\d+\.engram\.embed\.(weight|scale)$")
 
 
@@ -130,14 +130,11 @@ def _resolve(src: str | Path, revision: str | None, include_engram: bool) -> Pat
 
 def _not_a_repo_id(src: str) -> str | None:
     """Why `src`, which names nothing on disk, is a mistyped path rather than a repo id (None: it may be one)."""
-    if not REPO_ID.match(src):
-        return "those are owner/name"
-    owner, name = src.split("/")
-    if Path(owner).exists():
-        return f"{owner}/ is a directory here, so this is a path"
-    if any(part in src for part in ("--", "..")) or any(p[0] in ".-" or p[-1] in ".-" for p in (owner, name)):
-        return "a repo id has no '--' or '..' and no part starting or ending in '.' or '-'"
-    return None
+    problem = repo_id_problem(src)
+    if problem:
+        return problem
+    owner = src.split("/")[0]
+    return f"{owner}/ is a directory here, so this is a path" if Path(owner).exists() else None
 
 
 def _from_hub(repo_id: str, revision: str | None, include_engram: bool) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from quantizer.arguments import revision
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.inventory.inventory import Inventory, refuse_pack, take_inventory
 from quantizer.report import gib, table
@@ -13,7 +14,7 @@ from quantizer.report import gib, table
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="classify every tensor of a native checkpoint and check it against its config")
     p.add_argument("src", help="checkpoint directory or Hugging Face repo id")
-    p.add_argument("--revision", help="revision of a Hugging Face repo id")
+    p.add_argument("--revision", type=revision, help="revision of a Hugging Face repo id")
     p.add_argument("--no-engram", action="store_true", help="leave the Engram table shards out")
     p.add_argument("--json", action="store_true", help="print the inventory as JSON")
     p.set_defaults(func=run)

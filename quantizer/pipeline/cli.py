@@ -12,7 +12,7 @@ import argparse
 import re
 from pathlib import Path
 
-from quantizer.arguments import add_expert_hessians, count, tokens
+from quantizer.arguments import add_expert_hessians, count, repo_id, revision, tokens
 from quantizer.pipeline.build import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
 from quantizer.calibrate.rows import calibration_rows
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, CalibrationSettings
@@ -93,8 +93,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"with --tune-e2e: Adam steps at most (default {EndToEndSettings.steps})")
     p.add_argument("--shard-size", type=parse_size, default=DEFAULT_SHARD_SIZE, help="shard cap, e.g. 8G, 512M (default 8G)")
     p.add_argument("--codebook", choices=CODEBOOKS, help="EXL3 codebook of a uniform plan (default mul1)")
-    p.add_argument("--revision", help="revision of a Hugging Face repo id")
-    p.add_argument("--base-model", metavar="ORG/NAME",
+    p.add_argument("--revision", type=revision, help="revision of a Hugging Face repo id")
+    p.add_argument("--base-model", type=repo_id, metavar="ORG/NAME",
                    help="the source's Hugging Face repo id, for the pack's card (default: SRC when it is a repo id)")
     p.set_defaults(func=run)
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from quantizer import __version__
+from quantizer.arguments import revision
 from quantizer.checkpoint.fingerprint import sha256_file
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
@@ -57,7 +58,7 @@ def register(subparsers) -> None:
     p.add_argument("--rows", type=int, help="use at most this many rows (default: all)")
     p.add_argument("--cols", type=int, help=f"tokens per row (default: a 2-D file's width, else {DEFAULT_COLS})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--revision", help="revision, for a Hugging Face repo id")
+    p.add_argument("--revision", type=revision, help="revision, for a Hugging Face repo id")
     p.add_argument("--record", action="store_true",
                    help="with --against and a pack: write the measurement into the pack's manifest and card")
     p.add_argument("--json", action="store_true", help='print {"ppl", "nll", "nll_stderr", "tokens"} as JSON '

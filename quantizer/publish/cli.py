@@ -1,9 +1,12 @@
 """`quantizer publish PACK --repo ORG/NAME [--revision BRANCH] [--private] [--dry-run] [--full]`
 
-Verifies the pack (header level; --full hashes every shard too) and refuses one with a fault, then
-uploads exactly its files to the Hugging Face model repository (created if missing; --revision: the
-branch, created from main if missing). --dry-run prints every file with its size and the card, and
-uploads nothing. A rerun resumes an interrupted upload.
+Refuses a pack whose folder holds anything it does not own (a stray file or directory, a symbolic
+link: named in the one line), verifies it (header level; --full hashes every shard too) and refuses one
+with a fault, then uploads exactly the files its manifest names to the Hugging Face model repository
+(created if missing; --revision: the branch, created from main if missing). --repo and --revision are
+refused while the arguments are read when the hub would refuse them. --dry-run prints every file with
+its size and the card, and uploads nothing. A rerun resumes an interrupted upload; a hub that cannot be
+reached, is in offline mode or refuses the upload is one line.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from quantizer.arguments import repo_id, revision
 from quantizer.publish.publish import PublishPlan, hub_token, plan_publish, upload
 from quantizer.report import size_text, table
 
@@ -18,8 +22,9 @@ from quantizer.report import size_text, table
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("publish", help="verify a pack and upload it, with its card, to a Hugging Face repository")
     p.add_argument("pack", type=Path, help="pack directory (holds manifest.json and README.md)")
-    p.add_argument("--repo", required=True, metavar="ORG/NAME", help="Hugging Face model repository")
-    p.add_argument("--revision", metavar="BRANCH", help="branch to upload to (e.g. one per bit rate; default main)")
+    p.add_argument("--repo", type=repo_id, required=True, metavar="ORG/NAME", help="Hugging Face model repository")
+    p.add_argument("--revision", type=revision, metavar="BRANCH",
+                   help="branch to upload to (e.g. one per bit rate; default main)")
     p.add_argument("--private", action="store_true", help="create the repository private")
     p.add_argument("--full", action="store_true", help="verify shard hashes too before uploading")
     p.add_argument("--dry-run", action="store_true", help="print the files and the card; upload nothing")
