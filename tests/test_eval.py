@@ -1,10 +1,14 @@
 """`quantizer eval`: an lm-eval task (a local JSONL multiple-choice task) on a pack of the bundled small
 model and on the model itself, on the CPU, with the paired differences; the lm_eval model class scores
-what our perplexity code computes for the same tokens."""
+what our perplexity code computes for the same tokens. A pack with a flipped byte or an edited manifest
+is refused before it is scored (as `ppl` refuses it), numeric flags below 1 are refused while the
+arguments are read, and a task whose dataset the hub cannot give (unreachable, offline, gated,
+unauthorised) is one line: the hub is simulated by raising what `datasets` and huggingface_hub raise."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,10 +16,16 @@ import torch
 
 lm_eval = pytest.importorskip("lm_eval")  # the `eval` extra; the dev extra installs it
 
+import datasets  # noqa: E402
+import httpx2  # noqa: E402
+import huggingface_hub  # noqa: E402
+from datasets.exceptions import DatasetNotFoundError  # noqa: E402
+from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled  # noqa: E402
+from huggingface_hub.utils import hf_raise_for_status  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from quantizer.checkpoint.source import Checkpoint  # noqa: E402
-from quantizer.cli import main  # noqa: E402
+from quantizer.cli import build_parser, main  # noqa: E402
 from quantizer.errors import UserError  # noqa: E402
 from quantizer.evaluate.harness import ForwardLM  # noqa: E402
 from quantizer.evaluate.paired import paired_scores  # noqa: E402
@@ -109,3 +119,101 @@ def test_a_pack_is_compared_only_with_its_own_source(built, tiny_v41, capsys):
     assert main(["eval", str(built["pack"]), "--against", str(tiny_v41), "--tasks", TASK,
                  "--include-path", str(built["tasks"])]) == 2
     assert "compare a pack with its own source" in capsys.readouterr().err
+
+
+def _one_line(err: str, *needles: str) -> None:
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and all(n in errors[0] for n in needles) and err.rstrip().endswith(errors[0]), err
+    assert "Traceback" not in err, err
+
+
+def _files(pack) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(pack.iterdir())}
+
+
+@pytest.mark.parametrize("against", [False, True])
+def test_a_pack_with_a_flipped_byte_is_refused_before_it_is_scored(built, tmp_path, capsys, against):
+    pack = shutil.copytree(built["pack"], tmp_path / "pack")
+    shard = sorted(pack.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(data)
+    before = _files(pack)
+    assert main(["eval", str(pack), "--tasks", TASK, "--include-path", str(built["tasks"]),
+                 *(["--against", str(built["src"])] if against else [])]) == 2
+    _one_line(capsys.readouterr().err, f"{shard}: sha256", "is not the manifest's", "verify --full")
+    assert _files(pack) == before
+
+
+def test_a_pack_whose_manifest_was_edited_is_refused_before_it_is_scored(built, tmp_path, capsys):
+    pack = shutil.copytree(built["pack"], tmp_path / "pack")
+    manifest = json.loads((pack / "manifest.json").read_text())
+    manifest["quantization"]["bpw"] = 4.0
+    (pack / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["eval", str(pack), "--tasks", TASK, "--include-path", str(built["tasks"])]) == 2
+    _one_line(capsys.readouterr().err, "manifest.json: was edited after packing")
+
+
+@pytest.mark.parametrize("flag, value", [("--limit", "0"), ("--limit", "-5"), ("--limit", "ten"), ("--max-length", "0"),
+                                         ("--max-length", "-1")])
+def test_counts_below_one_are_refused_while_the_arguments_are_read(flag, value, capsys):
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(["eval", "pack", "--tasks", TASK, flag, value])
+    assert stop.value.code == 2
+    _one_line(capsys.readouterr().err, f"argument {flag}: {value!r}: a whole number of at least 1")
+
+
+def _raised(error: Exception, cause: Exception | None = None):
+    """A load_dataset that fails as `datasets` does: `error`, raised from huggingface_hub's `cause`."""
+    def load_dataset(*args, **kwargs):
+        raise error from cause
+    return load_dataset
+
+
+def _http(status: int) -> Exception:
+    response = httpx2.Response(status, request=httpx2.Request("GET", "https://huggingface.co/api/datasets/allenai/ai2_arc"))
+    try:
+        hf_raise_for_status(response)
+    except Exception as e:  # noqa: BLE001 - the error under test
+        return e
+    raise AssertionError("no error for this response")
+
+
+@pytest.mark.parametrize("load_dataset, needles", [
+    (_raised(ConnectionError("Couldn't reach 'allenai/ai2_arc' on the Hub (LocalEntryNotFoundError)"),
+             LocalEntryNotFoundError("not cached and the hub is unreachable")),
+     ("not in the local Hugging Face cache and the hub cannot be reached", "check the network")),
+    (_raised(ConnectionError("Couldn't reach 'allenai/ai2_arc' on the Hub (OfflineModeIsEnabled)"),
+             OfflineModeIsEnabled("Cannot reach https://huggingface.co: offline mode is enabled.")),
+     ("huggingface_hub is in offline mode (HF_HUB_OFFLINE is set); unset HF_HUB_OFFLINE",)),
+    (_raised(httpx2.ConnectError("[Errno 101] Network is unreachable")),
+     ("cannot reach the Hugging Face Hub (ConnectError: [Errno 101] Network is unreachable)",)),
+    (_raised(DatasetNotFoundError("Dataset 'allenai/ai2_arc' is a gated dataset on the Hub. You must be "
+                                  "authenticated to access it.")),
+     ("is a gated dataset on the Hub", "accept its terms on the hub and log in with `hf auth login`")),
+    (_raised(_http(401)), ("the hub refused it (HTTP 401)", "HF_TOKEN")),
+])
+def test_the_readmes_task_with_the_hub_out_of_reach_is_one_line(built, monkeypatch, capsys, load_dataset, needles):
+    """`quantizer eval PACK --tasks arc_easy` (the README's example) when its dataset cannot be had."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    assert main(["eval", str(built["pack"]), "--tasks", "arc_easy", "--limit", "2",
+                 "--include-path", str(built["tasks"])]) == 2  # the task index the other tests built
+    _one_line(capsys.readouterr().err, "error: the dataset of arc_easy: ", *needles)
+
+
+def test_the_readmes_task_in_offline_mode_says_so(built, monkeypatch, capsys):
+    """With HF_HUB_OFFLINE set, `datasets` raises a ConnectionError that keeps only the name of
+    huggingface_hub's refusal (raised `from None`, over its own cache miss), as it does here."""
+    def load_dataset(*args, **kwargs):
+        try:
+            raise FileNotFoundError("Dataset allenai/ai2_arc is not cached in None")
+        except FileNotFoundError:
+            raise ConnectionError("Couldn't reach 'allenai/ai2_arc' on the Hub (OfflineModeIsEnabled)") from None
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    assert main(["eval", str(built["pack"]), "--tasks", "arc_easy", "--limit", "2",
+                 "--include-path", str(built["tasks"])]) == 2  # the task index the other tests built
+    _one_line(capsys.readouterr().err, "error: the dataset of arc_easy: huggingface_hub is in offline mode "
+              "(HF_HUB_OFFLINE is set); unset HF_HUB_OFFLINE")

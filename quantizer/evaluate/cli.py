@@ -3,8 +3,11 @@
 Runs lm-evaluation-harness tasks (the `eval` extra: pip install 'quantizer[eval]') on PACK through
 quantizer's reference forward and, with --against, on its source too, then prints per task and metric
 both scores and the paired difference (pack - source) with its standard error. A pack is compared only
-with the checkpoint it was built from (same content fingerprint). Loglikelihood tasks only (multiple
-choice, perplexity); --include-path adds a directory of task YAML files (e.g. a local JSONL task).
+with the checkpoint it was built from (same content fingerprint), and scored only once its manifest's
+claims and every shard's sha256 check, as `ppl` does (a flipped byte would score plausibly and wrongly).
+Loglikelihood tasks only (multiple choice, perplexity); --include-path adds a directory of task YAML
+files (e.g. a local JSONL task). A task's dataset the hub cannot give (unreachable, offline, no access)
+is one line.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from quantizer.arguments import count
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.evaluate.paired import PairedScore, paired_scores
 from quantizer.pack.manifest import MANIFEST_NAME
-from quantizer.ppl.pack_source import require_built_from
+from quantizer.ppl.pack_source import require_built_from, require_intact
 from quantizer.report import table
 
 
@@ -28,9 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated")
     p.add_argument("--against", metavar="SRC", help="the native checkpoint the pack was built from: score it too")
     p.add_argument("--include-path", type=Path, help="directory of extra lm-eval task YAML files")
-    p.add_argument("--limit", type=int, help="at most this many documents per task")
+    p.add_argument("--limit", type=count, help="at most this many documents per task")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--max-length", type=int, default=2048, help="tokens per scored sequence (context cut from the left)")
+    p.add_argument("--max-length", type=count, default=2048, help="tokens per scored sequence (context cut from the left)")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.set_defaults(func=run)
 
@@ -44,10 +48,14 @@ def run(args: argparse.Namespace) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise UserError("--tasks: give at least one lm-eval task name")
+    harness.require_tasks(tasks, args.include_path)  # seconds, before a pack of hundreds of GiB is hashed
+    pack = Checkpoint.open(args.pack)
+    is_pack = (pack.root / MANIFEST_NAME).exists()
+    if args.against and not is_pack:
+        raise UserError(f"{args.pack}: not a pack (no {MANIFEST_NAME}); --against compares a pack with its source")
+    if is_pack:
+        require_intact(pack)
     if args.against:
-        pack = Checkpoint.open(args.pack)
-        if not (pack.root / MANIFEST_NAME).exists():
-            raise UserError(f"{args.pack}: not a pack (no {MANIFEST_NAME}); --against compares a pack with its source")
         require_built_from(pack, Checkpoint.open(args.against))
     run_on = lambda model: harness.evaluate(model, tasks, args.include_path, args.limit, args.device,  # noqa: E731
                                             args.max_length)

@@ -5,8 +5,9 @@ weights a loader computes with) or a native checkpoint, on the CPU or one GPU.
 (multiple-choice and perplexity tasks) by running [BOS] + context + continuation through the streamed
 forward. Sequences run in batches of one length only: the forward's logits at a position can depend on
 the length of the row it is computed in, so padding would change scores. Generation tasks need an
-engine with a KV cache (exllamav3 for V4 packs on a GPU) and are refused. docs/publishing.md has the
-harness interfaces used here.
+engine with a KV cache (exllamav3 for V4 packs on a GPU) and are refused. A task whose dataset the hub
+cannot give (unreachable, offline, no such dataset or no access to it) is one line (quantizer/hub.py).
+docs/publishing.md has the harness interfaces used here.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+from datasets.exceptions import DatasetNotFoundError
 from lm_eval import simple_evaluate
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
@@ -26,6 +28,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from quantizer.caches import process_cache
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
+from quantizer.hub import LOGIN, hub_failures
 from quantizer.model.streaming import CheckpointSource, LayerStreamer, WeightSource
 from quantizer.pack.manifest import MANIFEST_NAME
 from quantizer.ppl.pack_source import PackSource
@@ -131,18 +134,30 @@ def task_manager(include_path: str | None) -> TaskManager:
     return TaskManager(include_path=include_path)
 
 
-def evaluate(model: str, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
-             device: str = "cpu", max_length: int = DEFAULT_MAX_LENGTH) -> dict:
-    """lm-eval's results for `model` (pack or checkpoint), with per-document samples."""
+def require_tasks(tasks: list[str], include_path: Path | None = None) -> TaskManager:
+    """lm-eval's task index, once every task in `tasks` is in it (UserError naming those that are not)."""
     manager = task_manager(str(include_path) if include_path else None)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         where = f" or in {include_path}" if include_path else "; give a task directory with --include-path"
         raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}: not in lm-eval's tasks{where}")
+    return manager
+
+
+def evaluate(model: str, tasks: list[str], include_path: Path | None = None, limit: int | None = None,
+             device: str = "cpu", max_length: int = DEFAULT_MAX_LENGTH) -> dict:
+    """lm-eval's results for `model` (pack or checkpoint), with per-document samples."""
+    manager = require_tasks(tasks, include_path)
     print(f"eval: {model} on {', '.join(tasks)}", file=sys.stderr)
     lm = ForwardLM(model, device=device, max_length=max_length)
-    results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=True,
-                              bootstrap_iters=0)
+    what = f"the dataset of {', '.join(tasks)}"
+    try:
+        with hub_failures(what):
+            results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=True,
+                                      bootstrap_iters=0)
+    except DatasetNotFoundError as e:  # no such dataset on the hub, or (gated, private) none this login may read
+        raise UserError(f"{what}: {str(e).strip().splitlines()[0]}; check the task, and for a gated dataset "
+                        f"accept its terms on the hub and {LOGIN}") from None
     if results is None:
         raise UserError("lm-eval returned no results")
     return results
