@@ -3,7 +3,9 @@ entry matches), our `native` and `mtp.` extensions, round trips, and the shipped
 
 from __future__ import annotations
 
+import errno
 import fnmatch
+import os
 
 import pytest
 
@@ -127,6 +129,17 @@ def test_shipped_recipes_are_what_uniform_plan_writes(v41, bpw, tmp_path, capsys
     assert fresh.read_text() == shipped_path.read_text(), "regenerate configs/recipes with the command in its header"
     plan = plan_from_recipe(v41, read_recipe(shipped_path))
     assert plan.achieved_bpw <= float(bpw) and plan.loader == "exllamav3"
+
+
+def test_a_full_disk_while_writing_a_recipe_leaves_no_temporary_file(tmp_path, capsys, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert main(["plan", "--model-config", "tiny-v41", "--bpw", "3", "--method", "uniform", "--loader", "exllamav3",
+                 "--recipe-out", str(tmp_path / "r.yaml")]) == 2
+    assert "no space left on the device" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []  # no r.yaml.tmp
 
 
 def test_glob_regex_agrees_with_fnmatch():

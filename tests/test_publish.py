@@ -111,7 +111,7 @@ def test_dry_run_lists_exactly_the_files_the_manifest_names_and_prints_the_card(
 def _symlink_out(pack, name):
     """`name` in the pack as a link to a file outside it (as `ln -s /etc/passwd PACK/passwd.txt` makes)."""
     secret = pack.parent / "secret.txt"
-    secret.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    secret.write_text("a file of the machine, not of the pack\n")
     (pack / name).unlink(missing_ok=True)
     (pack / name).symlink_to(secret)
 

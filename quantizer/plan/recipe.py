@@ -29,6 +29,7 @@ from quantizer.exl3 import check_k
 from quantizer.model.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, Target, targets
 from quantizer.plan.plan import Plan, make_plan
 from quantizer.plan.profiles import EXLLAMAV3
+from quantizer.workdir import write_text_atomic
 
 NATIVE = "native"
 DRAFTER_PREFIX = "mtp."
@@ -206,9 +207,7 @@ def write_recipe(cfg: ModelConfig, plan: Plan, path: str | os.PathLike, header: 
     lines.append("tensors:")
     for pattern, value in recipe_entries(cfg, plan):
         lines.append(f"  {_yaml_key(pattern)}: {_yaml_value(value)}")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, "\n".join(lines) + "\n")
     return path
 
 
