@@ -4,9 +4,9 @@ On a bundled small V4 model (the architecture stock exllamav3 1.6.5 runs; --mode
 `small_model_v4`, or `small_model_v4_moe64`, 64 experts routed top-6): the converter
 (`python -m exllamav3.conversion.convert_model`, its defaults, our calibration rows) at every bpw of
 --steps, and at each of --sizes our `quantizer build` at the converter's own bits there (equal bytes of
-the budgeted linears), once per --variants entry (a size between the converter's steps is built at that bpw itself and set against the
-converter's best pack of at most that many bits): `ours` (the defaults, whose routed experts' Hessians
-are `gate2` since 2026-12-03, docs/calibration.md), `tune` (+ `--tune`, block-wise suh/svh,
+the budgeted linears), once per --variants entry (a size between the converter's steps is built at that
+bpw itself and set against the converter's best pack of at most that many bits): `ours` (the defaults,
+whose routed experts' Hessians are `gate2` since 2026-12-03, docs/calibration.md), `tune` (+ `--tune`, block-wise suh/svh,
 docs/tuning.md), `e2e` (+ `--tune-e2e`, every scale fitted to the native logits), `shared` (+
 `--expert-hessians shared`, the previous default: every routed expert's gate/up on the layer's
 all-token input), and their combinations joined by `+` (VARIANTS). Every pack is loaded by exllamav3
