@@ -85,6 +85,22 @@ def test_the_overlay_is_exl3_at_its_own_k_and_the_rest_stays_source_form(one_spa
     assert "## Run it on one Spark" in card and "set -a; . ./launch.env; set +a" in card
 
 
+def test_fit_ppl_and_card_work_on_the_pack(one_spark_pack, tmp_path, capsys):
+    pack, _ = one_spark_pack
+    capsys.readouterr()
+    assert main(["fit", str(pack), "--sparks", "1", "--context", "64K", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["engine"] == V41_ENGINE and data["mapped"] and data["drafter"] == "split"
+    assert main(["fit", str(pack), "--sparks", "2"]) == 2  # the engine is TP1
+    assert "engine exllamav3-v41 runs on 1 Spark(s) only" in capsys.readouterr().err
+    assert main(["ppl", str(pack), "--against", str(shipped("small_model")), "--text", "heldout", "--rows", "1",
+                 "--cols", "64"]) == 0
+    assert "KL" in capsys.readouterr().out
+    copy = shutil.copytree(pack, tmp_path / "pack")
+    (copy / "README.md").unlink()
+    assert main(["card", str(copy)]) == 0 and (copy / "README.md").read_text() == (pack / "README.md").read_text()
+
+
 def test_a_launch_file_edited_by_hand_is_a_fault(one_spark_pack, tmp_path, capsys):
     pack = shutil.copytree(one_spark_pack[0], tmp_path / "pack")
     launch = pack / LAUNCH_FILE
