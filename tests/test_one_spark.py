@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -27,9 +28,11 @@ from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plan.spec import StoredTensor, pack_spec
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import shipped
+from script_module import script_module
 
 MIB = 1 << 20
 V41_ENGINE = "exllamav3-v41"
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "one_spark_fit.py"
 
 
 @pytest.fixture(scope="module")
@@ -221,3 +224,13 @@ def test_a_pack_without_a_drafter_overlay_launches_without_it(real_v41):
 
 def _targets(pack):
     return {t.key: t for t in targets(Checkpoint.open(pack).config)}
+
+
+def test_the_one_spark_fit_is_within_a_quarter_of_the_recipes_measured_torch_alloc():
+    # bench/one_spark_fit.py: our CUDA charge for the recipe's 1.59 bpw overlay pack over the torch_alloc it
+    # measured on a Spark at 6,144 and 262,144 tokens
+    with script_module(BENCH) as bench:
+        rows = bench.rows()
+    assert [r["context"] for r in rows] == [6_144, 262_144]
+    assert all(0.75 <= r["ratio"] <= 1.25 for r in rows), rows
+    assert rows[1]["estimate_gib"] - rows[0]["estimate_gib"] == pytest.approx(1.50, abs=0.05)  # 6,272 B/token
