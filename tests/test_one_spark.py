@@ -234,3 +234,10 @@ def test_the_one_spark_fit_is_within_a_quarter_of_the_recipes_measured_torch_all
     assert [r["context"] for r in rows] == [6_144, 262_144]
     assert all(0.75 <= r["ratio"] <= 1.25 for r in rows), rows
     assert rows[1]["estimate_gib"] - rows[0]["estimate_gib"] == pytest.approx(1.50, abs=0.05)  # 6,272 B/token
+
+
+def test_build_refuses_cold_experts_without_the_calibrations_routing(tmp_path, capsys):
+    assert main(["build", str(shipped("small_model")), "--sparks", "1", "--cold-share", "0.05", "--no-calibrate",
+                 "--method", "uniform", "--out", str(tmp_path / "p")]) == 2
+    assert "--cold-share picks cold experts by the calibration's routing" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()

@@ -48,7 +48,7 @@ def place_cold_experts(cfg: ModelConfig, stored: list[StoredTensor], s: Scenario
     drafter = s.drafter != "off"
     hot = replace(s, copy_pattern=Launch().copy_pattern) if serving else s
     short = -min(r.free_gib for r in evaluate(cfg, stored, hot, hw)) * GIB
-    if serving is None or share <= 0 or (short <= 0 and not fill):
+    if serving is None or share <= 0 or not tokens or (short <= 0 and not fill):  # no routing known: none cold
         return hot, Launch(drafter=drafter)
     freed = _mappable_bytes(stored, serving, hot)
     total = sum(tokens.values()) or 1.0

@@ -118,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
     if args.sparks is None and (args.context is not None or args.streams != 1 or args.engine or args.cold_share):
         raise UserError("--context, --streams, --engine and --cold-share size the fit of --sparks N; add --sparks")
     check_share(args.cold_share)
+    if args.cold_share and (args.no_calibrate or args.method != OURS):
+        raise UserError("--cold-share picks cold experts by the calibration's routing: use --method ours with "
+                        "calibration")
     ck = Checkpoint.open(args.src, revision=args.revision)
     loader = plan.loader if plan else args.loader or default_loader(ck.config, args.sparks)
     if plan and args.loader and args.loader != plan.loader:
