@@ -241,3 +241,15 @@ def test_build_refuses_cold_experts_without_the_calibrations_routing(tmp_path, c
                  "--method", "uniform", "--out", str(tmp_path / "p")]) == 2
     assert "--cold-share picks cold experts by the calibration's routing" in capsys.readouterr().err
     assert not (tmp_path / "p").exists()
+
+
+def test_every_rule_a_profile_sets_names_the_engine_code_it_comes_from():
+    from quantizer.plan.profiles import LOADERS, RULES, load_profile
+
+    for name in LOADERS:
+        profile = load_profile(name)
+        for rule in RULES:
+            if rule in ("architectures", "required_files") and not getattr(profile, rule):
+                continue  # not a rule of this profile
+            assert profile.sources.get(rule), (name, rule)
+    assert load_profile(EXLLAMAV3_V41).ignored.keys() == {"model.safetensors.index.json", "quantization_config"}

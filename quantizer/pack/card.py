@@ -125,6 +125,7 @@ def _loads_in(m: Manifest) -> str:
         f"- EXL3 format of exllamav3 {m.tool['exllamav3_target']}; encoded by {encoded}; "
         f"quantizer {m.tool['version']}, torch {m.tool['torch']}",
         f"- loader features required: {features}",
+        *([f"- not read by this engine (written for other tools): {', '.join(profile.ignored)}"] if profile.ignored else []),
     ])
 
 

@@ -51,7 +51,7 @@ EXL3_FORM, SOURCE_FORM, EITHER, OVERLAY = "exl3", "source", "either", "overlay"
 ENGRAM_IN_PACK, ENGRAM_SIBLING = "pack", "sibling"
 RULES = ("layout", "codebook", "k_range", "half_rates", "integer_attention", "head_bits",
          "one_k_per_projection", "gate_up_tied", "aliases", "plain_dtypes", "forbidden_dtypes", "engram_tables",
-         "quantization_config", "required_config_keys", "index", "sparks")
+         "quantization_config", "required_config_keys", "architectures", "required_files", "index", "sparks")
 
 
 @dataclass(frozen=True)
@@ -286,7 +286,7 @@ def violations(profile: LoaderProfile, linears: list[StoredLinear], aliases: dic
             found.append(Violation(s.key, "layout", f"{_show(s.K)} linear of group {s.target.group}, which this "
                                                     "engine reads as EXL3 only"))
             continue
-        if form in (SOURCE_FORM, OVERLAY) and s.K == UNQUANTIZED:
+        if form == OVERLAY and s.K == UNQUANTIZED:
             found.append(Violation(s.key, "layout", f"fp16 linear of group {s.target.group}, which this engine reads "
                                                     "as EXL3 or in the source's form"))
             continue
