@@ -37,11 +37,12 @@ BENCH = Path(__file__).resolve().parents[1] / "bench" / "one_spark_fit.py"
 
 @pytest.fixture(scope="module")
 def one_spark_pack(tmp_path_factory):
-    """The bundled small V4.1 model at 1.6 bits per routed weight, with the recipe's overlay: planned by our
-    allocator on a synthetic summary (`plan --synthetic`), built without calibration (fast in CI)."""
+    """The bundled small V4.1 model at 1.6 bits per routed weight: planned by our allocator on a synthetic
+    summary (`plan --synthetic`), built without calibration; everything but the routed experts in source form
+    (the overlay is checked on its plan: building it too would double the encoding time CI pays)."""
     root = tmp_path_factory.mktemp("one-spark")
     src = shipped("small_model")
-    assert main(["plan", str(src), "--synthetic", "--loader", EXLLAMAV3_V41, "--bpw", "1.6", "--overlay",
+    assert main(["plan", str(src), "--synthetic", "--loader", EXLLAMAV3_V41, "--bpw", "1.6",
                  "--out", str(root / "plan.json")]) == 0
     assert main(["build", str(src), "--plan", str(root / "plan.json"), "--no-calibrate",
                  "--out", str(root / "pack")]) == 0
@@ -72,20 +73,35 @@ def test_the_pack_has_k1_experts_aligned_shards_engram_and_tokenizer_inside_and_
     assert out.rstrip().endswith("clean") and "loader exllamav3-v41" in out and "launch.env: copy pattern" in out
 
 
-def test_the_overlay_is_exl3_at_its_own_k_and_the_rest_stays_source_form(one_spark_pack):
-    pack, plan = one_spark_pack
-    for key, t in _targets(pack).items():
-        if t.group in ("attention", "indexer", "shared", "engram"):
-            assert plan.k[key] == 5.0, key
-        elif t.group == DRAFT:
-            assert plan.k[key] == 4.0, key
-        elif t.group == "head":
-            assert plan.k[key] is None  # the head joins the overlay only when --overlay names it
+def test_the_overlay_is_exl3_at_its_own_k_and_the_rest_stays_source_form(tmp_path):
+    src = shipped("small_model")
+    tmap = {t.key: t for t in targets(Checkpoint.open(src).config)}
+    for flags, head in (([], None), (["--overlay-bits", "6", "--drafter-bits", "3"], None),
+                        (["attention,head", "--head-bits", "8"], 8.0)):
+        assert main(["plan", str(src), "--synthetic", "--loader", EXLLAMAV3_V41, "--bpw", "1.6", "--overlay", *flags,
+                     "--out", str(tmp_path / "p.json")]) == 0
+        plan = Plan.load(tmp_path / "p.json")
+        side = 6.0 if "6" in flags else 5.0
+        for key, t in tmap.items():
+            if t.group == "routed":
+                assert plan.k[key] is not None, key
+            elif t.group == "head":
+                assert plan.k[key] == head  # the head joins the overlay only when --overlay names it
+            elif flags and flags[0] == "attention,head":
+                assert plan.k[key] == (5.0 if t.group == "attention" else None), key  # only what was named
+            elif t.group == DRAFT:
+                assert plan.k[key] == (3.0 if "3" in flags else 4.0), key
+            else:
+                assert plan.k[key] == side, key
+
+
+def test_the_pack_launches_with_every_expert_copied_and_without_its_source_form_drafter(one_spark_pack):
+    pack, _ = one_spark_pack
     manifest = Manifest.load(pack)
-    assert manifest.plan["launch"] == {"file": LAUNCH_FILE, "cold_experts": 0, "cold_share": 0.0, "drafter": True}
-    assert read_launch(pack) == (r"^(?!mtp\.)", True)  # the recipe's placement: all but the drafter copied
+    assert manifest.plan["launch"] == {"file": LAUNCH_FILE, "cold_experts": 0, "cold_share": 0.0, "drafter": False}
+    assert read_launch(pack) == (r"^(?!mtp\.)", False)  # the recipe's copy pattern; DRAFT=0
     card = (pack / "README.md").read_text()
-    assert "## Run it on one Spark" in card and "set -a; . ./launch.env; set +a" in card
+    assert "## Run it on one Spark" in card and "set -a; . ./launch.env; set +a" in card and "`DRAFT=0`" in card
 
 
 def test_fit_ppl_and_card_work_on_the_pack(one_spark_pack, tmp_path, capsys):
@@ -93,7 +109,7 @@ def test_fit_ppl_and_card_work_on_the_pack(one_spark_pack, tmp_path, capsys):
     capsys.readouterr()
     assert main(["fit", str(pack), "--sparks", "1", "--context", "64K", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["engine"] == V41_ENGINE and data["mapped"] and data["drafter"] == "split"
+    assert data["engine"] == V41_ENGINE and data["mapped"] and data["drafter"] == "off"  # as its launch.env says
     assert main(["fit", str(pack), "--sparks", "2"]) == 2  # the engine is TP1
     assert "engine exllamav3-v41 runs on 1 Spark(s) only" in capsys.readouterr().err
     assert main(["ppl", str(pack), "--against", str(shipped("small_model")), "--text", "heldout", "--rows", "1",
@@ -107,10 +123,10 @@ def test_fit_ppl_and_card_work_on_the_pack(one_spark_pack, tmp_path, capsys):
 def test_a_launch_file_edited_by_hand_is_a_fault(one_spark_pack, tmp_path, capsys):
     pack = shutil.copytree(one_spark_pack[0], tmp_path / "pack")
     launch = pack / LAUNCH_FILE
-    launch.write_text(launch.read_text().replace("DRAFT=1", "DRAFT=0"))
+    launch.write_text(launch.read_text().replace("DRAFT=0", "DRAFT=1"))
     capsys.readouterr()
     assert main(["verify", str(pack)]) == 1
-    assert "FAULT launch.env: DRAFT=0, but the pack's drafter is EXL3" in capsys.readouterr().out
+    assert "FAULT launch.env: DRAFT=1, but the pack's drafter is in source form" in capsys.readouterr().out
 
 
 def test_one_spark_plan_defaults_to_the_v41_loader_and_fits_512k(real_v41, capsys):
