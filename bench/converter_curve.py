@@ -4,8 +4,9 @@ On a bundled small V4 model (the architecture stock exllamav3 1.6.5 runs; --mode
 `small_model_v4`, or `small_model_v4_moe64`, 64 experts routed top-6): the converter
 (`python -m exllamav3.conversion.convert_model`, its defaults, our calibration rows) at every bpw of
 --steps, and at each of --sizes our `quantizer build` at the converter's own bits there (equal bytes of
-the budgeted linears), once per --variants entry: `ours` (the defaults, whose routed experts' Hessians
-are `gate2` since 2026-12-03, docs/calibration.md), `tune` (+ `--tune`, block-wise suh/svh,
+the budgeted linears), once per --variants entry (a size between the converter's steps is built at that
+bpw itself and set against the converter's best pack of at most that many bits): `ours` (the defaults,
+whose routed experts' Hessians are `gate2` since 2026-12-03, docs/calibration.md), `tune` (+ `--tune`, block-wise suh/svh,
 docs/tuning.md), `e2e` (+ `--tune-e2e`, every scale fitted to the native logits), `shared` (+
 `--expert-hessians shared`, the previous default: every routed expert's gate/up on the layer's
 all-token input), and their combinations joined by `+` (VARIANTS). Every pack is loaded by exllamav3
@@ -95,7 +96,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=("small_model_v4", "small_model_v4_moe64"), default="small_model_v4",
                     help="the bundled V4-architecture model (default %(default)s)")
-    ap.add_argument("--sizes", default="2,2.5,3,3.5", help="comma-separated bpw of our builds (each must be a step)")
+    ap.add_argument("--sizes", default="2,2.5,3,3.5",
+                    help="comma-separated bpw of our builds: at a step, the converter's own bits there; between steps, "
+                         "that bpw (set against the converter's best pack of at most that many bits)")
     ap.add_argument("--steps", default="2:4:0.25", help="converter bpw, START:STOP:STEP (STOP included)")
     ap.add_argument("--variants", default="ours,tune,shared", help=f"comma-separated, from {', '.join(VARIANTS)}")
     ap.add_argument("--eval-text", default="heldout,heldout-tests", help="comma-separated texts to measure on")
@@ -116,8 +119,8 @@ def main(argv=None) -> None:
         sizes = [float(s) for s in args.sizes.split(",")]
     except ValueError:
         ap.error(f"--sizes {args.sizes!r}: give comma-separated bpw, e.g. 2,2.5")
-    if not set(sizes) <= set(steps):
-        ap.error(f"--sizes {args.sizes}: each size must be one of the converter's steps {steps}")
+    if min(sizes) < steps[0]:
+        ap.error(f"--sizes {args.sizes}: each size must be at least the converter's first step {steps[0]:g}")
     variants = args.variants.split(",")
     if unknown := set(variants) - set(VARIANTS):
         ap.error(f"unknown variant(s) {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}")
@@ -201,11 +204,16 @@ def run(args: argparse.Namespace, root: Path, steps: list[float], sizes: list[fl
             pack, work, t0 = root / f"{variant}-{size:g}", root / f"{group}-{size:g}.work", time.monotonic()
             shutil.rmtree(pack, ignore_errors=True)  # an earlier run's: rebuilt from its work directory's cache
             if quantizer(["build", str(model), "--out", str(pack), "--device", "cuda", "--work", str(work),
-                          "--bpw", f"{converter_bits[size]:.6f}", *flags]) != 0:
+                          "--bpw", f"{converter_bits.get(size, size):.6f}", *flags]) != 0:
                 raise UserError(f"the build of {variant} at {size:g} bpw failed (its error is above)")
             bits = Plan.load(work / "plan.json").achieved_bpw
             record(variant, size, pack, bits, time.monotonic() - t0)
     return measured
+
+
+def reference_step(size: float, steps: list[float]) -> float:
+    """The converter step a size of ours is set against: the size itself, or the largest step below it."""
+    return max(b for b in steps if b <= size)
 
 
 def report(measured: list[dict], steps: list[float]) -> None:
@@ -218,7 +226,7 @@ def report(measured: list[dict], steps: list[float]) -> None:
         for r in rows:
             if r["method"] == "converter":
                 continue
-            c = conv[r["size"]]
+            c = conv[reference_step(r["size"], steps)]
             equiv, side = bits_equiv(r["kl"], curve)
             out.append([r["method"], f"{r['size']:g}", f"{r['bits']:.3f}", f"{r['kl']:.4f}", f"{c['kl']:.4f}",
                         f"{r['kl'] / c['kl']:.3f}", f"{side}{equiv:.2f}", f"{side}{equiv - r['bits']:+.2f}",

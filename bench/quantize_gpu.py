@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import sys
 import tempfile
@@ -36,10 +35,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quantizer.checkpoint.dequant import dequantize, quantize_mxfp4
-from quantizer.checkpoint.safetensors_file import planned, write_safetensors
-from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
+from quantizer.checkpoint.source import Checkpoint
 from quantizer.exl3 import rate_grid
 from quantizer.model.targets import targets
 from quantizer.plan.plan import Plan
@@ -48,64 +46,9 @@ from quantizer.quantize.rates import RATES_FORMAT
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import quantize
 from quantizer.report import table
-from quantizer.shipped import model_config_path
+from v41_experts import EXPERTS, IN, KEYS, OUT, W1_HESSIANS, direct, w1_hessians, w2_hessians, w2_weights, write_source
 
-IN, OUT, EXPERTS = 5120, 2304, 16
-HESSIAN_ROWS = 8192
 COMPARE_KS = (2.0, 2.5, 3.0, 4.0)
-KEYS = [f"layers.0.ffn.experts.{e}.w1" for e in range(EXPERTS)]
-W1_HESSIANS = {"each": "one SPD Hessian each (gate2 calibration)", "shared": "one shared SPD Hessian"}
-
-
-def write_source(root: Path, device: torch.device) -> list[torch.Tensor]:
-    """A native checkpoint holding the 16 experts in MXFP4; returns their dequantized fp32 [out, in] on the GPU."""
-    gen = torch.Generator(device=device).manual_seed(0)
-    root.mkdir(parents=True)
-    tensors, weights = [], []
-    for key in KEYS:
-        w, s = quantize_mxfp4((torch.randn(OUT, IN, device=device, generator=gen) / math.sqrt(IN)).cpu())
-        tensors += [planned(key + ".weight", w), planned(key + ".scale", s, "F8_E8M0")]
-        weights.append(dequantize(w, s, key, torch.float32, device))
-    write_safetensors(root / "model-00001-of-00001.safetensors", tensors, align=1)
-    index = {"metadata": {"total_size": 0}, "weight_map": {t.name: "model-00001-of-00001.safetensors" for t in tensors}}
-    (root / INDEX_NAME).write_text(json.dumps(index))
-    (root / "config.json").write_text(model_config_path("deepseek-v4.1-flash.json").read_text())
-    return weights
-
-
-def spd_hessian(n: int, device: torch.device, seed: int = 1) -> tuple[torch.Tensor, int]:
-    """X^T X of correlated random activations: symmetric positive definite, summed over HESSIAN_ROWS rows."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    mix = torch.randn(n, n, device=device, generator=gen) / math.sqrt(n) + torch.eye(n, device=device)
-    x = torch.randn(HESSIAN_ROWS, n, device=device, generator=gen) @ mix
-    return x.T @ x, HESSIAN_ROWS
-
-
-def h_data(h: torch.Tensor, count: int, device: torch.device) -> dict:
-    """The dict exllamav3's Linear.capture_H builds (dense, not yet finalized)."""
-    return {"H": h.clone(), "packed": False, "n": h.shape[0], "first_key": "bench", "count": count,
-            "finalized": False, "num_total": 0, "inf_nan": torch.zeros(2, dtype=torch.long, device=device),
-            "device": device}
-
-
-def direct(weights, hessians, K: float, device: torch.device) -> float:
-    """Seconds of one `quantize_exl3_batch` call on [out, in] weights; `hessians` is one shared (H, count)
-    or a list of them, one per weight."""
-    from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3_batch
-
-    if isinstance(hessians, tuple):
-        h_datas = [h_data(*hessians, device)] * len(weights)
-    else:
-        h_datas = [h_data(h, c, device) for h, c in hessians]
-    k = int(K) if float(K).is_integer() else float(K)
-    args = [{"K": k, "devices": [device.index or 0], "seed": i, "mul1": True, "mcg": False, "apply_out_scales": None}
-            for i in range(len(weights))]
-    ws = [w.T.contiguous() for w in weights]  # exllamav3 works on (in, out)
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    quantize_exl3_batch(ws, h_datas, args)
-    torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
 def ours(src: Path, work: Path, hessians, K: float, device: torch.device) -> float:
@@ -150,11 +93,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         w1 = write_source(tmp / "src", device)
-        gen = torch.Generator(device=device).manual_seed(2)
-        w2 = [torch.randn(IN, OUT, device=device, generator=gen) / math.sqrt(OUT) for _ in range(EXPERTS)]
-        h1 = spd_hessian(IN, device) if args.w1_hessians == "shared" else \
-            [spd_hessian(IN, device, seed=100 + e) for e in range(EXPERTS)]
-        h2 = [spd_hessian(OUT, device, seed=10 + e) for e in range(EXPERTS)]
+        w2 = w2_weights(device)
+        h1 = w1_hessians(device, args.w1_hessians)
+        h2 = w2_hessians(device)
         direct(w1[:2], h1 if isinstance(h1, tuple) else h1[:2], 2, device)  # warm-up: kernels, streams, pinned buffers
         for K in args.ks:
             for ws, hs, (i, o) in ((w1, h1, (IN, OUT)), (w2, h2, (OUT, IN))):

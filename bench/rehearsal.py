@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import calibrate_memory  # noqa: E402
-from quantize_gpu import direct  # noqa: E402
+from v41_experts import direct  # noqa: E402
 from quantizer.pipeline.build import BuildRequest, build  # noqa: E402
 from quantizer.calibrate.needs import calibration_needs  # noqa: E402
 from quantizer.calibrate.settings import CalibrationSettings  # noqa: E402

@@ -1,5 +1,6 @@
 """Command-line arguments several commands share: a model shape (a checkpoint or --model-config),
-the plan options (--codebook, --head-bits, --drafter-bits), the calibration's --expert-hessians, token
+the plan options (--codebook, --head-bits, --drafter-bits), the one-Spark options (--overlay,
+--overlay-bits, --cold-share), the calibration's --expert-hessians, token
 counts such as 1M and counts of at least 1 (a context of 0 tokens or -1 streams is refused while the
 arguments are read), and Hugging Face repository ids and revisions (refused while the arguments are
 read when the hub would refuse them: quantizer/hub.py).
@@ -18,6 +19,8 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
 from quantizer.hub import branch_problem, repo_id_problem
+from quantizer.model.targets import DRAFT
+from quantizer.plan.profiles import DEFAULT_OVERLAY, OVERLAY, LoaderProfile, Overlay, check_overlay, parse_overlay
 from quantizer.shipped import model_config_path
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
@@ -71,6 +74,36 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codebook", choices=CODEBOOKS, default="mul1")
     p.add_argument("--head-bits", type=_bits, default=6.0, help="K of the LM head (or native)")
     p.add_argument("--drafter-bits", type=_bits, default=None, help="K of the DSpark drafter (default native)")
+
+
+def add_one_spark_arguments(p: argparse.ArgumentParser) -> None:
+    """--overlay, --overlay-bits and --cold-share: what the one-Spark engine (loader exllamav3-v41) takes."""
+    p.add_argument("--overlay", nargs="?", const="", metavar="GROUPS",
+                   help="loader exllamav3-v41: store these groups as EXL3 instead of the source form, at fixed K outside "
+                        f"the budget (default {','.join(DEFAULT_OVERLAY)}: the recipe's attention and drafter overlays; "
+                        "head may be added)")
+    p.add_argument("--overlay-bits", type=float, default=Overlay.bits,
+                   help=f"K of the overlay's attention side (default {Overlay.bits:g}; the drafter takes --drafter-bits, "
+                        f"default {Overlay.drafter_bits:g}, and the head --head-bits)")
+    p.add_argument("--cold-share", type=float, default=0.0,
+                   help="one Spark: the least-routed experts may stay in the page cache (served from the mapped file, "
+                        "read from NVMe when evicted) while they take at most this share of the calibration's routed "
+                        "tokens, where that makes the plan fit (default 0: every expert copied into GPU memory)")
+
+
+def overlay_of(args: argparse.Namespace, profile: LoaderProfile, codebook: str) -> Overlay | None:
+    """The overlay the flags ask for under `profile`, checked; None without --overlay."""
+    head_bits, drafter_bits = getattr(args, "head_bits", 6.0), getattr(args, "drafter_bits", None)
+    if args.overlay is None:
+        if args.overlay_bits != Overlay.bits:
+            raise UserError("--overlay-bits sets the overlay's K; add --overlay")
+        if drafter_bits is not None and profile.layout[DRAFT] == OVERLAY:
+            raise UserError(f"--drafter-bits: the {profile.name} engine keeps the drafter in source form unless "
+                            "--overlay names it (add --overlay)")
+        return None
+    overlay = Overlay(parse_overlay(args.overlay), float(args.overlay_bits),
+                      Overlay.drafter_bits if drafter_bits is None else float(drafter_bits))
+    return check_overlay(profile, overlay, codebook, head_bits)
 
 
 def add_expert_hessians(p: argparse.ArgumentParser) -> None:

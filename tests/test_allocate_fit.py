@@ -54,7 +54,7 @@ def test_two_sparks_at_1m_plans_in_few_probes_and_fits(v41, tmp_path, capsys, mo
     monkeypatch.setattr(methods, "sensitivity", counted_sensitivity)
     monkeypatch.setattr(Allocator, "plan", counted_plan)
     code = main(["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "2", "--context", "1M", "--synthetic",
-                 "--loader", "exllamav3", "--engine", "vllm", "--out", str(tmp_path / "p.json"), "--recipe-out",
+                 "--loader", "vllm-exl3", "--engine", "vllm", "--out", str(tmp_path / "p.json"), "--recipe-out",
                  str(tmp_path / "r.yaml")])
     out = capsys.readouterr().out
     assert code == 0 and "FITS: fits 2 Sparks" in out and "calibration=synthetic" in out
@@ -67,8 +67,8 @@ def test_two_sparks_at_1m_plans_in_few_probes_and_fits(v41, tmp_path, capsys, mo
     assert report.fits and min(r.free_gib for r in report.ranks) < 0.01 * 550e9 / 8 / 2 / (1 << 30)
     header = (tmp_path / "r.yaml").read_text()
     assert "Budget: the most bits that fit 2 Sparks at 1,048,576 tokens" in header
-    assert "--sparks 2 --context 1048576 --engine vllm --loader exllamav3 --synthetic --seed 0" in header
-    assert plan_from_recipe(v41, read_recipe(tmp_path / "r.yaml")).k == plan.k
+    assert "--sparks 2 --context 1048576 --engine vllm --loader vllm-exl3 --synthetic --seed 0" in header
+    assert plan_from_recipe(v41, read_recipe(tmp_path / "r.yaml"), loader="vllm-exl3").k == plan.k
     assert main(["fit", "--model-config", "deepseek-v4.1-flash", "--plan", str(tmp_path / "p.json"),
                  "--sparks", "2", "--context", "1M", "--engine", "vllm"]) == 0  # the engine it was planned for
     capsys.readouterr()
@@ -97,7 +97,8 @@ def test_vllm_exl3_mixes_routed_k_per_expert_and_keeps_the_rest_in_source_form(v
     (every routed expert at K2 is already 127 GiB), and the refusal says by how much."""
     with pytest.raises(UserError, match=r"does not fit 1 Spark at 524,288 tokens .* short by [\d.]+ GiB"):
         most_that_fits(v41, FitTarget(1, 512 * 1024), AllocationSettings(loader=VLLM_EXL3))
-    plan, report = most_that_fits(v41, FitTarget(2, MILLION), AllocationSettings(loader=VLLM_EXL3))
+    fitted = most_that_fits(v41, FitTarget(2, MILLION), AllocationSettings(loader=VLLM_EXL3))
+    plan, report = fitted.plan, fitted.report
     assert report.fits and report.sparks == 2 and plan.loader == VLLM_EXL3 and not plan.aliases
     assert all(plan.k[t.key] is None for t in targets(v41) if t.group != "routed")
     by_layer = {}
@@ -113,9 +114,9 @@ def test_a_target_that_cannot_fit_says_by_how_much(capsys):
     # one search, through the command (the in-process call made the same search; its message is the test)
     assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "1", "--context", "1M",
                  "--streams", "16", "--synthetic"]) == 2
-    # the V4.1 default profile, vllm-exl3, loads routed K 2 at the lowest
-    assert re.search(r"does not fit 1 Spark at 1,048,576 tokens x 16 streams .* even at the "
-                     r"lowest rates \(2\.000 bpw\): the worst rank is short by [\d.]+ GiB", capsys.readouterr().err)
+    # the V4.1 default profile for one Spark, exllamav3-v41, loads routed K 1 at the lowest
+    assert re.search(r"does not fit 1 Spark at 1,048,576 tokens x 16 streams \(exllamav3-v41\) even at the "
+                     r"lowest rates \(1\.000 bpw\): the worst rank is short by [\d.]+ GiB", capsys.readouterr().err)
 
 
 def test_plan_cli_methods_on_a_small_model(tmp_path, capsys):
@@ -143,7 +144,7 @@ def test_plan_cli_methods_on_a_small_model(tmp_path, capsys):
                  "--context", "1M", "--streams", "16"]) == 0
     assert "FITS: fits 1 Spark" in capsys.readouterr().out
     assert main(["plan", "--model-config", small, "--bpw", "2.9", "--synthetic", "--sparks", "1",
-                 "--context", "1M", "--streams", "64"]) == 1
+                 "--context", "1M", "--streams", "160"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
     # a calibrate work directory is read through its summary.json
     work = tmp_path / "calibration"

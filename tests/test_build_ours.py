@@ -74,8 +74,8 @@ def test_sparks_builds_the_most_bits_that_fit(tmp_path, capsys):
 def test_a_target_nothing_fits_is_refused_before_calibration(full_v41, tmp_path, capsys):
     out, ids = tmp_path / "pack", tmp_path / "ids.npy"
     np.save(ids, np.random.default_rng(0).integers(3, 1000, size=(2, 64)))
-    args = ["build", str(full_v41), "--sparks", "1", "--context", "1M", "--streams", "8", "--tokens", str(ids),
+    args = ["build", str(full_v41), "--sparks", "1", "--context", "1M", "--streams", "32", "--tokens", str(ids),
             "--out", str(out)]
     assert main(args) == 2
-    assert "does not fit 1 Spark at 1,048,576 tokens x 8 streams" in capsys.readouterr().err
+    assert "does not fit 1 Spark at 1,048,576 tokens x 32 streams (exllamav3-v41)" in capsys.readouterr().err
     assert not (tmp_path / "pack.work" / "calibration").exists() and not out.exists()

@@ -86,10 +86,12 @@ def test_29_fits_two_sparks_at_1m_on_tensorfold_not_one(v41, pack):
     r = fit(v41, pack(2.9), 2, 1_048_576, 1, "tensorfold")
     assert r.fits and r.max_context == 1_048_576 and r.max_context_capped
     assert 97 < r.ranks[0].weights_gib < 101 and r.ranks[1].visible_gib == 119.6
-    one = fit(v41, pack(2.9), 1, 1_048_576, 1, "tensorfold")
+    with pytest.raises(UserError, match="engine tensorfold runs on 2 or 4 Spark"):  # its V4.1 engine is tp = 2 (or 4)
+        fit(v41, pack(2.9), 1, 1_048_576, 1, "tensorfold")
+    one = fit(v41, pack(2.9), 1, 1_048_576, 1, "vllm")
     assert not one.fits and one.short_gib > 80 and one.max_context == 0
-    assert one.would_fit["smallest_sparks"] == 2
-    assert f"short by {one.short_gib:.2f} GiB" in one.verdict and "fits 2 Sparks at this context" in one.verdict
+    assert one.would_fit["smallest_sparks"] == 4  # vLLM charges more per token than TensorFold: 2 Sparks are short
+    assert f"short by {one.short_gib:.2f} GiB" in one.verdict and "fits 4 Sparks at this context" in one.verdict
 
 
 def test_29_on_vllm_two_sparks_near_mias_614k(v41, pack):
@@ -166,8 +168,8 @@ def test_fit_suggests_what_plan_sparks_finds():
     stored_at = lambda b: pack_spec(tiny, uniform_plan(tiny, b)).tensors  # noqa: E731
     best = fit(tiny, stored_at(5.0), 1, 64, 1, "native", hardware=small, stored_at_bpw=stored_at,
                bpw=5.0).would_fit["highest_bpw"]
-    plan, report = largest_fitting_plan(tiny, lambda b: uniform_plan(tiny, b), 1.0, 5.0, FitTarget(1, 64, 1, "native"),
-                                        small)
+    fitted = largest_fitting_plan(tiny, lambda b: uniform_plan(tiny, b), 1.0, 5.0, FitTarget(1, 64, 1, "native"), small)
+    plan, report = fitted.plan, fitted.report
     assert report.fits and best == math.floor(plan.target_bpw * 100) / 100
 
 
@@ -178,7 +180,7 @@ def test_report_json_and_bad_inputs(v41, pack):
     assert {"fits", "verdict", "max_context", "short_gib", "worst_rank", "would_fit", "terms"} <= set(data)
     assert data["ranks"][0]["kv_pool_gib"] == pytest.approx(2 * 1_048_576 * 3752 / GIB)
     assert all(t["source"] for t in data["terms"])
-    with pytest.raises(UserError, match="at most 1 Spark"):
+    with pytest.raises(UserError, match=r"engine exllamav3 runs on 1 Spark\(s\) only"):
         fit(v41, pack(2.9), 2, 8192, 1, "exllamav3")
     with pytest.raises(UserError, match="unknown --engine"):
         fit(v41, pack(2.9), 2, 8192, 1, "sglang")
@@ -192,8 +194,8 @@ def test_fit_table_for_the_manifest(v41, pack):
     table = fit_table(v41, pack(2.9), context=1_048_576)
     assert json.loads(json.dumps(table)) == table
     assert set(table["topologies"]) == {"1", "2", "4"}
-    assert set(table["topologies"]["1"]) == {"native", "vllm", "tensorfold", "exllamav3"}
-    assert "exllamav3" not in table["topologies"]["2"]
+    assert set(table["topologies"]["1"]) == {"native", "vllm", "exllamav3", "exllamav3-v41"}
+    assert set(table["topologies"]["2"]) == {"native", "vllm", "tensorfold"}  # TensorFold's V4.1 engine: 2 or 4 ranks
     assert table["topologies"]["2"]["tensorfold"]["fits"] and not table["topologies"]["1"]["vllm"]["fits"]
     assert len(table["topologies"]["4"]["vllm"]["weights_gib"]) == 4
 

@@ -106,17 +106,17 @@ def test_cli_on_a_pack_json_and_explain(tiny_pack, capsys):
 
 def test_cli_does_not_fit_exits_1_with_the_verdict(capsys):
     code = main(["fit", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.9", "--sparks", "1",
-                 "--engine", "tensorfold", "--context", "1M"])
+                 "--engine", "vllm", "--context", "1M"])
     out = capsys.readouterr().out
     assert code == 1
     verdict = [line for line in out.splitlines() if line.startswith("DOES NOT FIT")]
-    assert len(verdict) == 1 and "short by" in verdict[0] and "fits 2 Sparks" in verdict[0]
+    assert len(verdict) == 1 and "short by" in verdict[0] and "fits 4 Sparks" in verdict[0]
     assert "--bpw 1." in verdict[0]  # the highest bpw that fits one Spark
 
 
 def test_cli_bad_inputs_exit_2(tmp_path, capsys):
     assert main(["fit", "--model-config", str(TINY), "--bpw", "3", "--sparks", "2", "--engine", "exllamav3"]) == 2
-    assert "at most 1 Spark" in capsys.readouterr().err
+    assert "engine exllamav3 runs on 1 Spark(s) only" in capsys.readouterr().err
     assert main(["fit", "--model-config", "no-such-model", "--bpw", "3"]) == 2
     assert "no shipped shape" in capsys.readouterr().err
     assert main(["fit", "--model-config", str(TINY)]) == 2

@@ -82,3 +82,9 @@ def test_a_work_directory_of_something_else_is_refused(curve_bench, tmp_path, ca
         curve_bench.main(["--work", str(tmp_path)])
     assert exit_.value.code == 2 and "holds no earlier run of this bench" in capsys.readouterr().err
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_size_between_steps_is_set_against_the_largest_step_below_it(curve_bench):
+    steps = [1.5, 1.75, 2.0, 2.25, 2.5]
+    assert curve_bench.reference_step(1.6, steps) == 1.5 and curve_bench.reference_step(1.8, steps) == 1.75
+    assert curve_bench.reference_step(2.0, steps) == 2.0  # a step is its own reference

@@ -61,3 +61,16 @@ def check_bpw(bpw: float, codebook: Codebook | str, what: str = "--bpw") -> None
     highest = rate_grid(codebook)[-1]
     if not (math.isfinite(bpw) and 0 < bpw <= highest):
         raise UserError(f"{what} {bpw:g}: must be a number above 0 and at most {highest:g} (the highest EXL3 rate)")
+
+
+def rate_floor(x: float, grid: tuple[float, ...]) -> float:
+    """The largest rate of `grid` at or below x (the smallest rate if x is below them all)."""
+    below = [r for r in grid if r <= x + 1e-9]
+    return below[-1] if below else grid[0]
+
+
+def drafter_k(bits: float | None, integer_only: bool) -> float | None:
+    """The drafter's rate; its attention rounds down to an integer (DSV4 attention)."""
+    if bits is None:
+        return None
+    return rate_floor(bits, rate_grid("mcg")) if integer_only else bits

@@ -1,6 +1,9 @@
-"""`quantizer fit PACK | --model-config C (--recipe R.yaml | --bpw B | --plan P.json)` on 1, 2 or 4 Sparks.
+"""`quantizer fit PACK | --model-config C (--recipe R.yaml | --bpw B | --plan P.json) [--loader L [--overlay]]`
+on 1, 2 or 4 Sparks.
 
-Prints a per-rank table and a verdict; exit 0 when it fits, 1 when it does not, 2 on bad input.
+Prints a per-rank table and a verdict; exit 0 when it fits, 1 when it does not, 2 on bad input. On an engine
+that serves weights from the mapped file (native ExLlamaV3's V4.1 loader) a pack's launch.env says what
+is copied and whether the drafter runs; a plan's drafter runs where it is EXL3 (fit/target.py).
 """
 
 from __future__ import annotations
@@ -9,22 +12,25 @@ import argparse
 import functools
 from pathlib import Path
 
-from quantizer.arguments import add_model_arguments, add_plan_arguments, count, load_model_config, tokens
+from quantizer.arguments import (
+    add_model_arguments, add_one_spark_arguments, add_plan_arguments, count, load_model_config, overlay_of, tokens,
+)
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw
 from quantizer.fit.hardware import load_hardware
+from quantizer.fit.launch import read_launch
 from quantizer.fit.memory import BPW_FLOOR, TOPOLOGIES, fit
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES
 from quantizer.fit.render import render
+from quantizer.fit.target import FitTarget, runs_drafter
 from quantizer.fit.stored import stored_from_pack
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.plan.plan import Plan, check_plan
-from quantizer.plan.profiles import load_profile
+from quantizer.plan.profiles import EXLLAMAV3, LOADERS, load_profile
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.uniform import lowest_uniform_bpw, uniform_plan
 from quantizer.plots import plot_path, save_figure
 from quantizer.plan.spec import pack_spec
-
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +42,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--bpw", type=float, help="a uniform plan at this bpw (with --model-config)")
     src.add_argument("--plan", help="a plan.json written by `quantizer plan` (with --model-config)")
     add_plan_arguments(p)
+    p.add_argument("--loader", choices=LOADERS,
+                   help="with --bpw or --recipe: the engine profile the plan is made for, whose engine the fit charges "
+                        "(default: exllamav3's layout charged to --engine)")
+    add_one_spark_arguments(p)
     p.add_argument("--sparks", type=int, choices=TOPOLOGIES, default=2, help="DGX Sparks (tensor-parallel ranks)")
     p.add_argument("--context", type=tokens, help="tokens per stream (default: the model's max positions)")
     p.add_argument("--streams", type=count, default=1, help="concurrent streams, each holding --context tokens")
@@ -44,7 +54,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--split", choices=SPLITS, default="tp",
                    help="routed experts: tensor-parallel slices (tp) or whole experts per rank (ep)")
     p.add_argument("--engram", choices=ENGRAM_MODES, default="nvme")
-    p.add_argument("--drafter", choices=DRAFTER_MODES, default="split", help="DSpark drafter placement")
+    p.add_argument("--drafter", choices=DRAFTER_MODES,
+                   help="DSpark drafter placement (default split; off where a one-Spark pack or plan keeps it in source "
+                        "form, as its launch.env says)")
+    p.add_argument("--fp8-lazy", action="store_true",
+                   help="native ExLlamaV3's V4.1 loader with EXL3_FP8_LAZY=1: source-form FP8/FP4 linears stay compact "
+                        "instead of being dequantized to FP16 at load (the recipe launches without it)")
     p.add_argument("--vision", choices=VISION_MODES, default="rank0")
     p.add_argument("--guard", type=float, help="guard floor in GiB (default from the hardware file)")
     p.add_argument("--kv-bits", type=float, help="K of exllamav3's packed DSA pool (fp16 pools otherwise)")
@@ -59,33 +74,47 @@ def run(args: argparse.Namespace) -> int:
     plot = plot_path(args.plot) if args.plot else None
     hw = load_hardware(args.hardware)
     stored_at_bpw, lowest_bpw = None, BPW_FLOOR
-    engine = args.engine
+    engine, drafter, copy = args.engine, args.drafter, None
     if args.src and not (args.recipe or args.bpw is not None or args.plan):
+        if args.loader or args.overlay is not None:
+            raise UserError("--loader and --overlay make a plan for --bpw or --recipe; a pack is fitted as it was built")
         cfg, stored = stored_from_pack(args.src)
         source = str(args.src)
         if engine is None and (Path(args.src) / MANIFEST_NAME).is_file():
             engine = load_profile(Manifest.load(Path(args.src)).plan["loader"]).fit_engine
+        launch = read_launch(args.src)
+        if launch:
+            copy, drafter = launch[0], drafter or ("split" if launch[1] else "off")
     else:
         cfg = load_model_config(args.src, args.model_config)
-        if args.recipe:
-            plan, source = plan_from_recipe(cfg, read_recipe(args.recipe), args.codebook), args.recipe
-        elif args.plan:
+        if args.plan:
+            if args.loader or args.overlay is not None:
+                raise UserError(f"--loader and --overlay make a plan; {args.plan} is one already (its loader decides)")
             plan, source = Plan.load(args.plan), args.plan
             check_plan(cfg, plan)
-            engine = engine or load_profile(plan.loader).fit_engine
-        elif args.bpw is not None:
-            check_bpw(args.bpw, args.codebook)
-            plan, source = _uniform(cfg, args, args.bpw), f"uniform plan at {args.bpw:g} bpw"
-            stored_at_bpw = functools.lru_cache(maxsize=1)(lambda b: pack_spec(cfg, _uniform(cfg, args, b)).tensors)
-            lowest_bpw = lowest_uniform_bpw(cfg, args.codebook)
         else:
-            raise UserError("with --model-config give --recipe R.yaml, --bpw B or --plan P.json")
+            loader = args.loader or EXLLAMAV3  # without --loader, as before: exllamav3's layout, the default engine
+            overlay = overlay_of(args, load_profile(loader), args.codebook)
+            if args.recipe:
+                plan, source = plan_from_recipe(cfg, read_recipe(args.recipe), args.codebook, loader), args.recipe
+            elif args.bpw is not None:
+                check_bpw(args.bpw, args.codebook)
+                make = functools.partial(_uniform, cfg, args, loader, overlay)
+                plan, source = make(args.bpw), f"uniform plan at {args.bpw:g} bpw"
+                stored_at_bpw = functools.lru_cache(maxsize=1)(lambda b: pack_spec(cfg, make(b)).tensors)
+                lowest_bpw = lowest_uniform_bpw(cfg, args.codebook, loader=loader)
+            else:
+                raise UserError("with --model-config give --recipe R.yaml, --bpw B or --plan P.json")
+        if args.plan or args.loader:
+            engine = engine or load_profile(plan.loader).fit_engine
+        if drafter is None and not runs_drafter(cfg, plan, FitTarget(args.sparks, 0, engine=engine), hw):
+            drafter = "off"
         stored = pack_spec(cfg, plan).tensors
     report = fit(
         cfg, stored, args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
-        args.streams, engine, split=args.split, engram=args.engram, drafter=args.drafter,
-        vision=args.vision, guard_gib=args.guard, kv_bits=args.kv_bits, hardware=hw, source=source,
-        stored_at_bpw=stored_at_bpw, bpw=args.bpw, lowest_bpw=lowest_bpw,
+        args.streams, engine, split=args.split, engram=args.engram, drafter=drafter or "split",
+        vision=args.vision, guard_gib=args.guard, kv_bits=args.kv_bits, copy_pattern=copy, fp8_lazy=args.fp8_lazy,
+        hardware=hw, source=source, stored_at_bpw=stored_at_bpw, bpw=args.bpw, lowest_bpw=lowest_bpw,
     )
     print(report.to_json() if args.json else render(report, args.explain))
     if plot:
@@ -95,5 +124,5 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report.fits else 1
 
 
-def _uniform(cfg, args, bpw: float):
-    return uniform_plan(cfg, bpw, args.codebook, args.head_bits, args.drafter_bits)
+def _uniform(cfg, args, loader: str, overlay, bpw: float):
+    return uniform_plan(cfg, bpw, args.codebook, args.head_bits, args.drafter_bits, loader=loader, overlay=overlay)

@@ -43,10 +43,24 @@ class ReserveRule:
 
 
 @dataclass(frozen=True)
+class MappedServing:
+    """An engine that serves large, aligned, unconverted tensors from the mapped file (page cache)
+    instead of copying them into GPU memory, unless their name matches its copy pattern (fit/residency.py)."""
+
+    min_bytes: int  # smaller tensors are copied
+    trellis_align: int  # an int16 (trellis) tensor's file offset must be a multiple of this; others: their item size
+    copy_default: str  # the copy pattern (a regex on tensor names) the engine's recipe launches with
+    loads_vision: bool  # whether the engine builds a vision tower at all
+    launcher_floor_gib: float  # MemAvailable the launcher wants before it starts
+    source: str
+
+
+@dataclass(frozen=True)
 class Engine:
     name: str
     description: str
-    max_sparks: Term
+    sparks: tuple[int, ...]  # the Spark counts (ranks) the engine runs on
+    sparks_source: str
     kv_bytes_per_token: Term | None  # measured; None when derived from the architecture
     kv_derive: str | None  # "native" | "fp16"
     kv_source: str
@@ -59,6 +73,8 @@ class Engine:
     prefill_bytes_per_context_token: float
     prefill_source: str
     reserve_rule: ReserveRule | None
+    drafter_kv_source: str | None = None  # the drafter's own cache layers (one fp16 row per block per token)
+    mapped: MappedServing | None = None
 
 
 @dataclass(frozen=True)
@@ -113,10 +129,13 @@ def _engine(name: str, e: dict) -> Engine:
     rule = e.get("reserve_rule")
     reserve = ReserveRule(float(rule["min_gib"]), float(rule["fraction_of_visible"]), rule["source"]) if rule else None
     rows = e["swa_ring_rows"]["value"]
+    drafter_kv = e.get("drafter_kv_bytes_per_token")
+    mapped = e.get("mapped")
     return Engine(
         name=name,
         description=e["description"],
-        max_sparks=_term(e["max_sparks"]),
+        sparks=tuple(int(n) for n in e["sparks"]["value"]),
+        sparks_source=str(e["sparks"]["source"]),
         kv_bytes_per_token=_term(kv) if "value" in kv else None,
         kv_derive=kv.get("derive"),
         kv_source=kv["source"],
@@ -129,6 +148,10 @@ def _engine(name: str, e: dict) -> Engine:
         prefill_bytes_per_context_token=float(e["prefill"]["bytes_per_context_token"]),
         prefill_source=e["prefill"]["source"],
         reserve_rule=reserve,
+        drafter_kv_source=drafter_kv["source"] if drafter_kv else None,
+        mapped=MappedServing(int(mapped["min_bytes"]), int(mapped["trellis_align"]), str(mapped["copy_default"]),
+                             bool(mapped["loads_vision"]), float(mapped["launcher_floor_gib"]),
+                             str(mapped["source"])) if mapped else None,
     )
 
 
@@ -171,13 +194,15 @@ def derived_kv_bytes_per_token(cfg: ModelConfig, fmt: str, kv_bits: float | None
     return kv * entry + idx * key
 
 
-def kv_bytes_per_token(cfg: ModelConfig, engine: Engine, kv_bits: float | None = None) -> float:
-    """KV and index-key bytes per token per rank (replicated on every rank: one latent KV head)."""
+def kv_bytes_per_token(cfg: ModelConfig, engine: Engine, kv_bits: float | None = None, drafter_on: bool = True) -> float:
+    """KV and index-key bytes per token per rank (replicated on every rank: one latent KV head), with the
+    drafter's own cache layers where the engine keeps them and the drafter is on."""
     if kv_bits is not None and engine.kv_derive != "fp16":
         raise UserError(f"--kv-bits applies to engines with fp16 DSA pools (exllamav3), not {engine.name}")
+    drafter = cfg.num_mtp_blocks * swa_row_bytes(cfg, "fp16") if engine.drafter_kv_source and drafter_on else 0.0
     if engine.kv_bytes_per_token is not None:
-        return engine.kv_bytes_per_token.value
-    return derived_kv_bytes_per_token(cfg, engine.kv_derive, kv_bits)
+        return engine.kv_bytes_per_token.value + drafter
+    return derived_kv_bytes_per_token(cfg, engine.kv_derive, kv_bits) + drafter
 
 
 def swa_row_bytes(cfg: ModelConfig, fmt: str) -> float:

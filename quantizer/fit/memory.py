@@ -16,8 +16,10 @@ from typing import Callable
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
+from quantizer.fit.launch import read_launch
 from quantizer.fit.hardware import GIB, Hardware, kv_bytes_per_token, load_hardware, swa_ring_bytes
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES, Options, rank_weights
+from quantizer.fit.residency import bytes_by_class, copy_rule, split_mapped
 from quantizer.fit.stored import StoredTensor, stored_from_pack
 from quantizer.model.targets import targets
 
@@ -39,6 +41,8 @@ class RankMemory:
     free_gib: float
     weights_by_class_gib: dict[str, float] = field(default_factory=dict)
     max_context: int = 0  # per stream, uncapped, on this rank alone
+    mapped_gib: float = 0.0  # weights served from the mapped file (page cache), not in weights_gib
+    mapped_by_class_gib: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,6 +76,7 @@ class FitReport:
     would_fit: dict  # smallest_sparks, max_context_here, highest_bpw (for --bpw inputs)
     verdict: str
     terms: list[Explained]
+    mapped: bool = False  # the engine serves weights from the mapped file (RankMemory.mapped_gib)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,6 +99,8 @@ class Scenario:
     vision: str = "rank0"
     guard_gib: float | None = None
     kv_bits: float | None = None
+    copy_pattern: str | None = None  # an engine serving from the mapped file: what it copies (None: its default)
+    fp8_lazy: bool = False  # such an engine keeps source-form FP8/FP4 linears compact (EXL3_FP8_LAZY=1)
 
     def options(self) -> Options:
         return Options(self.sparks, self.split, self.engram, self.drafter, self.vision)
@@ -108,17 +115,37 @@ def _check(s: Scenario, hw: Hardware) -> None:
         raise UserError(f"--sparks {s.sparks}; choose 1, 2 or 4")
     if s.context < 0 or s.streams < 1:
         raise UserError("--context must be >= 0 and --streams >= 1")
-    engine = hw.engine(s.engine)
-    if s.sparks > engine.max_sparks.value:
-        raise UserError(f"engine {engine.name} runs on at most {int(engine.max_sparks.value)} Spark(s) "
-                        f"({engine.max_sparks.source}); pick another --engine for {s.sparks}")
+    check_topology(hw, s.engine, s.sparks)
+    if s.copy_pattern is not None:
+        copy_rule(s.copy_pattern)
+
+
+def check_topology(hw: Hardware, engine_name: str, sparks: int) -> None:
+    """UserError when the engine does not run on `sparks` Sparks."""
+    engine = hw.engine(engine_name)
+    if sparks not in engine.sparks:
+        counts = " or ".join(str(n) for n in engine.sparks)
+        raise UserError(f"engine {engine.name} runs on {counts} Spark(s) only ({engine.sparks_source}); "
+                        f"pick another --engine for {sparks}")
+
+
+def resident_and_mapped(stored: list[StoredTensor], s: Scenario, hw: Hardware
+                        ) -> tuple[list[StoredTensor], dict[str, int]]:
+    """(the tensors the engine holds in GPU memory, bytes it serves from the mapped file by class): all of
+    them and none, unless the engine maps (residency.py)."""
+    serving = hw.engine(s.engine).mapped
+    if serving is None:
+        return stored, {}
+    copied, mapped = split_mapped(stored, serving, s.copy_pattern or serving.copy_default, s.fp8_lazy)
+    return copied, bytes_by_class(mapped)
 
 
 def _rank_terms(
-    cfg: ModelConfig, s: Scenario, hw: Hardware, weights: list[dict[str, int]]
+    cfg: ModelConfig, s: Scenario, hw: Hardware, weights: list[dict[str, int]], mapped: dict[str, int] | None = None
 ) -> tuple[list[RankMemory], float]:
     engine = hw.engine(s.engine)
-    kvb = kv_bytes_per_token(cfg, engine, s.kv_bits)
+    mapped = mapped or {}
+    kvb = kv_bytes_per_token(cfg, engine, s.kv_bits, s.drafter != "off")
     per_token = s.streams * kvb + engine.prefill_bytes_per_context_token
     rings = s.streams * swa_ring_bytes(cfg, engine, s.drafter != "off") / GIB
     runtime = sum(r.gib for r in engine.runtime)
@@ -142,6 +169,7 @@ def _rank_terms(
             guard_gib=guard, engram_cache_gib=cache, free_gib=base - s.context * per_token / GIB,
             weights_by_class_gib={c: n / GIB for c, n in sorted(by_class.items())},
             max_context=_max_context(base, per_token, cfg),
+            mapped_gib=sum(mapped.values()) / GIB, mapped_by_class_gib={c: n / GIB for c, n in mapped.items()},
         ))
     return ranks, kvb
 
@@ -156,7 +184,12 @@ def _max_context(base_gib: float, per_token: float, cfg: ModelConfig) -> int:
 def evaluate(cfg: ModelConfig, stored: list[StoredTensor], s: Scenario, hw: Hardware) -> list[RankMemory]:
     """Per-rank memory of one scenario, without verdicts (the cheap inner step of searches)."""
     _check(s, hw)
-    return _rank_terms(cfg, s, hw, rank_weights(cfg, stored, s.options()).by_class)[0]
+    return _terms(cfg, stored, s, hw)[0]
+
+
+def _terms(cfg: ModelConfig, stored: list[StoredTensor], s: Scenario, hw: Hardware) -> tuple[list[RankMemory], float]:
+    resident, mapped = resident_and_mapped(stored, s, hw)
+    return _rank_terms(cfg, s, hw, rank_weights(cfg, resident, s.options()).by_class, mapped)
 
 
 def _fits(ranks: list[RankMemory]) -> bool:
@@ -182,6 +215,8 @@ def fit(
     vision: str = "rank0",
     guard_gib: float | None = None,
     kv_bits: float | None = None,
+    copy_pattern: str | None = None,
+    fp8_lazy: bool = False,
     hardware: Hardware | None = None,
     source: str = "",
     stored_at_bpw: Callable[[float], list[StoredTensor]] | None = None,
@@ -193,10 +228,10 @@ def fit(
     function that builds the pack at another bpw, from `lowest_bpw` up) the highest bpw that fits here."""
     hw = hardware or load_hardware()
     s = Scenario(sparks, context, streams, engine or hw.default_engine, split, engram, drafter, vision,
-                 guard_gib, kv_bits)
+                 guard_gib, kv_bits, copy_pattern, fp8_lazy)
     _check(s, hw)
     _check_context(cfg, context)
-    ranks, kvb = _rank_terms(cfg, s, hw, rank_weights(cfg, stored, s.options()).by_class)
+    ranks, kvb = _terms(cfg, stored, s, hw)
     fits = _fits(ranks)
     worst = min(ranks, key=lambda r: r.free_gib)
     raw_max = min(r.max_context for r in ranks)
@@ -211,7 +246,7 @@ def fit(
         drafter=drafter, vision=vision, context=context, streams=streams, kv_bytes_per_token=kvb,
         ranks=ranks, fits=fits, short_gib=max(0.0, -worst.free_gib), worst_rank=worst.rank,
         max_context=max_context, max_context_capped=raw_max > cfg.max_position_embeddings,
-        would_fit=would, verdict="", terms=explain_terms(cfg, s, hw),
+        would_fit=would, verdict="", terms=explain_terms(cfg, s, hw), mapped=hw.engine(s.engine).mapped is not None,
     )
     report.verdict = verdict(report)
     return report
@@ -226,7 +261,7 @@ def _check_context(cfg: ModelConfig, context: int) -> None:
 def _smallest_topology(cfg, stored, s: Scenario, hw: Hardware) -> int | None:
     engine = hw.engine(s.engine)
     for n in TOPOLOGIES:
-        if n <= s.sparks or n > engine.max_sparks.value:
+        if n <= s.sparks or n not in engine.sparks:
             continue
         if _fits(evaluate(cfg, stored, replace(s, sparks=n), hw)):
             return n
@@ -247,7 +282,8 @@ class Boundary:
 
 
 def highest_fitting_bpw(cfg: ModelConfig, stored_at: Callable[[float], list[StoredTensor]], lo: float, hi: float,
-                        s: Scenario, hw: Hardware) -> Boundary:
+                        s: Scenario, hw: Hardware,
+                        scenario_at: Callable[[float], Scenario] | None = None) -> Boundary:
     """The largest bpw in [lo, hi] (to FIT_TOLERANCE_BPW) whose pack `stored_at(bpw)` fits `s`.
 
     The worst rank's free memory falls almost linearly with bpw, by about the budgeted weights'
@@ -255,9 +291,10 @@ def highest_fitting_bpw(cfg: ModelConfig, stored_at: Callable[[float], list[Stor
     aimed just inside the root and corrected by the secant through the probes, end in two to four
     probes (a probe plans, lists the stored tensors and runs the memory model: ~2 s at full size).
     `stored_at` may raise UserError below its own lowest rate; `lo` is raised to the first bpw it
-    accepts (UserError when none in [lo, hi] is)."""
+    accepts (UserError when none in [lo, hi] is). `scenario_at` gives the scenario of a probe where it
+    depends on the plan (the drafter and cold experts of an engine that maps weights, target.py)."""
     def free(bpw: float) -> float:
-        return min(r.free_gib for r in evaluate(cfg, stored_at(bpw), s, hw))
+        return min(r.free_gib for r in evaluate(cfg, stored_at(bpw), scenario_at(bpw) if scenario_at else s, hw))
 
     lowest = lowest_accepted(stored_at, lo, hi)
     fit_bpw, fit_free = lowest, free(lowest)
@@ -328,30 +365,31 @@ def fit_table(
     engram: str = "nvme",
     drafter: str = "split",
     vision: str = "rank0",
+    copy_pattern: str | None = None,
     hardware: Hardware | None = None,
 ) -> dict:
-    """Fit on 1, 2 and 4 Sparks for every engine that runs there (JSON-able, for manifest.json)."""
+    """Fit on 1, 2 and 4 Sparks for every engine that runs there (JSON-able, for the card and build)."""
     hw = hardware or load_hardware()
     _check_context(cfg, context)
     names = engines or tuple(hw.engines)
     table: dict = {"context": context, "streams": streams, "split": split, "engram": engram,
                    "drafter": drafter, "vision": vision, "hardware": hw.name, "topologies": {}}
     for n in TOPOLOGIES:
-        weights = None
         row = {}
         for name in names:
-            if n > hw.engine(name).max_sparks.value:
+            if n not in hw.engine(name).sparks:
                 continue
-            s = Scenario(n, context, streams, name, split, engram, drafter, vision)
+            s = Scenario(n, context, streams, name, split, engram, drafter, vision, copy_pattern=copy_pattern)
             _check(s, hw)
-            weights = weights or rank_weights(cfg, stored, s.options()).by_class
-            ranks, _ = _rank_terms(cfg, s, hw, weights)
+            ranks, _ = _terms(cfg, stored, s, hw)
             row[name] = {
                 "fits": _fits(ranks),
                 "weights_gib": [round(r.weights_gib, 3) for r in ranks],
                 "free_gib": [round(r.free_gib, 3) for r in ranks],
                 "max_context": min(min(r.max_context for r in ranks), cfg.max_position_embeddings),
             }
+            if hw.engine(name).mapped:
+                row[name]["mapped_gib"] = [round(r.mapped_gib, 3) for r in ranks]
         table["topologies"][str(n)] = row
     return table
 
@@ -360,7 +398,10 @@ def pack_fit_table(pack) -> dict:
     """fit_table of a built pack at its model's full context, from the shards' headers and today's
     hardware profile: computed when asked, never stored with the pack (the profile is re-measured)."""
     cfg, stored = stored_from_pack(pack)
-    return fit_table(cfg, stored, context=cfg.max_position_embeddings)
+    launch = read_launch(pack)  # a one-Spark pack's launch.env: what its engine copies, and whether the drafter runs
+    copy, drafter = launch if launch else (None, True)
+    return fit_table(cfg, stored, context=cfg.max_position_embeddings, copy_pattern=copy,
+                     drafter="split" if drafter else "off")
 
 
 def verdict(r: FitReport) -> str:
@@ -370,7 +411,7 @@ def verdict(r: FitReport) -> str:
     if r.fits:
         free = r.ranks[r.worst_rank].free_gib
         return (f"fits {where} at {ctx}; worst rank {r.worst_rank} keeps {free:.2f} GiB free; "
-                f"largest context {r.max_context:,} tokens per stream{cap}")
+                f"largest context {r.max_context:,} tokens per stream{cap}{_page_cache(r)}")
     parts = [f"does not fit {where} at {ctx}: rank {r.worst_rank} is short by {r.short_gib:.2f} GiB"]
     if r.max_context > 0:
         parts.append(f"fits here at up to {r.max_context:,} tokens per stream")
@@ -388,10 +429,21 @@ def verdict(r: FitReport) -> str:
     return "; ".join(parts)
 
 
+def _page_cache(r: FitReport) -> str:
+    """For an engine that maps weights: how much of what it maps the memory left can keep in the page cache
+    (the free memory and the guard: page cache is reclaimable); the rest is read from NVMe as it is used."""
+    m = r.ranks[r.worst_rank]
+    if not r.mapped or m.mapped_gib <= 0:
+        return ""
+    room = max(0.0, m.free_gib + m.guard_gib)
+    kept = "all of it" if room >= m.mapped_gib else f"{room:.2f} GiB of it; the rest is read from NVMe as it is used"
+    return f"; {m.mapped_gib:.2f} GiB served from the mapped file, the page cache can keep {kept}"
+
+
 def explain_terms(cfg: ModelConfig, s: Scenario, hw: Hardware) -> list[Explained]:
     """Every number the model used, with its source."""
     e = hw.engine(s.engine)
-    kvb = kv_bytes_per_token(cfg, e, s.kv_bits)
+    kvb = kv_bytes_per_token(cfg, e, s.kv_bits, s.drafter != "off")
     rings = swa_ring_bytes(cfg, e, s.drafter != "off")
     terms = [
         Explained("visible memory per Spark", f"{hw.visible_gib.value:g} GiB", hw.visible_gib.source),
@@ -409,7 +461,8 @@ def explain_terms(cfg: ModelConfig, s: Scenario, hw: Hardware) -> list[Explained
     terms += [Explained(f"{e.name}: {r.name}", f"{r.gib:g} GiB", r.source) for r in e.runtime]
     terms += [
         Explained("KV + index keys per token per rank (replicated)", f"{kvb:,.1f} B" + _derived(e.kv_derive, s.kv_bits),
-             e.kv_source),
+             e.kv_source + (f"; the drafter's cache layers: {e.drafter_kv_source}"
+                            if e.drafter_kv_source and s.drafter != "off" else "")),
         Explained("SWA rings per stream", f"{rings:,.0f} B", f"{e.swa_rows_source}; {e.swa_row_source}"),
         Explained("prefill transient",
              f"{e.prefill_fixed_gib:g} GiB + {e.prefill_bytes_per_context_token:,.0f} B per context token",
@@ -417,6 +470,17 @@ def explain_terms(cfg: ModelConfig, s: Scenario, hw: Hardware) -> list[Explained
         Explained("weights", f"split {s.split}, drafter {s.drafter}, vision {s.vision}",
              "docs/gb10-memory.md (tensor parallel); EXL3 splits on 128-wide blocks (jayleaton FOUR_SPARKS.md)"),
     ]
+    if e.mapped:
+        copy = s.copy_pattern or e.mapped.copy_default
+        terms += [
+            Explained("served from the mapped file", f"tensors of {e.mapped.min_bytes:,} B or more on their grid, "
+                      f"needing no conversion, whose name does not match EXL3_ATS_COPY='{copy}'; source-form linears "
+                      + ("kept compact (EXL3_FP8_LAZY=1)" if s.fp8_lazy else "dequantized to FP16 (EXL3_FP8_LAZY off, "
+                                                                               "the recipe's launch)"), e.mapped.source),
+            Explained("launcher floor", f"MemAvailable of at least {e.mapped.launcher_floor_gib:g} GiB before the load "
+                      f"(this Spark: {hw.visible_gib.value - hw.os_reserve_gib.value:g} GiB after the OS reserve)",
+                      e.mapped.source),
+        ]
     if cfg.engram_layer_ids:
         src = {"nvme": hw.engram_cache_rows_per_table.source, "scales": hw.engram_scales_source,
                "resident": "tables resident, split across ranks by hash heads (jayleaton FOUR_SPARKS.md)"}[s.engram]

@@ -13,6 +13,10 @@ def render(r: FitReport, explain: bool = False) -> str:
     rows = [[m.rank] + [f"{v:,.2f}" for v in (
         m.visible_gib, m.weights_gib, m.kv_pool_gib, m.swa_rings_gib, m.prefill_gib, m.runtime_gib,
         m.os_gib, m.guard_gib, m.engram_cache_gib, m.free_gib)] + [f"{m.max_context:,}"] for m in r.ranks]
+    if r.mapped:  # an engine that serves weights from the mapped file: the page cache it uses beside
+        headers.insert(3, "mapped")
+        for row, m in zip(rows, r.ranks):
+            row.insert(3, f"{m.mapped_gib:,.2f}")
     lines = [
         f"{r.source}: {r.arch} on {r.sparks} Spark{'s' if r.sparks > 1 else ''}, engine {r.engine}, "
         f"split {r.split}, Engram {r.engram}, drafter {r.drafter}, vision {r.vision}; "
@@ -21,6 +25,9 @@ def render(r: FitReport, explain: bool = False) -> str:
         "",
         ("FITS: " if r.fits else "DOES NOT FIT: ") + r.verdict,
     ]
+    if r.mapped:
+        lines.insert(2, "weights: copied into GPU memory; mapped: served from the mapped file (page cache, reclaimable, "
+                        "read from NVMe again once dropped), not counted against free")
     if explain:
         classes = sorted({c for m in r.ranks for c in m.weights_by_class_gib})
         lines += ["", "weights by class (GiB):",

@@ -43,5 +43,5 @@ def stored_from_pack(pack_dir: str | Path) -> tuple[ModelConfig, list[StoredTens
         parsed = exl3_key(name)
         key = parsed[0] if parsed and parsed[0] in exl3_k else None
         stored.append(StoredTensor(name, e.nbytes, tuple(e.shape), e.dtype, classify(name).cls,
-                                   EXL3 if key else NATIVE, exl3_k[key] if key else None, key))
+                                   EXL3 if key else NATIVE, exl3_k[key] if key else None, key, e.offset))
     return ck.config, stored

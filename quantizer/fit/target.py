@@ -1,7 +1,11 @@
 """The largest plan that fits a number of Sparks: `plan --sparks` and `build --sparks` ask this.
 
 The planner is passed in (bpw -> Plan, any method); the search over bpw is fit's own
-(memory.highest_fitting_bpw), the same one `quantizer fit --bpw` uses to say what would fit.
+(memory.highest_fitting_bpw), the same one `quantizer fit --bpw` uses to say what would fit. On an engine
+that serves weights from the mapped file, a `cold_share` above 0 lets the least-routed experts stay in the
+page cache where that makes a plan fit (cold_experts.py); the launch settings that say so come back with
+the plan, and so does whether the engine runs the drafter (not where it would have to dequantize a
+source-form drafter into GPU memory: launch.py).
 """
 
 from __future__ import annotations
@@ -11,9 +15,12 @@ from dataclasses import dataclass
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
+from quantizer.fit.cold_experts import place_cold_experts
 from quantizer.fit.hardware import Hardware, load_hardware
-from quantizer.fit.memory import FitReport, Scenario, fit, highest_fitting_bpw, lowest_accepted
+from quantizer.fit.launch import Launch
+from quantizer.fit.memory import FitReport, Scenario, check_topology, fit, highest_fitting_bpw, lowest_accepted
 from quantizer.fit.stored import StoredTensor
+from quantizer.model.targets import DRAFT, targets
 from quantizer.plan.plan import Plan
 from quantizer.plan.spec import pack_spec
 
@@ -24,20 +31,58 @@ class FitTarget:
     context: int
     streams: int = 1
     engine: str | None = None
+    cold_share: float = 0.0  # routed tokens the cold experts may take (engines that map weights)
 
     def describe(self) -> str:
         return (f"{self.sparks} Spark{'s' if self.sparks > 1 else ''} at {self.context:,} tokens x {self.streams} "
                 f"stream{'s' if self.streams > 1 else ''}")
 
+    def scenario(self, hw: Hardware, drafter: bool = True) -> Scenario:
+        s = Scenario(self.sparks, self.context, self.streams, self.engine or hw.default_engine,
+                     drafter="split" if drafter else "off")
+        check_topology(hw, s.engine, s.sparks)
+        return s
+
+
+@dataclass(frozen=True)
+class FittedPlan:
+    plan: Plan
+    report: FitReport
+    launch: Launch  # which experts stay in the page cache (none where the engine copies every weight)
+
+
+def fit_plan(cfg: ModelConfig, plan: Plan, target: FitTarget, tokens: dict[str, float] | None = None,
+             hardware: Hardware | None = None) -> FittedPlan:
+    """The fit of one plan on the target, with its cold experts placed."""
+    hw = hardware or load_hardware()
+    stored = pack_spec(cfg, plan).tensors
+    s, launch = place_cold_experts(cfg, stored, target.scenario(hw, runs_drafter(cfg, plan, target, hw)), hw,
+                                   tokens or {}, target.cold_share)
+    report = fit(cfg, stored, s.sparks, s.context, s.streams, s.engine, drafter=s.drafter, copy_pattern=s.copy_pattern,
+                 hardware=hw, source=plan.made_by)
+    return FittedPlan(plan, report, launch)
+
+
+def runs_drafter(cfg: ModelConfig, plan: Plan, target: FitTarget, hw: Hardware) -> bool:
+    """Whether the engine runs the plan's drafter: not where it serves weights from the mapped file and the
+    plan leaves the drafter in source form (dequantized, it would be copied whole into GPU memory)."""
+    return hw.engine(target.engine or hw.default_engine).mapped is None or drafter_in_exl3(cfg, plan)
+
+
+def drafter_in_exl3(cfg: ModelConfig, plan: Plan) -> bool:
+    """Whether every linear of the plan's drafter is EXL3 (True for a model without one)."""
+    return all(plan.k[t.key] is not None for t in targets(cfg) if t.group == DRAFT)
+
 
 def largest_fitting_plan(cfg: ModelConfig, plan_at: Callable[[float], Plan], lo: float, hi: float,
-                         target: FitTarget, hardware: Hardware | None = None) -> tuple[Plan, FitReport]:
+                         target: FitTarget, hardware: Hardware | None = None,
+                         tokens: dict[str, float] | None = None) -> FittedPlan:
     """The plan at the largest bpw in [lo, hi] that fits `target`, with its fit report.
 
     `plan_at` may raise UserError below its own lowest rate. UserError when even the lowest plan it
     accepts does not fit, with the shortfall."""
     hw = hardware or load_hardware()
-    scenario = Scenario(target.sparks, target.context, target.streams, target.engine or hw.default_engine)
+    target.scenario(hw)  # the topology is checked before any plan is made
     plans: dict[float, Plan] = {}
     stored: dict[float, list[StoredTensor]] = {}
 
@@ -51,11 +96,14 @@ def largest_fitting_plan(cfg: ModelConfig, plan_at: Callable[[float], Plan], lo:
             stored[bpw] = pack_spec(cfg, plan(bpw)).tensors
         return stored[bpw]
 
-    found = highest_fitting_bpw(cfg, stored_at, lowest_accepted(plan, lo, hi), hi, scenario, hw)
+    def placed(bpw: float) -> Scenario:
+        s = target.scenario(hw, runs_drafter(cfg, plan(bpw), target, hw))
+        return place_cold_experts(cfg, stored_at(bpw), s, hw, tokens or {}, target.cold_share, fill=True)[0]
+
+    scenario = target.scenario(hw)
+    found = highest_fitting_bpw(cfg, stored_at, lowest_accepted(plan, lo, hi), hi, scenario, hw, placed)
     if not found.fits:
         raise UserError(f"does not fit {target.describe()} ({scenario.engine}) even at the lowest rates "
                         f"({plans[found.bpw].achieved_bpw:.3f} bpw): the worst rank is short by "
                         f"{-found.free_gib:.2f} GiB; use more Sparks, a shorter --context or fewer --streams")
-    report = fit(cfg, stored[found.bpw], target.sparks, target.context, target.streams, scenario.engine,
-                 hardware=hw, source=plans[found.bpw].made_by)
-    return plans[found.bpw], report
+    return fit_plan(cfg, plans[found.bpw], target, tokens, hw)

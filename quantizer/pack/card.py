@@ -91,6 +91,7 @@ def render_card(m: Manifest, fit: dict | None) -> str:
         _title(m),
         _source(m),
         _loads_in(m),
+        *_launch(m),
         _bits(m),
         _policies(m, source_classes),
         _calibration(m),
@@ -129,7 +130,30 @@ def _loads_in(m: Manifest) -> str:
         f"- EXL3 format of exllamav3 {m.tool['exllamav3_target']}; encoded by {encoded}; "
         f"quantizer {m.tool['version']}, torch {m.tool['torch']}",
         f"- loader features required: {features}",
+        *([f"- not read by this engine (written for other tools): {', '.join(profile.ignored)}"] if profile.ignored else []),
     ])
+
+
+def _launch(m: Manifest) -> list[str]:
+    """How to start a pack whose engine serves weights from the mapped file (its launch.env), or nothing."""
+    launch = m.plan.get("launch")
+    if not launch:
+        return []
+    cold = (f"{launch['cold_experts']:,} cold routed experts ({launch['cold_share']:.2%} of the calibration's routed "
+            "tokens) are left in the page cache with the drafter" if launch["cold_experts"] else
+            "every routed expert is copied into GPU memory, the drafter left in the page cache")
+    drafter = ("" if launch.get("drafter", True) else " The drafter is in source form, which the engine would "
+               "dequantize into GPU memory, so it launches without it (`DRAFT=0`); build with `--overlay` for an "
+               "EXL3 drafter served from the mapped file.")
+    return ["\n".join([
+        "## Run it on one Spark", "",
+        "Native ExLlamaV3's V4.1 loader (vcruz305/exllamav3, branch `feat/gb10-ats-load`; the recipe pins commit "
+        "`954a8ca6e59d`), one Spark in ATS addressing mode. `launch.env` in this folder sets what the engine copies "
+        f"into GPU memory and what it serves from the mapped shards: {cold}.{drafter} Load it before the recipe's "
+        "launcher (vcruz305/DeepSeek-V4.1-Flash-EXL3-DGX-Spark-recipe, `one-spark-tp1/scripts/run_tp1.sh`, which "
+        "keeps variables already set):", "",
+        "```", "set -a; . ./launch.env; set +a", "MODEL_DIR=$PWD one-spark-tp1/scripts/run_tp1.sh", "```",
+    ])]
 
 
 def _bits(m: Manifest) -> str:
@@ -231,8 +255,10 @@ def _fit(f: dict | None) -> str:
     rows = []
     for sparks, engines in f["topologies"].items():
         for engine, r in engines.items():
+            mapped = r.get("mapped_gib") or [0.0] * len(r["weights_gib"])
             rows.append([sparks, engine, "yes" if r["fits"] else "no",
-                         " / ".join(f"{w:,.3f}" for w in r["weights_gib"]),
+                         " / ".join(f"{w:,.3f}" + (f" (+{g:,.3f} mapped)" if g else "")
+                                    for w, g in zip(r["weights_gib"], mapped)),
                          " / ".join(f"{g:,.3f}" for g in r["free_gib"]), f"{r['max_context']:,}"])
     return "\n".join([
         FIT_HEADING, "",

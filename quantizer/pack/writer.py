@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from importlib import metadata
 from pathlib import Path
@@ -34,6 +34,7 @@ from tqdm import tqdm
 from quantizer import __version__
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED, parse_codebook
 from quantizer.model.layout import TensorSpec
@@ -43,6 +44,9 @@ from quantizer.checkpoint.safetensors_file import (
     PAD_PREFIX, TORCH_DTYPES, TensorEntry, planned, read_header, read_tensor, write_safetensors,
 )
 from quantizer.exl3 import PACK_ALIGN
+from quantizer.fit.hardware import load_hardware
+from quantizer.fit.launch import LAUNCH_FILE, Launch, write_launch
+from quantizer.fit.target import drafter_in_exl3
 from quantizer.model.targets import DRAFT, HEAD_GROUP, ROUTED
 from quantizer.pack.card import source_license, write_card
 from quantizer.pack.exl3_config import (
@@ -81,6 +85,7 @@ class PackSettings:
     tuned_files: tuple[Path, ...] = ()  # the tune stage's block files: their suh/svh replace the unit store's
     tuning: dict | None = None  # the tune stage's record (settings, rows, held-out error ratios), for the manifest
     end_to_end: dict | None = None  # the end-to-end tuning's record (settings, rows, held-out KL), for the manifest
+    launch: Launch = Launch()  # cold experts, where the profile's engine serves weights from the mapped file
 
 
 def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, settings: PackSettings,
@@ -133,11 +138,15 @@ def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settin
     records = _shard_records(partial, shards)
     _write_index(partial, shards)
     qcfg = _write_configs(ck, plan, spec, tensors, partial, _calibration(settings))
-    files = _file_records(partial, [INDEX_NAME, *CONFIG_FILES, *_copy_side_files(ck.root, partial)])
+    written = [INDEX_NAME, *CONFIG_FILES, *_copy_side_files(ck.root, partial)]
+    launch = _write_launch(ck.config, plan, settings.launch, partial)
+    if launch:
+        written.append(launch["file"])
+    files = _file_records(partial, written)  # every file the pack owns besides shards, manifest and card
     sibling = _write_engram_dir(ck, spec, engram_dir)
     if sibling:
         sibling["dir"] = engram_name
-    manifest = _manifest(ck, plan, linears, shards, records, sources, qcfg, settings, sibling, files)
+    manifest = _manifest(ck, plan, linears, shards, records, sources, qcfg, settings, sibling, launch, files)
     write_json_atomic(partial / MANIFEST_NAME, manifest.to_dict())
     write_card(partial, manifest)
     return manifest
@@ -347,6 +356,17 @@ def _write_engram_dir(ck: Checkpoint, spec: PackSpec, where: Path) -> dict | Non
     return {"shards": sorted(how), "tables": len(tables)}
 
 
+def _write_launch(cfg: ModelConfig, plan: Plan, launch: Launch, pack: Path) -> dict | None:
+    """launch.env, where the plan's engine serves weights from the mapped file (fit/launch.py); what the
+    manifest records of it, or None."""
+    if load_hardware().engine(load_profile(plan.loader).fit_engine).mapped is None:
+        return None
+    launch = replace(launch, drafter=drafter_in_exl3(cfg, plan))  # a source-form drafter is launched without
+    write_launch(pack, launch)
+    return {"file": LAUNCH_FILE, "cold_experts": len(launch.cold_experts), "cold_share": round(launch.cold_share, 6),
+            "drafter": launch.drafter}
+
+
 def _head_bits(plan: Plan) -> float | int:
     """K of the head; 16 (exllamav3's "unquantized") when it stays native or fp16."""
     return _k(plan.head_bits) if plan.head_bits is not None else 16
@@ -373,7 +393,7 @@ def _file_records(pack: Path, names: list[str]) -> dict[str, FileRecord]:
 
 
 def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackSettings,
-              engram_dir: dict | None, files: dict[str, FileRecord]) -> Manifest:
+              engram_dir: dict | None, launch: dict | None, files: dict[str, FileRecord]) -> Manifest:
     tensors = {t.name: TensorRecord(s.file, t.K, t.cls) for s in shards for t in s.tensors}
     aliases = {t.key: alias_of(plan, t.key) for t in targets(ck.config) if alias_of(plan, t.key)}
     features = (["per-expert-K"] if load_profile(plan.loader).per_expert_k else []) + (["expert-aliases"] if aliases else [])
@@ -390,7 +410,7 @@ def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackS
                 "base_model": settings.base_model, "license": source_license(ck.root),
                 "quantization_config": _source_config(ck).get("quantization_config")},
         plan={"hash": plan.content_hash(), "loader": plan.loader, "codebook": plan.codebook,
-              "head_bits": qcfg["head_bits"], "engram_dir": engram_dir},
+              "head_bits": qcfg["head_bits"], "engram_dir": engram_dir} | ({"launch": launch} if launch else {}),
         settings=dict(settings.job_settings) | ({"tuning": settings.tuning} if settings.tuning else {})
         | ({"end_to_end": settings.end_to_end} if settings.end_to_end else {}),
         quantization={"bits": qcfg["bits"], "bpw": qcfg["bpw"], "k_histogram": _histogram(linears)},

@@ -43,6 +43,8 @@ from quantizer.distributed import code_fingerprint, current
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw, rate_grid
 from quantizer.fit.memory import FitReport
+from quantizer.fit.cold_experts import routed_tokens
+from quantizer.fit.launch import Launch
 from quantizer.fit.target import FitTarget, largest_fitting_plan
 from quantizer.inventory.inventory import require_consistent
 from quantizer.pack.manifest import Manifest
@@ -141,7 +143,7 @@ def build(req: BuildRequest) -> BuildResult:
             summary = calibrate(ck, req.calibration_rows, req.work_dir, req.calibration).summary
             require_unchanged(pin, "calibrate", made, req.work_dir)
             store = HessianStore(req.work_dir, ck)
-        plan, report = ranks.on_main(lambda: plan_and_state(ck.config, req, summary, ranks.world))
+        plan, report, launch = ranks.on_main(lambda: plan_and_state(ck.config, req, summary, ranks.world))
         settings = replace(req.quantize, calibration=store.record if store else None)
         quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None,
                              on_start=lambda: save_plan(ck.config, plan, req.work_dir), source_check=pin.check_read)
@@ -161,7 +163,8 @@ def build(req: BuildRequest) -> BuildResult:
             require_unchanged(pin, E2E_STAGE, made, req.work_dir)
         pack = PackSettings(settings.record(), req.shard_size, req.revision, req.base_model, req.command,
                             tuned_files=tuned_files + ((e2e.file,) if e2e else ()),
-                            tuning=tuned.record() if tuned else None, end_to_end=e2e.record() if e2e else None)
+                            tuning=tuned.record() if tuned else None, end_to_end=e2e.record() if e2e else None,
+                            launch=launch)
         manifest, verified = ranks.on_main(lambda: pack_and_publish(ck, plan, req, pack, partial, pin))
         ranks.barrier()
     return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, tuned, e2e, manifest, verified,
@@ -203,14 +206,15 @@ def pack_and_publish(ck: Checkpoint, plan: Plan, req: BuildRequest, settings: Pa
 
 
 def plan_and_state(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None, ranks: int = 1
-                   ) -> tuple[Plan, FitReport | None]:
-    """The plan (req.plan, or chosen by req.method) and its fit report; the GPU time it implies stated
-    (the tune stage's too, with --tune, for a job of `ranks` GPUs)."""
-    plan, report = (req.plan, None) if req.plan else choose_plan(cfg, req, summary)
+                   ) -> tuple[Plan, FitReport | None, Launch]:
+    """The plan (req.plan, or chosen by req.method), its fit report and launch settings (the cold experts
+    of a one-Spark target); the GPU time it implies stated (the tune stage's too, with --tune, for a job
+    of `ranks` GPUs)."""
+    plan, report, launch = (req.plan, None, Launch()) if req.plan else choose_plan(cfg, req, summary)
     print(plan_estimate(cfg, plan).line(), file=sys.stderr)
     if req.tune is not None:
         print(tune_line(cfg, *req.calibration_rows.shape, req.tune, (ranks,)), file=sys.stderr)
-    return plan, report
+    return plan, report, launch
 
 
 def check_request(req: BuildRequest) -> None:
@@ -270,17 +274,20 @@ def check_plannable(cfg: ModelConfig, req: BuildRequest) -> Plan:
         summary = synthetic_summary(cfg) if req.method == OURS else None
         return planner(cfg, req.method, req.allocation, summary)[0](req.bpw)
     plan_at, lowest = planner(cfg, UNIFORM, replace(req.allocation, alias=None))
-    return largest_fitting_plan(cfg, plan_at, lowest, rate_grid(req.allocation.codebook)[-1], req.target)[0]
+    return largest_fitting_plan(cfg, plan_at, lowest, rate_grid(req.allocation.codebook)[-1], req.target).plan
 
 
 def choose_plan(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None
-                ) -> tuple[Plan, FitReport | None]:
-    """The plan at req.bpw, or the largest that fits req.target, by req.method."""
+                ) -> tuple[Plan, FitReport | None, Launch]:
+    """The plan at req.bpw, or the largest that fits req.target (its cold experts placed on the
+    calibration's routing), by req.method."""
     if req.measured is not None:
         pairs = sum(len(ks) for ks in req.measured.values())
         print(f"plan: allocating on {pairs:,} measured proxy errors of {len(req.measured):,} targets", file=sys.stderr)
     plan_at, lowest = planner(cfg, req.method, req.allocation, summary, measured=req.measured)
     if req.target is None:
-        return plan_at(req.bpw), None
+        return plan_at(req.bpw), None, Launch()
     highest = rate_grid(req.allocation.codebook)[-1]
-    return largest_fitting_plan(cfg, plan_at, lowest, highest, req.target)
+    fitted = largest_fitting_plan(cfg, plan_at, lowest, highest, req.target,
+                                  tokens=routed_tokens(summary) if summary else None)
+    return fitted.plan, fitted.report, fitted.launch

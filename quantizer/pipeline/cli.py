@@ -1,5 +1,6 @@
-"""`quantizer build SRC (--bpw B | --sparks N [--context C] | --plan PLAN.json) --out PACK
-[--method ours|uniform|exl3] [--loader vllm-exl3|tensorfold|exllamav3] [--text FILE | --tokens FILE | --no-calibrate] ...`
+"""`quantizer build SRC (--bpw B | --sparks N [--context C] [--cold-share S] | --plan PLAN.json) --out PACK
+[--method ours|uniform|exl3] [--loader vllm-exl3|tensorfold|exllamav3|exllamav3-v41] [--overlay [GROUPS]]
+[--text FILE | --tokens FILE | --no-calibrate] ...`
 
 Calibrates (the shipped calibration set by default), plans, quantizes, packs and verifies. Rerun the
 same command after an interruption and it continues where it stopped; a rerun with a different
@@ -12,7 +13,7 @@ import argparse
 import re
 from pathlib import Path
 
-from quantizer.arguments import add_expert_hessians, count, repo_id, revision, tokens
+from quantizer.arguments import add_expert_hessians, add_one_spark_arguments, count, overlay_of, repo_id, revision, tokens
 from quantizer.pipeline.build import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
 from quantizer.calibrate.rows import calibration_rows
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, CalibrationSettings
@@ -20,6 +21,7 @@ from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
+from quantizer.fit.cold_experts import check_share
 from quantizer.fit.memory import TOPOLOGIES, pack_fit_table
 from quantizer.fit.render import render as render_fit
 from quantizer.fit.target import FitTarget
@@ -49,9 +51,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="ours: the allocator on the calibration (default); uniform; exl3: exllamav3's own allocator")
     p.add_argument("--loader", choices=LOADERS,
                    help="engine profile the pack must load in (docs/loader-profiles.md): vllm-exl3 (vLLM + vllm-exl3, "
-                        "routed experts EXL3 with K per expert; default for V4.1), tensorfold (every linear EXL3 mul1, "
-                        "Engram tables in <out>-engram) or exllamav3 (stock 1.6.5; default for V4); the pack is "
-                        "verified against it")
+                        "routed experts EXL3 with K per expert; default for V4.1), exllamav3-v41 (native ExLlamaV3's "
+                        "V4.1 loader on one Spark: routed K1..K8, the rest source form or --overlay, launch.env; default "
+                        "for V4.1 with --sparks 1), tensorfold (every linear EXL3 mul1, Engram tables in <out>-Engram) or "
+                        "exllamav3 (stock 1.6.5; default for V4); the pack is verified against it")
+    add_one_spark_arguments(p)
     data = p.add_mutually_exclusive_group()
     data.add_argument("--text", help="calibration text (.txt, .jsonl, optionally .zst) or a shipped set's name "
                       "(default: calibration)")
@@ -111,12 +115,22 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan) if args.plan else None
     if plan and args.codebook and args.codebook != plan.codebook:
         raise UserError(f"--codebook {args.codebook} conflicts with {args.plan}, which uses {plan.codebook}")
-    if args.sparks is None and (args.context is not None or args.streams != 1 or args.engine):
-        raise UserError("--context, --streams and --engine size the fit of --sparks N; add --sparks")
+    if args.sparks is None and (args.context is not None or args.streams != 1 or args.engine or args.cold_share):
+        raise UserError("--context, --streams, --engine and --cold-share size the fit of --sparks N; add --sparks")
+    check_share(args.cold_share)
+    if args.cold_share and (args.no_calibrate or args.method != OURS):
+        raise UserError("--cold-share picks cold experts by the calibration's routing: use --method ours with "
+                        "calibration")
     ck = Checkpoint.open(args.src, revision=args.revision)
-    loader = plan.loader if plan else args.loader or default_loader(ck.config)
+    loader = plan.loader if plan else args.loader or default_loader(ck.config, args.sparks)
     if plan and args.loader and args.loader != plan.loader:
         raise UserError(f"--loader {args.loader} conflicts with {args.plan}, which is made for {plan.loader}")
+    if plan and args.overlay is not None:
+        raise UserError(f"--overlay makes a plan; {args.plan} is one already (its K map decides)")
+    profile = load_profile(loader)
+    if args.sparks:
+        profile.check_sparks(args.sparks)
+    overlay = overlay_of(args, profile, args.codebook or "mul1")
     if not args.tune and (args.tune_steps, args.tune_inputs, args.tune_target) != (None, None, None):
         raise UserError("--tune-steps, --tune-inputs and --tune-target set the tune stage; add --tune")
     if args.tune_e2e_steps is not None and not args.tune_e2e:
@@ -124,11 +138,11 @@ def run(args: argparse.Namespace) -> int:
     target = None
     if args.sparks:
         context = ck.config.max_position_embeddings if args.context is None else args.context
-        target = FitTarget(args.sparks, context, args.streams, args.engine or load_profile(loader).fit_engine)
+        target = FitTarget(args.sparks, context, args.streams, args.engine or profile.fit_engine, args.cold_share)
     rows = None if args.no_calibrate else calibration_rows(ck, args.text, args.tokens, args.calib_rows, args.calib_cols)
     req = BuildRequest(
         src=args.src, out=args.out, bpw=args.bpw, plan=plan, target=target, method=args.method,
-        allocation=AllocationSettings(loader=loader, codebook=args.codebook or "mul1"),
+        allocation=AllocationSettings(loader=loader, codebook=args.codebook or "mul1", overlay=overlay),
         calibration_rows=rows,
         calibration=calibration, work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
@@ -201,6 +215,10 @@ def _engine_lines(r: BuildResult) -> list[str]:
         lines.append(f"Engram tables: {engram['tables']} tensors in {len(engram['shards'])} source shard(s) linked into "
                      f"{where}; point TensorFold at it: --engram {where} (or TF_DS_ENGRAM={where}), "
                      f"the model at {r.out}")
+    launch = r.manifest.plan.get("launch")
+    if launch:
+        lines.append(f"launch settings: {r.out / launch['file']} ({launch['cold_experts']} cold experts served from the "
+                     f"mapped file); load them before the recipe's launcher: set -a; . {r.out / launch['file']}; set +a")
     return lines
 
 

@@ -36,12 +36,11 @@ import numpy as np
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import check_k, rate_grid
-from quantizer.model.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, target_map, targets
+from quantizer.model.targets import ATTN, ENGRAM, INDEX, ROUTED, SHARED, target_map, targets
 from quantizer.plan.plan import Plan, make_plan
-from quantizer.plan.profiles import EXLLAMAV3, load_profile
+from quantizer.plan.profiles import EXLLAMAV3, Overlay, load_profile, overlay_note
 from quantizer.plan.sensitivity import AliasOption, Sensitivity
 from quantizer.plan.spec import expert_of
-from quantizer.plan.uniform import drafter_k
 
 FLOORED = (ATTN, INDEX, SHARED, ENGRAM)
 # K 2, the lowest integer rate DSV4 attention takes: measured in exllamav3 on the small V4 model it cuts
@@ -62,6 +61,7 @@ class AllocationSettings:
     alias: bool | None = None  # None: on where the loader honours aliases
     alias_below: float = ALIAS_BELOW
     alias_cap: int | None = None  # per layer; None: ALIAS_CAP_SHARE of the experts, at least 1
+    overlay: Overlay | None = None  # EXL3 for the profile's overlay groups at fixed K (profiles.Overlay)
 
     @property
     def aliasing(self) -> bool:
@@ -227,17 +227,13 @@ class Allocator:
         # an aliased expert's rows read as its warm expert's (_solve)
         k: dict[str, float | None] = {key: float(self.rates[choice[i]]) for key, i in self.row.items()}
         for t in targets(self.cfg):
-            if t.group == HEAD_GROUP:
-                k[t.key] = self.profile.group_k(HEAD_GROUP, s.head_bits)
-            elif t.group == DRAFT:
-                k[t.key] = drafter_k(self.profile.group_k(DRAFT, s.drafter_bits), t.integer_only)
-            elif t.key not in k:
-                k[t.key] = None  # a group the engine keeps in source form
+            if t.key not in k:  # head, drafter, an overlay group, or one the engine keeps in source form
+                k[t.key] = self.profile.fixed_k(t, s.head_bits, s.drafter_bits, s.overlay)
         bpw = budget_bits / self.total_numel if target_bpw is None else target_bpw
         made_by = (f"allocate(bpw={bpw:.4g}, loader={s.loader}, floor={s.floor:g}, codebook={s.codebook}, "
                    f"aliases={len(aliased)}, calibration={'synthetic' if self.sens.synthetic else 'measured'}, "
                    f"gains={self.sens.gains}, "
-                   f"measured_proxies={self.sens.measured})")
+                   f"measured_proxies={self.sens.measured}{overlay_note(s.overlay)})")
         return make_plan(self.cfg, k, s.codebook, s.loader, target_bpw=round(bpw, 4), aliases=aliased,
                          made_by=made_by)
 

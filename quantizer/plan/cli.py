@@ -1,12 +1,14 @@
 """`quantizer plan SRC|--model-config C (--bpw B | --sparks N [--context C] [--streams S] [--engine E])
-[--calibration WORK_OR_SUMMARY | --synthetic] [--loader vllm-exl3|tensorfold|exllamav3] [--method ours|uniform|exl3]
-[--alias/--no-alias] [--out plan.json] [--recipe-out recipe.yaml]`
+[--calibration WORK_OR_SUMMARY | --synthetic] [--loader vllm-exl3|tensorfold|exllamav3|exllamav3-v41]
+[--method ours|uniform|exl3] [--overlay [GROUPS]] [--cold-share S] [--alias/--no-alias] [--out plan.json]
+[--recipe-out recipe.yaml]`
 
 Methods: `ours` (allocate.py: least estimated error under the budget, from a calibration summary
 or a synthetic one), `uniform` (uniform.py), `exl3` (exllamav3's own create_q_strategy,
 exl3_baseline.py). The budget is --bpw, or with --sparks alone the most bits whose plan fits
-that topology at --context x --streams. Exit 0, or 1 when a --bpw plan does not fit the --sparks
-asked for (as `quantizer fit`), 2 on bad input.
+that topology at --context x --streams; a V4.1 plan for one Spark defaults to native ExLlamaV3's V4.1
+loader (exllamav3-v41), and a Spark count the profile's engine does not run is refused. Exit 0, or 1
+when a --bpw plan does not fit the --sparks asked for (as `quantizer fit`), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -15,22 +17,25 @@ import argparse
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from quantizer.arguments import add_model_arguments, add_plan_arguments, count, load_model_config, tokens
+from quantizer.arguments import (
+    add_model_arguments, add_one_spark_arguments, add_plan_arguments, count, load_model_config, overlay_of, tokens,
+)
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS
 from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw, rate_grid
-from quantizer.fit.memory import TOPOLOGIES, fit
+from quantizer.fit.cold_experts import check_share, routed_tokens
+from quantizer.fit.memory import TOPOLOGIES
 from quantizer.fit.render import render as render_fit
-from quantizer.fit.target import FitTarget, largest_fitting_plan
+from quantizer.fit.target import FitTarget, fit_plan, largest_fitting_plan
 from quantizer.model.targets import GROUPS, ROUTED, targets
 from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings
 from quantizer.plan.exl3_baseline import HQ
 from quantizer.plan.methods import EXL3, METHODS, OURS, UNIFORM, planner
 from quantizer.plan.plan import TOTAL, TOTAL_RESIDENT, Plan, check_plan
-from quantizer.plan.profiles import LOADERS, default_loader, load_profile
+from quantizer.plan.profiles import LOADERS, Overlay, default_loader, load_profile
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plots import plot_path, save_figure
@@ -38,8 +43,6 @@ from quantizer.quantize.rates import plan_estimate
 from quantizer.tune.settings import TuneSettings
 from quantizer.tune.stage import tune_line
 from quantizer.report import gib, table
-from quantizer.plan.spec import pack_spec
-
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -61,8 +64,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="allocator (default: ours with --calibration/--synthetic, else uniform)")
     p.add_argument("--loader", choices=LOADERS,
                    help="engine profile the plan must load in (docs/loader-profiles.md): vllm-exl3 (routed experts "
-                        "EXL3 with K per expert, the rest in source FP8; default for V4.1), tensorfold (every linear "
-                        "EXL3 mul1) or exllamav3 (stock 1.6.5: one K per projection per layer, gate = up; default for V4)")
+                        "EXL3 with K per expert, the rest in source FP8; default for V4.1), exllamav3-v41 (native "
+                        "ExLlamaV3's V4.1 loader, one Spark: routed K1..K8 per expert, the rest source form or "
+                        "--overlay; default for V4.1 with --sparks 1), tensorfold (every linear EXL3 mul1; two or four "
+                        "Sparks) or exllamav3 (stock 1.6.5: one K per projection per layer, gate = up; default for V4)")
     p.add_argument("--alias", action=argparse.BooleanOptionalAction, default=None,
                    help="alias cold experts to warm ones: refused, no engine profile reads an alias map "
                         "(docs/loader-profiles.md)")
@@ -74,6 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "uniform: its own rule)")
     p.add_argument("--hq", type=int, default=HQ, help="exllamav3's -hq for --method exl3")
     add_plan_arguments(p)
+    add_one_spark_arguments(p)
     p.add_argument("--out", type=Path, help="write the plan as JSON")
     p.add_argument("--recipe-out", type=Path, help="write the plan as an exllamav3 recipe.yaml")
     p.add_argument("--plot", help="also draw K per layer and projection as a heatmap to FILE.png (the plots extra)")
@@ -87,7 +93,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--plot-against draws into --plot FILE.png: give --plot too")
     plot = plot_path(args.plot) if args.plot else None
     cfg = load_model_config(args.src, args.model_config)
-    args.loader = args.loader or default_loader(cfg)
+    args.loader = args.loader or default_loader(cfg, args.sparks)
+    profile = load_profile(args.loader)
+    if args.sparks:
+        profile.check_sparks(args.sparks)
+    check_share(args.cold_share)
     against = [Plan.load(p) for p in args.plot_against]
     for other in against:
         check_plan(cfg, other)
@@ -96,22 +106,31 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give --bpw B, or --sparks N to plan the most that fits N Sparks")
     if args.bpw is not None:
         check_bpw(args.bpw, args.codebook)
-    plan_at, lo = _planner(cfg, args, method)
+    summary = load_summary(cfg, args) if method == OURS else None
+    if args.cold_share and summary is None:
+        raise UserError("--cold-share picks cold experts by the calibration's routing: give --calibration WORK "
+                        "(or --synthetic)")
+    plan_at, lo = _planner(cfg, args, method, summary, overlay_of(args, profile, args.codebook))
     target = FitTarget(args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
-                       args.streams, args.engine or load_profile(args.loader).fit_engine) if args.sparks else None
-    report = None
+                       args.streams, args.engine or profile.fit_engine, args.cold_share) if args.sparks else None
+    tokens = routed_tokens(summary) if summary else None
+    fitted = None
     if args.bpw is not None:
         plan = plan_at(args.bpw)
-        if target:
-            report = fit(cfg, pack_spec(cfg, plan).tensors, target.sparks, target.context, target.streams,
-                         target.engine, source=plan.made_by)
+        fitted = fit_plan(cfg, plan, target, tokens) if target else None
     else:
-        plan, report = largest_fitting_plan(cfg, plan_at, lo, rate_grid(args.codebook)[-1], target)
+        fitted = largest_fitting_plan(cfg, plan_at, lo, rate_grid(args.codebook)[-1], target, tokens=tokens)
+        plan = fitted.plan
+    report = fitted.report if fitted else None
     print(render(cfg, plan))
     print(plan_estimate(cfg, plan).line())
     print(tune_line(cfg, DEFAULT_ROWS, DEFAULT_COLS, TuneSettings()))
     if report:
         print("\n" + render_fit(report))
+    if fitted and fitted.launch.cold_experts:
+        print(f"cold experts: {len(fitted.launch.cold_experts)} served from the mapped file "
+              f"({fitted.launch.cold_share:.2%} of the calibration's routed tokens); `build` writes them into the "
+              "pack's launch.env")
     if args.out:
         plan.save(args.out)
         print(f"wrote {args.out}")
@@ -126,11 +145,11 @@ def run(args: argparse.Namespace) -> int:
     return 1 if report and not report.fits else 0
 
 
-def _planner(cfg: ModelConfig, args: argparse.Namespace, method: str):
+def _planner(cfg: ModelConfig, args: argparse.Namespace, method: str, summary: CalibrationSummary | None,
+             overlay: Overlay | None):
     """(bpw -> Plan for the chosen method, the lowest bpw worth trying)."""
     settings = AllocationSettings(args.loader, args.codebook, DEFAULT_FLOOR, args.head_bits, args.drafter_bits,
-                                  args.alias, args.alias_below, args.alias_cap)
-    summary = load_summary(cfg, args) if method == OURS else None
+                                  args.alias, args.alias_below, args.alias_cap, overlay)
     return planner(cfg, method, settings, summary, args.floor, args.hq)
 
 
@@ -151,6 +170,8 @@ def load_summary(cfg: ModelConfig, args: argparse.Namespace) -> CalibrationSumma
 def recipe_header(args: argparse.Namespace, plan: Plan, method: str = UNIFORM, target: FitTarget | None = None) -> str:
     model = args.model_config or "<checkpoint>/config.json"
     extra = f" --loader {plan.loader}" + ("" if args.codebook == "mul1" else f" --codebook {args.codebook}")
+    if args.overlay is not None:
+        extra += f" --overlay {args.overlay}".rstrip() + f" --overlay-bits {args.overlay_bits:g}"
     budget = f"--bpw {args.bpw:g}" if args.bpw is not None else _fit_flags(target)
     if method != UNIFORM:
         extra += _method_flags(args, method)
@@ -162,7 +183,7 @@ def recipe_header(args: argparse.Namespace, plan: Plan, method: str = UNIFORM, t
         f"expected pack {gib(plan.expected_bytes[TOTAL_RESIDENT])} GiB without the Engram tables.",
         "Values: 1..8, 1.5/2.5/3.5 (mul1), 16 = fp16; `native` (ours) keeps the source storage.",
     ]
-    if args.drafter_bits is None:
+    if all(k is None for key, k in plan.k.items() if key.startswith("mtp.")):
         lines.append("The DSpark drafter (mtp.*) is not listed, so it stays native.")
     if target:
         lines.insert(1, f"Budget: the most bits that fit {target.describe()}.")
@@ -176,6 +197,7 @@ def recipe_header(args: argparse.Namespace, plan: Plan, method: str = UNIFORM, t
 def _fit_flags(target: FitTarget) -> str:
     flags = f"--sparks {target.sparks} --context {target.context}"
     flags += f" --streams {target.streams}" if target.streams != 1 else ""
+    flags += f" --cold-share {target.cold_share:g}" if target.cold_share else ""
     return flags + (f" --engine {target.engine}" if target.engine else "")
 
 

@@ -43,11 +43,10 @@ from pathlib import Path
 from quantizer.caches import process_cache
 from quantizer.checkpoint.config import V4, ModelConfig
 from quantizer.errors import UserError
-from quantizer.exl3 import rate_grid
+from quantizer.exl3 import drafter_k, rate_floor, rate_grid
 from quantizer.model.targets import DRAFT, ENGRAM, HEAD_GROUP, target_map, targets
 from quantizer.plan.plan import Plan, achieved_bpw, make_plan
 from quantizer.plan.profiles import EXLLAMAV3
-from quantizer.plan.uniform import drafter_k, rate_floor
 
 EXLLAMAV3_VERSION = "1.6.5"
 HQ = 1  # exllamav3's -hq 1, what DSV4 conversions use (docs/exl3-format.md, allocator)

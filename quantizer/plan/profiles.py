@@ -9,7 +9,9 @@ The allocator optimises inside a profile (allocate.py) and budgets only the grou
 `quantizer verify --loader` checks a written pack against it. The rules on stored linears, each with
 its K (None: source form, 16: fp16) and codebook:
 
-- `layout`: a group the engine reads as EXL3 is EXL3, a group it reads in source form stays so;
+- `layout`: a group the engine reads as EXL3 is EXL3, a group it reads in source form stays so; an
+  `overlay` group stays in source form unless the user asks for the overlay (`--overlay`), which makes
+  it EXL3 at a fixed K outside the budget (native ExLlamaV3's V4.1 loader: Overlay below);
 - `codebook`: quantized linears use a codebook the engine's kernels decode;
 - `k_range`: quantized K within [k_min, k_max] (16 = fp16 where `fp16_linears`);
 - `half_rates`: half-integer K only with `half_rate_codebooks`;
@@ -19,21 +21,22 @@ its K (None: source form, 16: fp16) and codebook:
 - `gate_up_tied`: gate (w1) and up (w3) of a layer's routed experts share one K;
 - `aliases`: whether cold experts may be served by another expert's tensors.
 Pack-level rules (verify.py): `plain_dtypes`, `forbidden_dtypes`, `engram_tables`,
-`quantization_config`, `required_config_keys`, `index`.
+`quantization_config`, `required_config_keys`, `architectures`, `required_files`, `index`; and
+`sparks`: the Spark counts the engine runs on (a plan for another count is refused).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from quantizer.checkpoint.config import V4, ModelConfig
 from quantizer.errors import UserError
-from quantizer.exl3 import UNQUANTIZED
-from quantizer.model.targets import DRAFT, GROUPS, HEAD_GROUP, ROUTED, Target
+from quantizer.exl3 import UNQUANTIZED, check_k, drafter_k
+from quantizer.model.targets import ATTN, DRAFT, ENGRAM, GROUPS, HEAD_GROUP, INDEX, ROUTED, SHARED, Target
 from quantizer.shipped import shipped
 
 if TYPE_CHECKING:
@@ -42,12 +45,13 @@ if TYPE_CHECKING:
 EXLLAMAV3 = "exllamav3"
 VLLM_EXL3 = "vllm-exl3"
 TENSORFOLD = "tensorfold"
-LOADERS = (EXLLAMAV3, VLLM_EXL3, TENSORFOLD)
-EXL3_FORM, SOURCE_FORM, EITHER = "exl3", "source", "either"
+EXLLAMAV3_V41 = "exllamav3-v41"
+LOADERS = (EXLLAMAV3, VLLM_EXL3, TENSORFOLD, EXLLAMAV3_V41)
+EXL3_FORM, SOURCE_FORM, EITHER, OVERLAY = "exl3", "source", "either", "overlay"
 ENGRAM_IN_PACK, ENGRAM_SIBLING = "pack", "sibling"
 RULES = ("layout", "codebook", "k_range", "half_rates", "integer_attention", "head_bits",
          "one_k_per_projection", "gate_up_tied", "aliases", "plain_dtypes", "forbidden_dtypes", "engram_tables",
-         "quantization_config", "required_config_keys", "index")
+         "quantization_config", "required_config_keys", "architectures", "required_files", "index", "sparks")
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class LoaderProfile:
     per_expert_k: bool
     tie_gate_up: bool
     aliases: bool
-    layout: dict[str, str]  # target group -> exl3 | source | either
+    layout: dict[str, str]  # target group -> exl3 | source | either | overlay
     integer_head: bool
     default_drafter_bits: float | None  # where the drafter must be EXL3
     engram_tables: str  # pack (linked into the pack) | sibling (a directory beside it)
@@ -85,6 +89,10 @@ class LoaderProfile:
     config_bits_range: tuple[int, int]  # what the engine accepts as the config's integer `bits`
     required_config_keys: tuple[str, ...]  # config.json keys the engine reads ("text_config.x": in text_config)
     sources: dict[str, str]
+    sparks: tuple[int, ...] = (1, 2, 4)  # Spark counts the engine runs on
+    architectures: tuple[str, ...] = ()  # config.json's `architectures` exactly, where the engine asserts it
+    required_files: tuple[str, ...] = ()  # files the engine reads from the pack directory besides the shards
+    ignored: dict[str, str] = field(default_factory=dict)  # what the engine does not read, and where that is seen
 
     def quantizes(self, group: str) -> bool:
         """Whether the engine may read this target group as EXL3."""
@@ -92,8 +100,27 @@ class LoaderProfile:
 
     def budgets(self, t: Target) -> bool:
         """Whether `t` counts against the bpw budget: exllamav3's budgeted set, less what the engine keeps
-        in source form (for vllm-exl3 the routed experts alone; the rest is a fixed cost in bytes)."""
-        return t.budgeted and self.quantizes(t.group)
+        in source form or takes as an overlay at a fixed K (for vllm-exl3 and exllamav3-v41 the routed
+        experts alone; the rest is a fixed cost in bytes)."""
+        return t.budgeted and self.layout[t.group] in (EXL3_FORM, EITHER)
+
+    @property
+    def overlay_groups(self) -> tuple[str, ...]:
+        """The groups the engine reads in source form unless an EXL3 overlay is asked for."""
+        return tuple(g for g in GROUPS if self.layout[g] == OVERLAY)
+
+    def fixed_k(self, t: Target, head_bits: float | None, drafter_bits: float | None,
+                overlay: Overlay | None = None) -> float | None:
+        """K of a target the allocator does not budget: the head and drafter by their flags (or the
+        overlay), an overlay group at the overlay's K, None (source form) otherwise."""
+        form = self.layout[t.group]
+        if form == OVERLAY:
+            return overlay.k(t, head_bits, drafter_bits) if overlay and t.group in overlay.groups else None
+        if t.group == HEAD_GROUP:
+            return self.group_k(HEAD_GROUP, head_bits)
+        if t.group == DRAFT:
+            return drafter_k(self.group_k(DRAFT, drafter_bits), t.integer_only)
+        return None
 
     def integer_only(self, t: Target) -> bool:
         return (self.integer_attention and t.integer_only) or (self.integer_head and t.group == HEAD_GROUP)
@@ -129,6 +156,79 @@ class LoaderProfile:
             raise UserError(f"--loader {self.name}: {self.engine.split(':')[0]} runs {' and '.join(self.archs)} "
                             f"models, this one is {cfg.arch}; use --loader {default_loader(cfg)}")
 
+    def check_sparks(self, sparks: int) -> None:
+        """UserError when the engine does not run on this many Sparks (a plan for it could not be served)."""
+        if sparks not in self.sparks:
+            counts = " or ".join(str(n) for n in self.sparks)
+            raise UserError(f"--sparks {sparks}: the {self.name} engine runs on {counts} Spark(s) only "
+                            f"({self.sources['sparks']}); {_sparks_hint(sparks)}")
+
+
+def _sparks_hint(sparks: int) -> str:
+    other = [name for name in LOADERS if sparks in load_profile(name).sparks and name != EXLLAMAV3]
+    return f"use --loader {' or '.join(other)} for {sparks} Spark(s)" if other else "choose another Spark count"
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """EXL3 in place of the source form for whole groups, at fixed K outside the budget: what the recipe's
+    overlay scripts add beside a one-Spark pack (docs/loader-profiles.md, exllamav3-v41)."""
+
+    groups: tuple[str, ...]
+    bits: float = 5.0  # the attention side: attention (with compressor), indexer, shared experts, Engram wkv
+    drafter_bits: float = 4.0  # the drafter's linears, unless --drafter-bits says otherwise
+
+    def k(self, t: Target, head_bits: float | None, drafter_bits: float | None) -> float | None:
+        if t.group == HEAD_GROUP:
+            return head_bits
+        if t.group == DRAFT:
+            return drafter_k(self.drafter_bits if drafter_bits is None else drafter_bits, t.integer_only)
+        return self.bits
+
+
+def overlay_note(overlay: Overlay | None) -> str:
+    """The overlay as a plan's made_by names it."""
+    if not overlay:
+        return ""
+    return f", overlay={'+'.join(overlay.groups)} K{overlay.bits:g} drafter K{overlay.drafter_bits:g}"
+
+
+OVERLAY_SIDE = (ATTN, INDEX, SHARED, ENGRAM)  # requant_attn_exl3.py's targets
+DEFAULT_OVERLAY = OVERLAY_SIDE + (DRAFT,)  # and requant_mtp_exl3.py's: the overlay the recipe measured
+
+
+def parse_overlay(text: str | None) -> tuple[str, ...]:
+    """`--overlay` (the recipe's groups) or `--overlay attention,drafter,head`."""
+    if not text:
+        return DEFAULT_OVERLAY
+    return tuple(dict.fromkeys(g.strip() for g in text.split(",") if g.strip()))
+
+
+def check_overlay(profile: LoaderProfile, overlay: Overlay, codebook: str, head_bits: float | None) -> Overlay:
+    """The overlay as asked, or a one-line UserError: a profile without overlay groups, a group the engine
+    keeps in one form only, or a K the engine cannot load there."""
+    where = profile.overlay_groups
+    if not where:
+        raise UserError(f"--overlay: the {profile.name} engine reads every group in one form (docs/loader-profiles.md); "
+                        f"an EXL3 overlay is for --loader {EXLLAMAV3_V41}")
+    for g in overlay.groups:
+        if g not in where:
+            kept = "always EXL3 there" if g in GROUPS and profile.layout[g] == EXL3_FORM else \
+                "kept in source form by the engine (embedding, router, norms, mHC and Engram tables have no EXL3 path)"
+            raise UserError(f"--overlay {g}: not a group the {profile.name} engine takes as an overlay ({kept}); "
+                            f"choose from {', '.join(where)}")
+    check_k(overlay.bits, codebook, True, "--overlay-bits")
+    check_k(overlay.drafter_bits, codebook, False, "--drafter-bits")
+    if HEAD_GROUP in overlay.groups:
+        if head_bits is None:
+            raise UserError("--overlay head with --head-bits native: give the head an EXL3 K, or leave it out of --overlay")
+        check_k(head_bits, codebook, profile.integer_head, "--head-bits")
+    for k in (overlay.bits, overlay.drafter_bits, head_bits if HEAD_GROUP in overlay.groups else None):
+        if k is not None and not profile.k_min <= k <= profile.k_max:
+            raise UserError(f"overlay K {k:g}: the {profile.name} engine loads K {profile.k_min:g}..{profile.k_max:g} "
+                            f"({profile.sources['k_range']})")
+    return overlay
+
 
 @lru_cache(maxsize=None)
 def load_profile(name: str) -> LoaderProfile:
@@ -136,8 +236,8 @@ def load_profile(name: str) -> LoaderProfile:
         raise UserError(f"loader profile {name!r}; choose one of {', '.join(LOADERS)}")
     data = json.loads(shipped("configs", "loaders", f"{name}.json").read_text())
     layout = dict(data["layout"])
-    if set(layout) != set(GROUPS) or not set(layout.values()) <= {EXL3_FORM, SOURCE_FORM, EITHER}:
-        raise ValueError(f"configs/loaders/{name}.json: layout must give exl3|source|either for {GROUPS}")
+    if set(layout) != set(GROUPS) or not set(layout.values()) <= {EXL3_FORM, SOURCE_FORM, EITHER, OVERLAY}:
+        raise ValueError(f"configs/loaders/{name}.json: layout must give exl3|source|either|overlay for {GROUPS}")
     return LoaderProfile(
         name=data["name"], engine=data["engine"], archs=tuple(data["archs"]), fit_engine=data["fit_engine"],
         codebooks=tuple(data["codebooks"]), k_min=float(data["k_min"]), k_max=float(data["k_max"]),
@@ -151,12 +251,17 @@ def load_profile(name: str) -> LoaderProfile:
         quantization_config=data["quantization_config"],
         config_bits_range=(int(data["config_bits_range"][0]), int(data["config_bits_range"][1])),
         required_config_keys=tuple(data["required_config_keys"]), sources=dict(data["sources"]),
+        sparks=tuple(int(n) for n in data["sparks"]), architectures=tuple(data.get("architectures", ())),
+        required_files=tuple(data.get("required_files", ())), ignored=dict(data.get("ignored", {})),
     )
 
 
-def default_loader(cfg: ModelConfig) -> str:
-    """The engine a source of this architecture runs in: exllamav3 for V4, vLLM + vllm-exl3 for V4.1."""
-    return EXLLAMAV3 if cfg.arch == V4 else VLLM_EXL3
+def default_loader(cfg: ModelConfig, sparks: int | None = None) -> str:
+    """The engine a source of this architecture runs in: exllamav3 for V4; for V4.1 native ExLlamaV3's V4.1
+    loader on one Spark, vLLM + vllm-exl3 otherwise."""
+    if cfg.arch == V4:
+        return EXLLAMAV3
+    return EXLLAMAV3_V41 if sparks == 1 else VLLM_EXL3
 
 
 @dataclass(frozen=True)
@@ -180,6 +285,10 @@ def violations(profile: LoaderProfile, linears: list[StoredLinear], aliases: dic
         if form == EXL3_FORM and (s.K is None or s.K == UNQUANTIZED):
             found.append(Violation(s.key, "layout", f"{_show(s.K)} linear of group {s.target.group}, which this "
                                                     "engine reads as EXL3 only"))
+            continue
+        if form == OVERLAY and s.K == UNQUANTIZED:
+            found.append(Violation(s.key, "layout", f"fp16 linear of group {s.target.group}, which this engine reads "
+                                                    "as EXL3 or in the source's form"))
             continue
         if form == SOURCE_FORM and s.K is not None:
             found.append(Violation(s.key, "layout", f"{_show(s.K)} linear of group {s.target.group}, which this "

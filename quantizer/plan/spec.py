@@ -67,6 +67,7 @@ class StoredTensor(NamedTuple):
     # (a plain tensor in the dtype the engine reads) or ENGRAM_DIR (an Engram table of the sibling directory)
     K: float | None  # trellis K of the EXL3 linear this leaf belongs to; None for native and fp16
     linear: str | None  # stored key of the encoded linear it belongs to (EXL3 or fp16); None: passed through
+    offset: int | None = None  # absolute file offset, read back from a pack's headers; None in a plan's spec
 
 
 @dataclass(frozen=True)

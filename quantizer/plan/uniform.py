@@ -19,18 +19,12 @@ from dataclasses import dataclass
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.exl3 import check_k, rate_grid
-from quantizer.model.targets import DRAFT, HEAD_GROUP, ROUTED, targets
+from quantizer.exl3 import check_k, rate_floor, rate_grid
+from quantizer.model.targets import ROUTED, targets
 from quantizer.plan.plan import Plan, make_plan
-from quantizer.plan.profiles import EXLLAMAV3, load_profile
+from quantizer.plan.profiles import EXLLAMAV3, Overlay, load_profile, overlay_note
 
 MIN_FLOOR = 4.0
-
-
-def rate_floor(x: float, grid: tuple[float, ...]) -> float:
-    """The largest rate of `grid` at or below x (the smallest rate if x is below them all)."""
-    below = [r for r in grid if r <= x + 1e-9]
-    return below[-1] if below else grid[0]
 
 
 def floor_rate(bpw: float) -> float:
@@ -46,6 +40,7 @@ def uniform_plan(
     drafter_bits: float | None = None,
     floor: float | None = None,
     loader: str = EXLLAMAV3,
+    overlay: Overlay | None = None,
 ) -> Plan:
     """One K per layer's routed experts (per expert where the profile takes K per expert, so the budget
     is spent to the expert), whose budgeted bits come to at most `bpw` (exllamav3's `bits` accounting)."""
@@ -84,14 +79,10 @@ def uniform_plan(
             k[t.key] = unit_k[unit(t)]
         elif profile.budgets(t):
             k[t.key] = fixed
-        elif t.group == HEAD_GROUP:
-            k[t.key] = profile.group_k(HEAD_GROUP, head_bits)
-        elif t.group == DRAFT:
-            k[t.key] = drafter_k(profile.group_k(DRAFT, drafter_bits), t.integer_only)
-        else:
-            k[t.key] = None  # a group the engine keeps in source form
+        else:  # head, drafter, an overlay, or a group the engine keeps in source form
+            k[t.key] = profile.fixed_k(t, head_bits, drafter_bits, overlay)
     made_by = (f"uniform_plan(bpw={bpw:g}, codebook={codebook}, head_bits={k.get('head')}, "
-               f"drafter_bits={drafter_bits}, floor={fixed:g})")
+               f"drafter_bits={drafter_bits}, floor={fixed:g}{overlay_note(overlay)})")
     return make_plan(cfg, k, codebook, loader, target_bpw=bpw, made_by=made_by)
 
 
@@ -128,10 +119,3 @@ def lowest_uniform_bpw(cfg: ModelConfig, codebook: str = "mul1", floor: float | 
         if floor is not None or floor_rate(bpw) == fixed:
             return bpw
     raise UserError(f"no uniform plan exists for {loader} with codebook {codebook}")
-
-
-def drafter_k(bits: float | None, integer_only: bool) -> float | None:
-    """The drafter's rate; its attention rounds down to an integer (DSV4 attention)."""
-    if bits is None:
-        return None
-    return rate_floor(bits, rate_grid("mcg")) if integer_only else bits

@@ -30,6 +30,7 @@ from quantizer.checkpoint.source import INDEX_NAME, is_engram_table
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
 from quantizer.model.targets import target_map
+from quantizer.fit.launch import read_launch
 from quantizer.fit.memory import pack_fit_table
 from quantizer.model.tensor_classes import ENGRAM_TABLE as ENGRAM_TABLE_CLASS
 from quantizer.pack.card import CARD_NAME, render_card, without_fit
@@ -397,6 +398,13 @@ def _check_contract(pack: Path, cfg: ModelConfig, manifest: Manifest, headers: d
                                                      f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}")
     elif profile.required_config_keys:
         report.ok("config.json", f"all {len(profile.required_config_keys)} keys the {profile.name} engine reads")
+    if profile.architectures and config.get("architectures") != list(profile.architectures):
+        fault("config.json", "architectures", f"architectures {config.get('architectures')}; the engine asserts "
+                                              f"{list(profile.architectures)}")
+    for name in profile.required_files:
+        if not (pack / name).is_file():
+            fault(name, "required_files", "missing from the pack directory, which the engine reads it from")
+    _check_launch(pack, manifest, report)
     if qcfg is not None:
         record = {"bits": manifest.quantization["bits"], "bpw": manifest.quantization["bpw"],
                   "codebook": manifest.plan["codebook"], "head_bits": manifest.plan["head_bits"]}
@@ -424,6 +432,26 @@ def _check_contract(pack: Path, cfg: ModelConfig, manifest: Manifest, headers: d
     if profile.plain_dtypes and not plain:
         report.ok("plain dtypes", f"every plain tensor in a dtype the {profile.name} loader converts")
     _check_engram_dir(pack, cfg, manifest, held, profile, fault, report)
+
+
+def _check_launch(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
+    """A pack whose engine serves weights from the mapped file carries its launch settings, readable, with the
+    drafter as the manifest records it (fit/launch.py)."""
+    launch = manifest.plan.get("launch")
+    if not launch:
+        return
+    try:
+        found = read_launch(pack)
+    except UserError as e:
+        report.fault(launch["file"], _without_path(str(e), pack / launch["file"]))
+        return
+    if found is None:
+        report.fault(launch["file"], "missing; the engine's launch settings (copy pattern, drafter) are not in the pack")
+    elif found[1] != launch.get("drafter", True):
+        report.fault(launch["file"], f"DRAFT={int(found[1])}, but the pack's drafter is "
+                                     f"{'EXL3' if launch.get('drafter', True) else 'in source form'}")
+    else:
+        report.ok(launch["file"], f"copy pattern and DRAFT={int(found[1])} for the engine's launcher")
 
 
 def _check_engram_dir(pack: Path, cfg: ModelConfig, manifest: Manifest, held: dict, profile: LoaderProfile,

@@ -1,0 +1,271 @@
+"""One Spark: packs for native ExLlamaV3's V4.1 loader (loader profile exllamav3-v41; docs/loader-profiles.md,
+docs/gb10-memory.md): K1 routed experts, mmap-ready shards, the fit that tells copied from mapped weights,
+cold experts written as the launch setting the recipe's launcher reads, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_header
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.cli import main
+from quantizer.fit.cold_experts import place_cold_experts, routed_tokens
+from quantizer.fit.hardware import GIB, load_hardware
+from quantizer.fit.launch import LAUNCH_FILE, Launch, read_launch
+from quantizer.fit.memory import Scenario, evaluate, fit
+from quantizer.fit.residency import split_mapped
+from quantizer.model.targets import DRAFT, ROUTED, targets
+from quantizer.model.tensor_classes import ENGRAM_TABLE, classify
+from quantizer.pack.manifest import Manifest
+from quantizer.plan.plan import Plan
+from quantizer.plan.profiles import DEFAULT_OVERLAY, EXLLAMAV3_V41, Overlay
+from quantizer.plan.sensitivity import synthetic_summary
+from quantizer.plan.spec import StoredTensor, pack_spec
+from quantizer.plan.uniform import uniform_plan
+from quantizer.shipped import shipped
+from script_module import script_module
+
+MIB = 1 << 20
+V41_ENGINE = "exllamav3-v41"
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "one_spark_fit.py"
+
+
+@pytest.fixture(scope="module")
+def one_spark_pack(tmp_path_factory):
+    """The bundled small V4.1 model at 1.6 bits per routed weight: planned by our allocator on a synthetic
+    summary (`plan --synthetic`), built without calibration; everything but the routed experts in source form
+    (the overlay is checked on its plan: building it too would double the encoding time CI pays)."""
+    root = tmp_path_factory.mktemp("one-spark")
+    src = shipped("small_model")
+    assert main(["plan", str(src), "--synthetic", "--loader", EXLLAMAV3_V41, "--bpw", "1.6",
+                 "--out", str(root / "plan.json")]) == 0
+    assert main(["build", str(src), "--plan", str(root / "plan.json"), "--no-calibrate",
+                 "--out", str(root / "pack")]) == 0
+    return root / "pack", Plan.load(root / "plan.json")
+
+
+def test_the_pack_has_k1_experts_aligned_shards_engram_and_tokenizer_inside_and_verifies(one_spark_pack, capsys):
+    pack, plan = one_spark_pack
+    routed = [k for k, t in _targets(pack).items() if t.group == ROUTED]
+    assert sum(plan.k[k] == 1.0 for k in routed) > len(routed) // 4  # K1 where the allocator finds it cheapest
+    assert {plan.k[k] for k in routed} <= {1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0}
+    for shard in sorted(pack.glob("*.safetensors")):
+        for name, e in read_header(shard).tensors.items():
+            if name.startswith(PAD_PREFIX):
+                continue
+            if e.nbytes >= MIB:  # what the loader may serve from the mapping
+                assert e.offset % 64 == 0, name
+            if name.endswith(".trellis"):
+                assert e.offset % 16 == 0, name
+    held = {n: s for s in pack.glob("*.safetensors") for n in read_header(s).tensors}
+    assert [n for n in held if classify(n).cls == ENGRAM_TABLE]  # the tables are in the pack directory itself
+    assert (pack / "tokenizer.json").read_bytes() == (shipped("small_model") / "tokenizer.json").read_bytes()
+    config = json.loads((pack / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV41ForCausalLM"]
+    capsys.readouterr()
+    assert main(["verify", str(pack), "--full"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("clean") and "loader exllamav3-v41" in out and "launch.env: copy pattern" in out
+
+
+def test_the_overlay_is_exl3_at_its_own_k_and_the_rest_stays_source_form(tmp_path):
+    src = shipped("small_model")
+    tmap = {t.key: t for t in targets(Checkpoint.open(src).config)}
+    for flags, head in (([], None), (["--overlay-bits", "6", "--drafter-bits", "3"], None),
+                        (["attention,head", "--head-bits", "8"], 8.0)):
+        assert main(["plan", str(src), "--synthetic", "--loader", EXLLAMAV3_V41, "--bpw", "1.6", "--overlay", *flags,
+                     "--out", str(tmp_path / "p.json")]) == 0
+        plan = Plan.load(tmp_path / "p.json")
+        side = 6.0 if "6" in flags else 5.0
+        for key, t in tmap.items():
+            if t.group == "routed":
+                assert plan.k[key] is not None, key
+            elif t.group == "head":
+                assert plan.k[key] == head  # the head joins the overlay only when --overlay names it
+            elif flags and flags[0] == "attention,head":
+                assert plan.k[key] == (5.0 if t.group == "attention" else None), key  # only what was named
+            elif t.group == DRAFT:
+                assert plan.k[key] == (3.0 if "3" in flags else 4.0), key
+            else:
+                assert plan.k[key] == side, key
+
+
+def test_the_pack_launches_with_every_expert_copied_and_without_its_source_form_drafter(one_spark_pack):
+    pack, _ = one_spark_pack
+    manifest = Manifest.load(pack)
+    assert manifest.plan["launch"] == {"file": LAUNCH_FILE, "cold_experts": 0, "cold_share": 0.0, "drafter": False}
+    assert read_launch(pack) == (r"^(?!mtp\.)", False)  # the recipe's copy pattern; DRAFT=0
+    card = (pack / "README.md").read_text()
+    assert "## Run it on one Spark" in card and "set -a; . ./launch.env; set +a" in card and "`DRAFT=0`" in card
+
+
+def test_fit_ppl_and_card_work_on_the_pack(one_spark_pack, tmp_path, capsys):
+    pack, _ = one_spark_pack
+    capsys.readouterr()
+    assert main(["fit", str(pack), "--sparks", "1", "--context", "64K", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["engine"] == V41_ENGINE and data["mapped"] and data["drafter"] == "off"  # as its launch.env says
+    assert main(["fit", str(pack), "--sparks", "2"]) == 2  # the engine is TP1
+    assert "engine exllamav3-v41 runs on 1 Spark(s) only" in capsys.readouterr().err
+    assert main(["ppl", str(pack), "--against", str(shipped("small_model")), "--text", "heldout", "--rows", "1",
+                 "--cols", "64"]) == 0
+    assert "KL" in capsys.readouterr().out
+    copy = shutil.copytree(pack, tmp_path / "pack")
+    (copy / "README.md").unlink()
+    assert main(["card", str(copy)]) == 0 and (copy / "README.md").read_text() == (pack / "README.md").read_text()
+
+
+def test_a_launch_file_edited_by_hand_is_a_fault(one_spark_pack, tmp_path, capsys):
+    pack = shutil.copytree(one_spark_pack[0], tmp_path / "pack")
+    launch = pack / LAUNCH_FILE
+    launch.write_text(launch.read_text().replace("DRAFT=0", "DRAFT=1"))
+    capsys.readouterr()
+    assert main(["verify", str(pack)]) == 1
+    assert "FAULT launch.env: DRAFT=1, but the pack's drafter is in source form" in capsys.readouterr().out
+
+
+def test_one_spark_plan_defaults_to_the_v41_loader_and_fits_512k(real_v41, capsys):
+    assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "1", "--context", "512K"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"achieved ([\d.]+) bits over budgeted tensors .* loader exllamav3-v41", out)
+    assert m and 1.4 <= float(m[1]) <= 1.8, out[:400]  # bits per routed weight: the only budgeted tensors
+    assert "FITS: fits 1 Spark (exllamav3-v41" in out
+    assert "drafter off" in out  # a source-form drafter would be dequantized into GPU memory: launched without
+
+
+def test_tensorfold_on_one_spark_is_refused_in_one_line(capsys):
+    assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "1", "--loader", "tensorfold"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the tensorfold engine runs on 2 or 4 Spark(s) only" in err
+    assert "use --loader vllm-exl3 or exllamav3-v41 for 1 Spark(s)" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--overlay", "--overlay-bits", "2.5"], "K 2.5 is a half rate, but DSV4 attention takes integer K only"),
+    (["--overlay", "--overlay-bits", "9"], "--overlay-bits: K 9 is not an EXL3 rate"),
+    (["--overlay", "--overlay-bits", "16"], "overlay K 16: the exllamav3-v41 engine loads K 1..8"),
+    (["--overlay", "routed"], "--overlay routed: not a group the exllamav3-v41 engine takes as an overlay (always EXL3"),
+    (["--overlay", "embed"], "--overlay embed: not a group the exllamav3-v41 engine takes as an overlay (kept in source"),
+    (["--overlay-bits", "4"], "--overlay-bits sets the overlay's K; add --overlay"),
+    (["--drafter-bits", "4"], "keeps the drafter in source form unless --overlay names it"),
+    (["--overlay", "--loader", "vllm-exl3"], "--overlay: the vllm-exl3 engine reads every group in one form"),
+    (["--cold-share", "1.5"], "--cold-share 1.5: a share of the routed tokens, at least 0 and below 1"),
+    (["--cold-share", "0.1", "--bpw", "1.6"], "--cold-share picks cold experts by the calibration's routing"),
+])
+def test_a_bad_one_spark_request_gets_one_line_and_exit_2(flags, message, capsys):
+    args = ["plan", "--model-config", "small-v41", "--sparks", "1", "--context", "64K"]
+    args += flags if "--bpw" in flags else ["--bpw", "1.6", *flags]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_fit_json_states_copied_weights_and_mapped_ones(capsys):
+    assert main(["fit", "--model-config", "deepseek-v4.1-flash", "--loader", EXLLAMAV3_V41, "--bpw", "1.59",
+                 "--overlay", "--sparks", "1", "--context", "6144", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rank = data["ranks"][0]
+    # routed experts at 1.59 bits (101.4 GiB) and the K5 attention side are copied; the K4 drafter is mapped
+    assert 107 < rank["weights_gib"] < 109.5 and 6 < rank["mapped_gib"] < 7.5 and data["mapped"]
+    assert rank["kv_pool_gib"] == pytest.approx(6144 * (3200 + 3072) / GIB)  # DSA pools + the drafter's layers
+
+
+def test_source_form_linears_are_dequantized_and_only_large_aligned_tensors_are_mapped():
+    serving = load_hardware().engine(V41_ENGINE).mapped
+    t = [
+        StoredTensor("layers.0.attn.wq_a.weight", 4 * MIB, (2048, 2048), "F8_E4M3", "attention", "native", None, None),
+        StoredTensor("layers.0.attn.wq_a.scale", 4096, (64, 64), "F8_E8M0", "attention", "native", None, None),
+        StoredTensor("mtp.0.ffn.experts.0.w1.weight", 2 * MIB, (2048, 1024), "I8", "dspark_drafter", "native", None, None),
+        StoredTensor("mtp.0.ffn.experts.0.w1.scale", 65536, (2048, 32), "F8_E8M0", "dspark_drafter", "native", None, None),
+        StoredTensor("layers.1.ffn.experts.3.w1.trellis", 2 * MIB, (16, 16, 4096), "I16", "routed_expert", "exl3",
+                     1.0, "layers.1.ffn.experts.3.w1", offset=4096),
+        StoredTensor("layers.1.ffn.experts.4.w1.trellis", 2 * MIB, (16, 16, 4096), "I16", "routed_expert", "exl3",
+                     1.0, "layers.1.ffn.experts.4.w1", offset=4104),  # off the 16-byte grid
+        StoredTensor("mtp.0.attn.wq_a.trellis", 2 * MIB, (16, 16, 4096), "I16", "dspark_drafter", "exl3", 4.0,
+                     "mtp.0.attn.wq_a"),
+        StoredTensor("embed.weight", 2 * MIB, (1024, 1024), "BF16", "embed", "native", None, None),
+        StoredTensor("layers.0.attn.wq_a.suh", 4096, (2048,), "F16", "attention", "exl3", 4.0, "layers.0.attn.wq_a"),
+    ]
+    copied, mapped = split_mapped(t, serving, serving.copy_default)
+    by_name = {c.name: c for c in copied}
+    assert by_name["layers.0.attn.wq_a.weight"].nbytes == 2 * 2048 * 2048  # FP8 -> FP16
+    assert by_name["mtp.0.ffn.experts.0.w1.weight"].nbytes == 2 * 2048 * 2048  # packed FP4 -> FP16: 4x
+    assert "layers.0.attn.wq_a.scale" not in by_name  # consumed by the dequantization
+    assert [m.name for m in mapped] == ["mtp.0.attn.wq_a.trellis"]  # the drafter: large, aligned, not matched
+    assert {"layers.1.ffn.experts.3.w1.trellis", "layers.1.ffn.experts.4.w1.trellis", "embed.weight",
+            "layers.0.attn.wq_a.suh"} <= set(by_name)  # copied by the pattern, off grid, BF16, under 1 MiB
+    lazy, _ = split_mapped(t, serving, serving.copy_default, fp8_lazy=True)
+    assert {c.name: c.nbytes for c in lazy}["layers.0.attn.wq_a.weight"] == 4 * MIB  # kept compact
+
+
+def test_cold_experts_make_more_bits_fit_within_their_routing_share(real_v41):
+    hw = load_hardware()
+    summary = synthetic_summary(real_v41)
+    tokens = routed_tokens(summary)
+    plan = uniform_plan(real_v41, 1.8, loader=EXLLAMAV3_V41, head_bits=None, overlay=Overlay(DEFAULT_OVERLAY))
+    stored = pack_spec(real_v41, plan).tensors
+    s = Scenario(1, 524_288, 1, V41_ENGINE)
+    hot = min(r.free_gib for r in evaluate(real_v41, stored, s, hw))
+    assert hot < 0  # 1.8 bits do not fit one Spark with every expert copied
+    placed, launch = place_cold_experts(real_v41, stored, s, hw, tokens, share=0.10)
+    ranks = evaluate(real_v41, stored, placed, hw)
+    assert min(r.free_gib for r in ranks) >= 0 and 0 < launch.cold_share <= 0.10
+    assert ranks[0].mapped_gib * GIB >= -hot * GIB  # what no longer fits is served from the mapped file
+    coldest = min(tokens, key=tokens.get)
+    pattern = re.compile(launch.copy_pattern)
+    cold = set(launch.cold_experts)
+    for expert in (coldest, *list(cold)[:50], max(tokens, key=tokens.get)):
+        copied = bool(pattern.search(f"{expert}.w1.trellis"))
+        assert copied == (expert not in cold), expert
+    assert not pattern.search("mtp.0.attn.wq_a.trellis") and pattern.search("layers.0.attn.wq_a.trellis")
+    assert not fit(real_v41, stored, 1, 524_288, 1, V41_ENGINE).fits  # the plain fit: every expert copied
+    none, launch0 = place_cold_experts(real_v41, stored, s, hw, tokens, share=0.0)
+    assert launch0 == Launch() and none.copy_pattern == Launch().copy_pattern
+
+
+def test_a_pack_without_a_drafter_overlay_launches_without_it(real_v41):
+    plan = uniform_plan(real_v41, 1.4, loader=EXLLAMAV3_V41, head_bits=None)
+    assert all(plan.k[t.key] is None for t in targets(real_v41) if t.group == DRAFT)
+    assert "DRAFT=0" in Launch(drafter=False).render()
+    copied_on = fit(real_v41, pack_spec(real_v41, plan).tensors, 1, 8192, 1, V41_ENGINE).ranks[0]
+    copied_off = fit(real_v41, pack_spec(real_v41, plan).tensors, 1, 8192, 1, V41_ENGINE, drafter="off").ranks[0]
+    # dequantized to FP16, the MXFP4 drafter experts take four times their bytes in GPU memory
+    assert copied_on.weights_by_class_gib["dspark_drafter"] > 20 and "dspark_drafter" not in copied_off.weights_by_class_gib
+
+
+def _targets(pack):
+    return {t.key: t for t in targets(Checkpoint.open(pack).config)}
+
+
+def test_the_one_spark_fit_is_within_a_quarter_of_the_recipes_measured_torch_alloc():
+    # bench/one_spark_fit.py: our CUDA charge for the recipe's 1.59 bpw overlay pack over the torch_alloc it
+    # measured on a Spark at 6,144 and 262,144 tokens
+    with script_module(BENCH) as bench:
+        rows = bench.rows()
+    assert [r["context"] for r in rows] == [6_144, 262_144]
+    assert all(0.75 <= r["ratio"] <= 1.25 for r in rows), rows
+    assert rows[1]["estimate_gib"] - rows[0]["estimate_gib"] == pytest.approx(1.50, abs=0.05)  # 6,272 B/token
+
+
+def test_build_refuses_cold_experts_without_the_calibrations_routing(tmp_path, capsys):
+    assert main(["build", str(shipped("small_model")), "--sparks", "1", "--cold-share", "0.05", "--no-calibrate",
+                 "--method", "uniform", "--out", str(tmp_path / "p")]) == 2
+    assert "--cold-share picks cold experts by the calibration's routing" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()
+
+
+def test_every_rule_a_profile_sets_names_the_engine_code_it_comes_from():
+    from quantizer.plan.profiles import LOADERS, RULES, load_profile
+
+    for name in LOADERS:
+        profile = load_profile(name)
+        for rule in RULES:
+            if rule in ("architectures", "required_files") and not getattr(profile, rule):
+                continue  # not a rule of this profile
+            assert profile.sources.get(rule), (name, rule)
+    assert load_profile(EXLLAMAV3_V41).ignored.keys() == {"model.safetensors.index.json", "quantization_config"}
