@@ -21,7 +21,8 @@ from quantizer.fit.memory import Scenario, evaluate, fit
 from quantizer.fit.residency import split_mapped
 from quantizer.model.targets import DRAFT, ROUTED, targets
 from quantizer.model.tensor_classes import ENGRAM_TABLE, classify
-from quantizer.pack.manifest import Manifest
+from quantizer.pack.manifest import Manifest, sha256_file
+from quantizer.pack.owned import owned_files
 from quantizer.plan.plan import Plan
 from quantizer.plan.profiles import DEFAULT_OVERLAY, EXLLAMAV3_V41, Overlay
 from quantizer.plan.sensitivity import synthetic_summary
@@ -126,7 +127,16 @@ def test_a_launch_file_edited_by_hand_is_a_fault(one_spark_pack, tmp_path, capsy
     launch.write_text(launch.read_text().replace("DRAFT=0", "DRAFT=1"))
     capsys.readouterr()
     assert main(["verify", str(pack)]) == 1
-    assert "FAULT launch.env: DRAFT=1, but the pack's drafter is in source form" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "FAULT launch.env: DRAFT=1, but the pack's drafter is in source form" in out
+    assert "FAULT launch.env: not the file the pack stage wrote" in out  # its recorded sha256 (pack/owned.py)
+
+
+def test_the_launch_file_is_a_file_the_pack_owns_and_publishes(one_spark_pack):
+    pack = one_spark_pack[0]
+    record = Manifest.load(pack).files[LAUNCH_FILE]
+    assert (record.bytes, record.sha256) == ((pack / LAUNCH_FILE).stat().st_size, sha256_file(pack / LAUNCH_FILE))
+    assert LAUNCH_FILE in owned_files(Manifest.load(pack))
 
 
 def test_one_spark_plan_defaults_to_the_v41_loader_and_fits_512k(real_v41, capsys):
