@@ -22,7 +22,7 @@ from quantizer.fit.launch import read_launch
 from quantizer.fit.memory import BPW_FLOOR, TOPOLOGIES, fit
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES
 from quantizer.fit.render import render
-from quantizer.fit.target import FitTarget, runs_drafter
+from quantizer.fit.target import runs_drafter
 from quantizer.fit.stored import stored_from_pack
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.plan.plan import Plan, check_plan
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                 raise UserError("with --model-config give --recipe R.yaml, --bpw B or --plan P.json")
         if args.plan or args.loader:
             engine = engine or load_profile(plan.loader).fit_engine
-        if drafter is None and not runs_drafter(cfg, plan, FitTarget(args.sparks, 0, engine=engine), hw):
+        if drafter is None and not runs_drafter(cfg, plan, engine, hw):
             drafter = "off"
         stored = pack_spec(cfg, plan).tensors
     report = fit(

@@ -56,17 +56,17 @@ def fit_plan(cfg: ModelConfig, plan: Plan, target: FitTarget, tokens: dict[str, 
     """The fit of one plan on the target, with its cold experts placed."""
     hw = hardware or load_hardware()
     stored = pack_spec(cfg, plan).tensors
-    s, launch = place_cold_experts(cfg, stored, target.scenario(hw, runs_drafter(cfg, plan, target, hw)), hw,
+    s, launch = place_cold_experts(cfg, stored, target.scenario(hw, runs_drafter(cfg, plan, target.engine, hw)), hw,
                                    tokens or {}, target.cold_share)
     report = fit(cfg, stored, s.sparks, s.context, s.streams, s.engine, drafter=s.drafter, copy_pattern=s.copy_pattern,
                  hardware=hw, source=plan.made_by)
     return FittedPlan(plan, report, launch)
 
 
-def runs_drafter(cfg: ModelConfig, plan: Plan, target: FitTarget, hw: Hardware) -> bool:
+def runs_drafter(cfg: ModelConfig, plan: Plan, engine: str | None, hw: Hardware) -> bool:
     """Whether the engine runs the plan's drafter: not where it serves weights from the mapped file and the
     plan leaves the drafter in source form (dequantized, it would be copied whole into GPU memory)."""
-    return hw.engine(target.engine or hw.default_engine).mapped is None or drafter_in_exl3(cfg, plan)
+    return hw.engine(engine or hw.default_engine).mapped is None or drafter_in_exl3(cfg, plan)
 
 
 def drafter_in_exl3(cfg: ModelConfig, plan: Plan) -> bool:
@@ -97,7 +97,7 @@ def largest_fitting_plan(cfg: ModelConfig, plan_at: Callable[[float], Plan], lo:
         return stored[bpw]
 
     def placed(bpw: float) -> Scenario:
-        s = target.scenario(hw, runs_drafter(cfg, plan(bpw), target, hw))
+        s = target.scenario(hw, runs_drafter(cfg, plan(bpw), target.engine, hw))
         return place_cold_experts(cfg, stored_at(bpw), s, hw, tokens or {}, target.cold_share, fill=True)[0]
 
     scenario = target.scenario(hw)
