@@ -103,6 +103,9 @@ def overlay_of(args: argparse.Namespace, profile: LoaderProfile, codebook: str) 
         return None
     overlay = Overlay(parse_overlay(args.overlay), float(args.overlay_bits),
                       Overlay.drafter_bits if drafter_bits is None else float(drafter_bits))
+    if drafter_bits is not None and DRAFT not in overlay.groups:
+        raise UserError(f"--drafter-bits sets the drafter's overlay K, but --overlay {args.overlay} leaves the drafter "
+                        "in source form; add drafter to --overlay or drop --drafter-bits")
     return check_overlay(profile, overlay, codebook, head_bits)
 
 

@@ -163,6 +163,7 @@ def test_tensorfold_on_one_spark_is_refused_in_one_line(capsys):
     (["--overlay", "embed"], "--overlay embed: not a group the exllamav3-v41 engine takes as an overlay (kept in source"),
     (["--overlay-bits", "4"], "--overlay-bits sets the overlay's K; add --overlay"),
     (["--drafter-bits", "4"], "keeps the drafter in source form unless --overlay names it"),
+    (["--overlay", "attention", "--drafter-bits", "3"], "leaves the drafter in source form; add drafter to --overlay"),
     (["--overlay", "--loader", "vllm-exl3"], "--overlay: the vllm-exl3 engine reads every group in one form"),
     (["--cold-share", "1.5"], "--cold-share 1.5: a share of the routed tokens, at least 0 and below 1"),
     (["--cold-share", "0.1", "--bpw", "1.6"], "--cold-share picks cold experts by the calibration's routing"),
