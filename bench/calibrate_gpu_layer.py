@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-
 from forward_gpu_layer import Timer, random_block  # noqa: E402
+
 from quantizer.calibrate.collect import LayerCollector  # noqa: E402
 from quantizer.calibrate.needs import calibration_needs  # noqa: E402
 from quantizer.calibrate.settings import CalibrationSettings  # noqa: E402

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from live_bytes import LiveBytes, Peak  # noqa: E402
+
 from quantizer.calibrate import collect, stage  # noqa: E402
 from quantizer.calibrate.needs import CalibrationNeeds, calibration_needs  # noqa: E402
 from quantizer.calibrate.settings import EXPERT_HESSIANS, CalibrationSettings  # noqa: E402
@@ -53,7 +54,6 @@ from quantizer.report import table  # noqa: E402
 from quantizer.shipped import model_config_path  # noqa: E402
 from quantizer.tiny.make import random_values  # noqa: E402
 from quantizer.tiny.native_writer import write_native_checkpoint  # noqa: E402
-
 
 MIB = 1 << 20
 REAL = "deepseek-v4.1-flash.json"

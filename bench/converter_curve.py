@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main as quantizer
+from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
-from quantizer.plan.plan import Plan
 from quantizer.ppl.compare import compare
 from quantizer.ppl.exllamav3_engine import budgeted_bytes, exllamav3_predictions, stored_bpw
 from quantizer.report import table

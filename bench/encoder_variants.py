@@ -54,8 +54,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quantizer.report import table
 from v41_experts import EXPERTS, IN, OUT, W1_HESSIANS, encode, w1_hessians, w2_hessians, w2_weights, write_source
+
+from quantizer.report import table
 
 ENV = "EXL3_QT_OPTIMIZED"
 QUANTIZE_MODULE = "exllamav3.modules.quant.exl3_lib.quantize"

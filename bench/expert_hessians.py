@@ -34,12 +34,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quantizer.build.stages import BuildRequest, build  # noqa: E402
 from quantizer.calibrate.settings import EXPERT_HESSIANS, CalibrationSettings  # noqa: E402
 from quantizer.checkpoint.source import Checkpoint  # noqa: E402
+from quantizer.contract.loader_profiles import EXLLAMAV3  # noqa: E402
 from quantizer.model.streaming import CheckpointSource, LayerStreamer  # noqa: E402
-from quantizer.pipeline.build import BuildRequest, build  # noqa: E402
 from quantizer.plan.allocate import AllocationSettings  # noqa: E402
-from quantizer.plan.profiles import EXLLAMAV3  # noqa: E402
 from quantizer.ppl.compare import compare  # noqa: E402
 from quantizer.ppl.pack_source import PackSource  # noqa: E402
 from quantizer.ppl.perplexity import row_predictions  # noqa: E402

@@ -91,7 +91,8 @@ def peak_bytes(device: torch.device) -> int | None:
 
 def profile(fn, device: torch.device) -> None:
     """Where the time of one pass goes: the top operators by device (or CPU) time."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.no_grad(), torch_profile(activities=activities) as prof:

@@ -23,7 +23,7 @@ from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main as cli
 from quantizer.fit.memory import fit
 from quantizer.fit.stored import stored_from_pack
-from quantizer.inventory.inventory import take_inventory
+from quantizer.inventory.classify import take_inventory
 from quantizer.report import table
 from quantizer.tiny.make import make_tiny
 

@@ -20,10 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.loader_profiles import DEFAULT_OVERLAY, EXLLAMAV3_V41, Overlay
+from quantizer.contract.pack_spec import pack_spec
 from quantizer.fit.hardware import GIB, load_hardware
 from quantizer.fit.memory import fit
-from quantizer.plan.profiles import DEFAULT_OVERLAY, EXLLAMAV3_V41, Overlay
-from quantizer.plan.spec import pack_spec
 from quantizer.plan.uniform import uniform_plan
 from quantizer.report import table
 from quantizer.shipped import model_config_path

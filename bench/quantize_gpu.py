@@ -37,16 +37,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from v41_experts import EXPERTS, IN, KEYS, OUT, W1_HESSIANS, direct, w1_hessians, w2_hessians, w2_weights, write_source
+
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.contract.loader_profiles import VLLM_EXL3, load_profile
+from quantizer.contract.plan import Plan
 from quantizer.exl3 import rate_grid
 from quantizer.model.targets import targets
-from quantizer.plan.plan import Plan
-from quantizer.plan.profiles import VLLM_EXL3
-from quantizer.quantize.rates import RATES_FORMAT
+from quantizer.quantize.encode_hours import RATES_FORMAT
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import quantize
 from quantizer.report import table
-from v41_experts import EXPERTS, IN, KEYS, OUT, W1_HESSIANS, direct, w1_hessians, w2_hessians, w2_weights, write_source
 
 COMPARE_KS = (2.0, 2.5, 3.0, 4.0)
 
@@ -56,7 +57,8 @@ def ours(src: Path, work: Path, hessians, K: float, device: torch.device) -> flo
     ck = Checkpoint.open(src)
     # Only these 16 experts' w1, at every K of the grid (half rates too): no engine loads such a plan, so
     # it is made without a profile's checks; the per-expert layout of vllm-exl3 decides the units.
-    plan = Plan(ck.config.arch, "mul1", VLLM_EXL3, {t.key: (K if t.key in KEYS else None) for t in targets(ck.config)})
+    k = {t.key: (K if t.key in KEYS else None) for t in targets(ck.config)}
+    plan = Plan(ck.config.arch, "mul1", load_profile(VLLM_EXL3), k)
     torch.cuda.synchronize(device)
     start = time.perf_counter()
     quantize(ck, plan, work, QuantizeSettings(device="cuda"),

@@ -3,7 +3,7 @@
 Writes a native checkpoint with the real shapes (hidden 5120, expert width 2304, attention, Engram,
 one drafter block, vision) but --layers trunk layers of --experts routed experts, random weights
 made on the GPU in the native formats (FP8 + E8M0, MXFP4 experts, BF16). The Engram table keeps its
-256-wide rows with far fewer of them (a small hash vocabulary). Then runs `quantizer.pipeline.build`,
+256-wide rows with far fewer of them (a small hash vocabulary). Then runs `quantizer.build.stages`,
 the call `quantizer build` makes (calibrate -> plan -> quantize -> pack -> verify), and prints per
 stage: time, weights/s, peak GPU memory, peak host RAM and disk.
 
@@ -57,29 +57,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import calibrate_memory  # noqa: E402
 from v41_experts import direct  # noqa: E402
-from quantizer.pipeline.build import BuildRequest, build  # noqa: E402
+
+from quantizer.build.preflight import disk_needs  # noqa: E402
+from quantizer.build.stages import BuildRequest, build  # noqa: E402
 from quantizer.calibrate.needs import calibration_needs  # noqa: E402
 from quantizer.calibrate.settings import CalibrationSettings  # noqa: E402
+from quantizer.calibrate.stage import calibrate  # noqa: E402
 from quantizer.calibrate.storage import HessianStore  # noqa: E402
-from quantizer.tiny.native_writer import write_native_checkpoint  # noqa: E402
-from quantizer.checkpoint.source import Checkpoint  # noqa: E402
-from quantizer.exl3 import exl3_bytes  # noqa: E402
 from quantizer.checkpoint.config import ModelConfig  # noqa: E402
+from quantizer.checkpoint.source import Checkpoint  # noqa: E402
+from quantizer.contract.pack_spec import pack_spec  # noqa: E402
+from quantizer.contract.rules import TOTAL, expected_bytes  # noqa: E402
+from quantizer.exl3 import exl3_bytes  # noqa: E402
 from quantizer.model.layout import native_layout  # noqa: E402
-from quantizer.plan.plan import TOTAL, expected_bytes  # noqa: E402
+from quantizer.model.streaming import block_weight_bytes  # noqa: E402
 from quantizer.plan.uniform import uniform_plan  # noqa: E402
-from quantizer.plan.spec import pack_spec  # noqa: E402
+from quantizer.quantize.encode_hours import plan_estimate  # noqa: E402
 from quantizer.quantize.linears import work_units  # noqa: E402
+from quantizer.quantize.pipeline import PREFETCH_UNITS  # noqa: E402
 from quantizer.quantize.settings import QuantizeSettings  # noqa: E402
 from quantizer.quantize.stage import WeightReader, quantize_needs  # noqa: E402
-from quantizer.quantize.pipeline import PREFETCH_UNITS  # noqa: E402
-from quantizer.quantize.rates import plan_estimate  # noqa: E402
-from quantizer.pipeline.preflight import disk_needs  # noqa: E402
-from quantizer.calibrate.stage import calibrate  # noqa: E402
 from quantizer.report import GIB, table  # noqa: E402
 from quantizer.shipped import model_config_path  # noqa: E402
 from quantizer.tiny.make import random_values  # noqa: E402
-from quantizer.model.streaming import block_weight_bytes  # noqa: E402
+from quantizer.tiny.native_writer import write_native_checkpoint  # noqa: E402
 from quantizer.tune.settings import TuneSettings  # noqa: E402
 from quantizer.tune.stage import DTYPE, START_S, block_seconds, tune_memory, tune_seconds  # noqa: E402
 from quantizer.tune.store import TunedStore  # noqa: E402
@@ -376,7 +377,7 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
     ck = Checkpoint.open(src)
     tokens = torch.randint(0, ck.config.vocab_size, (args.rows, args.cols),
                            generator=torch.Generator().manual_seed(args.seed))
-    build_module = importlib.import_module("quantizer.pipeline.build")  # the module: the package exports build()
+    build_module = importlib.import_module("quantizer.build.stages")  # the module: the package exports build()
     originals = {}
     for fn, name in (("calibrate", "calibrate"), ("choose_plan", "plan"), ("quantize", "quantize"),
                      ("write_pack", "pack"), ("verify_pack", "verify"), ("tune", TUNE_STAGE)):

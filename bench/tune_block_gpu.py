@@ -38,16 +38,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 from forward_gpu_layer import Timer, random_block  # noqa: E402
+
 from quantizer.checkpoint.config import ModelConfig  # noqa: E402
 from quantizer.codec import EXL3Linear  # noqa: E402
 from quantizer.codec.trellis import words_per_tile  # noqa: E402
+from quantizer.contract.pack_spec import pack_spec  # noqa: E402
+from quantizer.contract.stored_linear import StoredLinear
 from quantizer.exl3 import UNQUANTIZED  # noqa: E402
 from quantizer.model.hooks import ForwardHooks, ScaledCodes  # noqa: E402
 from quantizer.model.state import ForwardState  # noqa: E402
 from quantizer.model.streaming import block_weight_bytes  # noqa: E402
-from quantizer.plan.spec import StoredLinear, pack_spec  # noqa: E402
 from quantizer.plan.uniform import uniform_plan  # noqa: E402
 from quantizer.report import GIB, table  # noqa: E402
 from quantizer.tune.block import BlockLinears, QuantizedBlock, join_linears, tune_block  # noqa: E402

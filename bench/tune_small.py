@@ -37,12 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quantizer.build.stages import QUANTIZE_DIR, BuildRequest, build
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.contract.loader_profiles import EXLLAMAV3
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
-from quantizer.pipeline.build import QUANTIZE_DIR, BuildRequest, build
 from quantizer.plan.allocate import AllocationSettings
-from quantizer.plan.profiles import EXLLAMAV3
 from quantizer.ppl.compare import compare
 from quantizer.ppl.pack_source import PackSource
 from quantizer.ppl.perplexity import row_predictions

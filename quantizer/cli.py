@@ -32,18 +32,18 @@ OS_ERRORS = {
 
 # Each module defines register(subparsers), which adds its sub-command with func=run.
 COMMANDS = (
-    "quantizer.inventory.cli",
-    "quantizer.tiny.cli",
-    "quantizer.calibrate.cli",
-    "quantizer.ppl.cli",
-    "quantizer.plan.cli",
-    "quantizer.fit.cli",
-    "quantizer.pipeline.cli",
-    "quantizer.verify.cli",
-    "quantizer.pack.cli",
-    "quantizer.publish.cli",
-    "quantizer.evaluate.cli",
-    "quantizer.demo.cli",
+    "quantizer.commands.inventory",
+    "quantizer.commands.make_tiny",
+    "quantizer.commands.calibrate",
+    "quantizer.commands.ppl",
+    "quantizer.commands.plan",
+    "quantizer.commands.fit",
+    "quantizer.commands.build",
+    "quantizer.commands.verify",
+    "quantizer.commands.card",
+    "quantizer.commands.publish",
+    "quantizer.commands.evaluate",
+    "quantizer.commands.demo",
 )
 
 

@@ -10,9 +10,9 @@ import shutil
 import pytest
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.pack_spec import pack_spec
 from quantizer.model.targets import targets
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
-from quantizer.plan.spec import pack_spec
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 from quantizer.tiny.make import make_tiny

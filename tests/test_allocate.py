@@ -11,14 +11,20 @@ import pytest
 
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.loader_profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3, load_profile
+from quantizer.contract.pack_spec import aliased_keys
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import check_plan
 from quantizer.errors import UserError
-from quantizer.plan.allocate import (
-    DEFAULT_FLOOR, AllocationSettings, Allocator, InfeasibleBudget, allocate, marginal_allocation,
-)
 from quantizer.model.targets import ATTN, DRAFT, ENGRAM, INDEX, ROUTED, SHARED, targets
-from quantizer.plan.plan import Plan, check_plan
-from quantizer.plan.spec import aliased_keys
-from quantizer.plan.profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3, load_profile
+from quantizer.plan.allocate import (
+    DEFAULT_FLOOR,
+    AllocationSettings,
+    Allocator,
+    InfeasibleBudget,
+    allocate,
+    marginal_allocation,
+)
 from quantizer.plan.recipe import plan_from_recipe, read_recipe, write_recipe
 from quantizer.plan.sensitivity import Sensitivity, sensitivity, synthetic_summary
 from quantizer.plan.uniform import uniform_plan
@@ -137,7 +143,7 @@ def test_rate_rules(small, small_sens, mode):
             assert k == load_profile(mode).default_drafter_bits
     default = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode))
     assert min(default.k[t.key] for t in targets(small) if t.group in (ATTN, INDEX, SHARED, ENGRAM)) >= DEFAULT_FLOOR
-    assert plan.k["head"] == 6.0 and plan.loader == mode
+    assert plan.k["head"] == 6.0 and plan.profile.name == mode
     # mcg has no half rates; floor, head and drafter settings are honoured
     mcg_sens = sensitivity(small, synthetic_summary(small, seed=1), "mcg")
     mcg = allocate(small, mcg_sens, 2.9,

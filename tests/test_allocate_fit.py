@@ -7,10 +7,14 @@ from __future__ import annotations
 import re
 
 import pytest
+from test_allocate import with_cold_experts  # tests/ is on sys.path (pytest prepend import mode)
 
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.cli import main
+from quantizer.contract.loader_profiles import EXLLAMAV3, VLLM_EXL3
+from quantizer.contract.pack_spec import pack_spec
+from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import rate_grid
 from quantizer.fit.memory import fit
@@ -18,13 +22,9 @@ from quantizer.fit.target import FitTarget, largest_fitting_plan
 from quantizer.model.targets import targets
 from quantizer.plan.allocate import AllocationSettings, allocate
 from quantizer.plan.methods import OURS, planner
-from quantizer.plan.plan import Plan
-from quantizer.plan.profiles import EXLLAMAV3, VLLM_EXL3
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
 from quantizer.shipped import model_config_path
-from quantizer.plan.spec import pack_spec
-from test_allocate import with_cold_experts  # tests/ is on sys.path (pytest prepend import mode)
 
 MILLION = 1 << 20
 
@@ -99,7 +99,7 @@ def test_vllm_exl3_mixes_routed_k_per_expert_and_keeps_the_rest_in_source_form(v
         most_that_fits(v41, FitTarget(1, 512 * 1024), AllocationSettings(loader=VLLM_EXL3))
     fitted = most_that_fits(v41, FitTarget(2, MILLION), AllocationSettings(loader=VLLM_EXL3))
     plan, report = fitted.plan, fitted.report
-    assert report.fits and report.sparks == 2 and plan.loader == VLLM_EXL3 and not plan.aliases
+    assert report.fits and report.sparks == 2 and plan.profile.name == VLLM_EXL3 and not plan.aliases
     assert all(plan.k[t.key] is None for t in targets(v41) if t.group != "routed")
     by_layer = {}
     for t in targets(v41):
@@ -127,7 +127,7 @@ def test_plan_cli_methods_on_a_small_model(tmp_path, capsys):
                      "--loader", loader, "--out", str(tmp_path / "p.json"), "--recipe-out", str(tmp_path / "r.yaml")]) == 0
         out = capsys.readouterr().out
         plan = Plan.load(tmp_path / "p.json")
-        assert plan.loader == loader and not plan.aliases and "routed experts by layer (mean K): L0 " in out
+        assert plan.profile.name == loader and not plan.aliases and "routed experts by layer (mean K): L0 " in out
     # uniform stays the default without calibration; ours needs a summary
     assert main(["plan", "--model-config", small, "--bpw", "2.9"]) == 0
     assert "uniform_plan(" in capsys.readouterr().out

@@ -21,16 +21,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_build_guards import _build  # tests/ is on sys.path (pytest prepend import mode)
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import build_parser, main
+from quantizer.contract.rules import make_plan
 from quantizer.model.targets import targets
-from quantizer.plan.plan import make_plan
 from quantizer.quantize import results as results_module
 from quantizer.quantize.results import RESULTS_DIR
-from test_build_guards import _build  # tests/ is on sys.path (pytest prepend import mode)
 
-build_module = importlib.import_module("quantizer.pipeline.build")  # the package exports the function `build`
+build_module = importlib.import_module("quantizer.build.stages")  # the package exports the function `build`
 FP16_KEYS = [f"layers.{layer}.attn.{p}" for layer in (0, 1) for p in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")]
 LATE = "layers.1.attn.wo_b.weight"  # read by the last unit of the plan
 
@@ -294,7 +294,7 @@ def test_a_build_killed_during_its_final_verify_leaves_no_pack_and_the_rerun_fin
 
 
 def test_a_build_whose_pack_fails_verify_does_not_publish_it(tiny_v41, plan_file, tmp_path, capsys, monkeypatch):
-    from quantizer.verify.verify import VerifyReport
+    from quantizer.verify.checks import VerifyReport
 
     def one_fault(pack):
         report = VerifyReport(pack)

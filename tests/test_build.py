@@ -14,21 +14,22 @@ import shutil
 
 import pytest
 import torch
+from safetensors_check import assert_safetensors_agree
 
+from quantizer.build.stages import PLAN_FILE
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_bytes, read_header
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import main
 from quantizer.codec import EXL3Linear, dequantize
-from quantizer.pipeline.build import PLAN_FILE
+from quantizer.contract.pack_spec import pack_spec
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import make_plan
 from quantizer.fit.memory import fit
 from quantizer.fit.stored import stored_from_pack
-from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.model.targets import targets
-from quantizer.plan.plan import Plan, make_plan
-from quantizer.plan.spec import pack_spec
+from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.ppl.exllamav3_engine import budgeted_bytes, stored_bpw, stored_k
 from quantizer.shipped import shipped
-from safetensors_check import assert_safetensors_agree
 
 CAP = 4 << 20
 BPW = "2.5"
@@ -168,7 +169,7 @@ def test_the_plan_predicts_the_packs_bytes_and_fit_exactly(built):
     src, pack = built
     cfg = Checkpoint.open(src).config
     saved = Plan.load(pack.with_name("pack.work") / PLAN_FILE)
-    plan = make_plan(cfg, saved.k, saved.codebook, saved.loader)
+    plan = make_plan(cfg, saved.k, saved.codebook, saved.profile.name)
     totals = Manifest.load(pack).totals
     assert {c: plan.expected_bytes.get(c) for c in totals} == {c: t["bytes"] for c, t in totals.items()}
     for sparks in (1, 2):
@@ -185,5 +186,5 @@ def test_the_k_map_and_bits_read_from_the_trellis_shapes_are_the_plans(built):
     assert stored_k(pack, cfg) == {key: (None if k is None else float(k)) for key, k in plan.k.items()}
     assert stored_bpw(pack, cfg) == pytest.approx(plan.achieved_bpw, rel=1e-12)
     budgeted = {t.key for t in targets(cfg) if t.budgeted}
-    spec = pack_spec(cfg, make_plan(cfg, plan.k, plan.codebook, plan.loader)).tensors
+    spec = pack_spec(cfg, make_plan(cfg, plan.k, plan.codebook, plan.profile.name)).tensors
     assert budgeted_bytes(pack) == sum(t.nbytes for t in spec if t.linear and t.linear.split(".slice.")[0] in budgeted)

@@ -17,14 +17,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quantizer.pipeline.preflight import claim
+from quantizer.build.preflight import claim
 from quantizer.checkpoint import fingerprint as fingerprint_module
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
-from quantizer.pack.manifest import Manifest
-from quantizer.plan.plan import make_plan
+from quantizer.contract.rules import make_plan
 from quantizer.model.targets import targets
+from quantizer.pack.manifest import Manifest
 from quantizer.report import size_text
 from quantizer.tiny.make import make_tiny
 from quantizer.workdir import FINGERPRINT_CACHE, LOCK_NAME, WORK_MARKER
@@ -401,7 +401,7 @@ def test_a_cuda_build_without_exllamav3_is_refused_before_calibration(tiny_v41, 
 
     import torch
 
-    build_module = importlib.import_module("quantizer.pipeline.build")  # the package exports the function `build`
+    build_module = importlib.import_module("quantizer.build.stages")  # the package exports the function `build`
     real = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "exllamav3" else real(name, *a))

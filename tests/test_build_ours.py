@@ -9,10 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from quantizer.pipeline.build import PLAN_FILE, RECIPE_FILE
+from quantizer.build.stages import PLAN_FILE, RECIPE_FILE
 from quantizer.cli import main
+from quantizer.contract.plan import Plan
 from quantizer.pack.manifest import MANIFEST_NAME
-from quantizer.plan.plan import Plan
 from quantizer.shipped import shipped
 
 SMALL = str(shipped("small_model"))
@@ -31,7 +31,7 @@ def test_the_pack_is_calibrated_allocated_and_verified(built, capsys):
     manifest = json.loads((built / "pack" / MANIFEST_NAME).read_text())
     assert manifest["settings"]["calibration"]["rows"] == 4
     plan = Plan.load(built / "pack.work" / PLAN_FILE)
-    assert plan.loader == "vllm-exl3" and plan.made_by.startswith("allocate(") and "gains=measured-kl" in plan.made_by
+    assert plan.profile.name == "vllm-exl3" and plan.made_by.startswith("allocate(") and "gains=measured-kl" in plan.made_by
     assert abs(plan.achieved_bpw - 2.9) < 0.02
     assert manifest["aliases"] == plan.aliases
     assert (built / "pack.work" / RECIPE_FILE).read_text().count("\n") > 10

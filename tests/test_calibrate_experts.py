@@ -16,10 +16,10 @@ from quantizer.calibrate.storage import CALIBRATION_DIR, JOB_FILE
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.codec.ldlq import finalize_hessian
+from quantizer.contract.pack_spec import pack_spec
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.transformer import DeepseekModel
 from quantizer.plan.uniform import uniform_plan
-from quantizer.plan.spec import pack_spec
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.settings import QuantizeSettings
 

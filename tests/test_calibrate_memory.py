@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_module import script_module
 
 from quantizer.calibrate import CalibrationSettings, calibration_needs
 from quantizer.calibrate.groups import layer_groups
@@ -15,7 +16,6 @@ from quantizer.checkpoint.source import Checkpoint
 from quantizer.model.streaming import block_weight_bytes
 from quantizer.tiny.make import random_values
 from quantizer.tiny.native_writer import write_native_checkpoint
-from script_module import script_module
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "calibrate_memory.py"
 

@@ -20,11 +20,11 @@ import yaml
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import build_parser, main
-from quantizer.model.targets import targets
+from quantizer.contract.rules import make_plan
 from quantizer.fit.memory import pack_fit_table
+from quantizer.model.targets import targets
 from quantizer.pack.card import CARD_NAME, render_card, source_license
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
-from quantizer.plan.plan import make_plan
 
 ENCODED = "layers.0.attn.wq_b"  # one EXL3 linear (K 2): a second of the CPU codec
 

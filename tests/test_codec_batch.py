@@ -5,8 +5,7 @@ bounded scale-search sample finds the same scale as the whole matrix."""
 import pytest
 import torch
 
-from quantizer.codec import EXL3Linear, dequantize, quantize_linear, quantize_linears
-from quantizer.codec import scale
+from quantizer.codec import EXL3Linear, dequantize, quantize_linear, quantize_linears, scale
 from quantizer.codec.ldlq import block_ldl, finalize_hessian, ldlq
 from quantizer.exl3 import Codebook
 

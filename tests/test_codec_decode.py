@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from quantizer.codec import EXL3Linear, decode_rotated, dequantize
-from quantizer.exl3 import codebook_values
 from quantizer.codec.hadamard import hadamard_128
+from quantizer.exl3 import codebook_values
 
 K_ALL = (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from quantizer.codec import decode_rotated, encode_tiles, pack_trellis, unpack_trellis
+from quantizer.codec.trellis import step_bits, tiles_to_matrix
 from quantizer.errors import UserError
 from quantizer.exl3 import codebook_values
-from quantizer.codec.trellis import step_bits, tiles_to_matrix
 
 CASES = [("mul1", k) for k in (1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8)] + [
     (cb, k) for cb in ("mcg", "3inst") for k in range(1, 9)

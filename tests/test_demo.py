@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from quantizer.build.stages import QUANTIZE_DIR
 from quantizer.checkpoint.safetensors_file import read_header
 from quantizer.cli import main
-from quantizer.demo.demo import BUILD_DIR
+from quantizer.demo.sweep import BUILD_DIR
 from quantizer.pack.manifest import Manifest
-from quantizer.pipeline.build import QUANTIZE_DIR
 from quantizer.plots import DPI, save_figure
 from quantizer.quantize.results import RESULTS_DIR
 from quantizer.shipped import shipped
@@ -34,7 +34,7 @@ def run(tmp_path_factory):
     work = tmp_path_factory.mktemp("demo")
     drawn = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("quantizer.demo.cli.save_figure", lambda fig, path: drawn.append(fig) or save_figure(fig, path))
+        mp.setattr("quantizer.commands.demo.save_figure", lambda fig, path: drawn.append(fig) or save_figure(fig, path))
         found = _demo(work, "--plot", str(work / "quality.png"))
     return found, drawn, work / "quality.png"
 
@@ -100,7 +100,7 @@ def test_a_demo_row_is_what_quantizer_build_writes(run, rows, tmp_path, capfd, m
     capfd.readouterr()
     assert main(common + ["--method", "uniform", "--out", str(tmp_path / "uniform")]) == 0
     assert re.findall(r"([\d,]+) weights to encode", capfd.readouterr().err) == ["0"]
-    pipeline_build = importlib.import_module("quantizer.pipeline.build")  # the module, not its build()
+    pipeline_build = importlib.import_module("quantizer.build.stages")  # the module, not its build()
     quantize = pipeline_build.quantize
 
     def quantize_with_the_demos_encodings(*args, **kwargs):
@@ -181,10 +181,10 @@ def test_unknown_method_and_empty_evaluation_are_user_errors(capsys):
 def test_bundled_v4_model_is_the_shape_exllamav3_runs():
     # `demo --model small-v4` opens this checkpoint: the shipped config, every tensor its layout implies,
     # and what stock exllamav3 1.6.5 asserts or needs (architecture/deepseek_v4*.py, modules/dsv4.py).
-    from quantizer.checkpoint.source import Checkpoint
-    from quantizer.demo.demo import MODELS
-    from quantizer.inventory.inventory import check_against_config
     from quantizer.checkpoint.config import V4
+    from quantizer.checkpoint.source import Checkpoint
+    from quantizer.demo.sweep import MODELS
+    from quantizer.inventory.classify import check_against_config
     from quantizer.shipped import model_config_path, shipped
     from quantizer.textdata import shipped_tokenizer_path
 

@@ -21,8 +21,8 @@ import torch
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
+from quantizer.contract.rules import make_plan
 from quantizer.model.targets import ROUTED, targets
-from quantizer.plan.plan import make_plan
 from quantizer.quantize.results import RESULTS_DIR
 from quantizer.shipped import shipped
 

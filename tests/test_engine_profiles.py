@@ -19,17 +19,17 @@ import shutil
 import struct
 
 import pytest
+from test_publish import _listed  # tests/ is on sys.path (pytest prepend import mode)
 
 from quantizer.checkpoint.safetensors_file import read_bytes, read_header
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import main
+from quantizer.contract.rules import make_plan
 from quantizer.model.targets import ROUTED, targets
 from quantizer.model.tensor_classes import ENGRAM_TABLE, classify
 from quantizer.pack.manifest import Manifest
 from quantizer.pack.owned import owned_files
-from quantizer.plan.plan import make_plan
 from quantizer.shipped import shipped
-from test_publish import _listed  # tests/ is on sys.path (pytest prepend import mode)
 
 EXL3_LEAVES = ("trellis", "suh", "svh", "mul1", "mcg")
 F8 = ("F8_E4M3", "F8_E5M2", "F8_E8M0")

@@ -26,14 +26,14 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from quantizer.checkpoint.source import Checkpoint  # noqa: E402
 from quantizer.cli import build_parser, main  # noqa: E402
+from quantizer.contract.rules import make_plan  # noqa: E402
 from quantizer.errors import UserError  # noqa: E402
 from quantizer.evaluate.harness import ForwardLM  # noqa: E402
 from quantizer.evaluate.paired import paired_scores  # noqa: E402
 from quantizer.model.streaming import LayerStreamer  # noqa: E402
 from quantizer.model.targets import targets  # noqa: E402
-from quantizer.plan.plan import make_plan  # noqa: E402
-from quantizer.ppl.perplexity import row_predictions  # noqa: E402
 from quantizer.ppl.pack_source import PackSource  # noqa: E402
+from quantizer.ppl.perplexity import row_predictions  # noqa: E402
 from quantizer.shipped import shipped  # noqa: E402
 
 TASK = "python_continuations"

@@ -8,19 +8,20 @@ import importlib.util
 
 import numpy as np
 import pytest
+from test_allocate import budget_bytes  # tests/ is on sys.path (pytest prepend import mode)
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.loader_profiles import EXLLAMAV3, load_profile
+from quantizer.contract.pack_spec import aliased_keys
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import achieved_bpw, check_plan
 from quantizer.errors import UserError
 from quantizer.model.targets import ATTN, ENGRAM, INDEX, ROUTED, targets
 from quantizer.plan import exl3_baseline
 from quantizer.plan.allocate import AllocationSettings, allocate
 from quantizer.plan.exl3_baseline import exl3_plan, exl3_strategy, v4_twin_config
-from quantizer.plan.plan import Plan, achieved_bpw, check_plan
-from quantizer.plan.spec import aliased_keys
-from quantizer.plan.profiles import EXLLAMAV3
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
 from quantizer.shipped import model_config_path
-from test_allocate import budget_bytes  # tests/ is on sys.path (pytest prepend import mode)
 
 MISSING = [m for m in ("exllamav3", "triton") if importlib.util.find_spec(m) is None]
 needs_exllamav3 = pytest.mark.skipif(bool(MISSING), reason=f"{' and '.join(MISSING)} not installed "
@@ -72,7 +73,7 @@ def test_exl3_plan_maps_back_at_equal_bytes(name):
     cfg = config(name)
     plan = exl3_plan(cfg, 2.9)
     check_plan(cfg, plan)
-    assert plan.made_by.startswith("exllamav3.create_q_strategy(") and plan.loader == EXLLAMAV3
+    assert plan.made_by.startswith("exllamav3.create_q_strategy(") and plan.profile.name == EXLLAMAV3
     assert plan.achieved_bpw <= 2.9 + 1e-9 and plan.target_bpw == 2.9
     rates = {}
     for t in targets(cfg):
@@ -88,7 +89,7 @@ def test_exl3_plan_maps_back_at_equal_bytes(name):
     # the largest exllamav3 input whose plan stays in budget: a little more would exceed it
     bits = float(plan.made_by.split("bits=")[1].split(",")[0])
     strategy, _ = exl3_strategy(cfg, bits + 2 * exl3_baseline.MATCH_TOLERANCE)
-    more = Plan(cfg.arch, "mul1", EXLLAMAV3, exl3_baseline.our_rates(cfg, strategy, 6.0, None))
+    more = Plan(cfg.arch, "mul1", load_profile(EXLLAMAV3), exl3_baseline.our_rates(cfg, strategy, 6.0, None))
     assert achieved_bpw(cfg, more) > 2.9
 
 

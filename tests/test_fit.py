@@ -10,16 +10,16 @@ from dataclasses import replace
 import pytest
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.pack_spec import pack_spec
+from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.fit.hardware import Term, derived_kv_bytes_per_token, load_hardware, swa_ring_bytes
 from quantizer.fit.memory import fit, fit_table
 from quantizer.fit.placement import Options, block_split, rank_weights
 from quantizer.fit.target import FitTarget, largest_fitting_plan
 from quantizer.model.targets import targets
-from quantizer.plan.plan import make_plan
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
-from quantizer.plan.spec import pack_spec
 
 GIB = 1 << 30
 

@@ -11,15 +11,15 @@ import pytest
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PlannedTensor, read_header, write_safetensors
 from quantizer.cli import main
+from quantizer.contract.pack_spec import pack_spec
+from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import leaf_layout
 from quantizer.fit.memory import fit
 from quantizer.fit.stored import stored_from_pack
 from quantizer.model.targets import classified_layout, stored_parts, target_map
-from quantizer.plan.plan import Plan
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
-from quantizer.plan.spec import pack_spec
 
 TINY = model_config_path("tiny-v41.json")
 

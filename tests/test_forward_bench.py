@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from script_module import script_module
+
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.model.flops import layer_flops
 from quantizer.shipped import model_config_path
-from script_module import script_module
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "forward_gpu_layer.py"
 CALIBRATE_BENCH = BENCH.with_name("calibrate_gpu_layer.py")

@@ -7,7 +7,7 @@ import shutil
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
-from quantizer.inventory.inventory import take_inventory
+from quantizer.inventory.classify import take_inventory
 
 # docs/deepseek-v4-layout.md: (tensors, params, bytes) per class of V4.1-Flash
 V41_CLASSES = {

@@ -8,13 +8,13 @@ import pytest
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.contract.loader_profiles import EXLLAMAV3, LOADERS, TENSORFOLD, load_profile, violations
+from quantizer.contract.pack_spec import pack_spec
+from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.model.targets import ROUTED, target_map, targets
 from quantizer.plan.allocate import AllocationSettings, Allocator
 from quantizer.plan.methods import METHODS, OURS, planner
-from quantizer.plan.plan import make_plan
-from quantizer.plan.spec import pack_spec
-from quantizer.plan.profiles import EXLLAMAV3, LOADERS, TENSORFOLD, load_profile, violations
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
 from quantizer.shipped import model_config_path
@@ -42,7 +42,7 @@ def test_a_plan_from_every_method_keeps_its_profile(cfg, method, loader):
                          synthetic_summary(cfg, seed=3) if method == OURS else None)
     for bpw in (2.5, 3.5):
         plan = plan_at(bpw)
-        assert plan.loader == loader and plan.achieved_bpw <= bpw + 1e-9
+        assert plan.profile.name == loader and plan.achieved_bpw <= bpw + 1e-9
         assert violations(profile, pack_spec(cfg, plan).linears, plan.aliases) == []
         if loader == EXLLAMAV3:
             routed = [t for t in targets(cfg) if t.group == ROUTED]

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from script_module import script_module
 
 from quantizer.checkpoint.config import V4
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
-from quantizer.inventory.inventory import check_against_config
+from quantizer.inventory.classify import check_against_config
 from quantizer.model.targets import ROUTED, targets
 from quantizer.shipped import model_config_path, shipped
 from quantizer.textdata import shipped_tokenizer_path
-from script_module import script_module
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "converter_curve.py"
 

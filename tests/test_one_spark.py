@@ -10,10 +10,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+from script_module import script_module
 
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_header
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
+from quantizer.contract.loader_profiles import DEFAULT_OVERLAY, EXLLAMAV3_V41, Overlay
+from quantizer.contract.pack_spec import StoredTensor, pack_spec
+from quantizer.contract.plan import Plan
 from quantizer.fit.cold_experts import place_cold_experts, routed_tokens
 from quantizer.fit.hardware import GIB, load_hardware
 from quantizer.fit.launch import LAUNCH_FILE, Launch, read_launch
@@ -23,13 +27,9 @@ from quantizer.model.targets import DRAFT, ROUTED, targets
 from quantizer.model.tensor_classes import ENGRAM_TABLE, classify
 from quantizer.pack.manifest import Manifest, sha256_file
 from quantizer.pack.owned import owned_files
-from quantizer.plan.plan import Plan
-from quantizer.plan.profiles import DEFAULT_OVERLAY, EXLLAMAV3_V41, Overlay
 from quantizer.plan.sensitivity import synthetic_summary
-from quantizer.plan.spec import StoredTensor, pack_spec
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import shipped
-from script_module import script_module
 
 MIB = 1 << 20
 V41_ENGINE = "exllamav3-v41"
@@ -271,7 +271,7 @@ def test_build_refuses_cold_experts_without_the_calibrations_routing(tmp_path, c
 
 
 def test_every_rule_a_profile_sets_names_the_engine_code_it_comes_from():
-    from quantizer.plan.profiles import LOADERS, RULES, load_profile
+    from quantizer.contract.loader_profiles import LOADERS, RULES, load_profile
 
     for name in LOADERS:
         profile = load_profile(name)

@@ -7,17 +7,17 @@ import json
 import shutil
 
 import pytest
+from safetensors_check import assert_safetensors_agree
 
 from quantizer.checkpoint.safetensors_file import PlannedTensor, read_header, read_tensor, write_safetensors
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
+from quantizer.contract.rules import make_plan
 from quantizer.model.targets import targets
 from quantizer.model.tensor_classes import ENGRAM_TABLE, classify
 from quantizer.pack import shards as shards_module
 from quantizer.pack.writer import PackSettings, write_pack
-from quantizer.plan.plan import make_plan
 from quantizer.quantize import QuantizeSettings, quantize
-from quantizer.verify.verify import verify_pack
-from safetensors_check import assert_safetensors_agree
+from quantizer.verify.checks import verify_pack
 
 FP16 = "layers.0.attn.wq_a"
 

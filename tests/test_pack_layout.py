@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantizer.checkpoint.safetensors_file import TensorEntry
-from quantizer.model.tensor_classes import classify
 from quantizer.exl3 import PACK_ALIGN
+from quantizer.model.tensor_classes import classify
 from quantizer.pack.shards import PackTensor, assign_shards
 
 

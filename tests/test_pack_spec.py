@@ -1,4 +1,4 @@
-"""The pack spec (plan/spec.py) is one list every stage reads: its quick byte count equals the sum of
+"""The pack spec (contract/pack_spec.py) is one list every stage reads: its quick byte count equals the sum of
 its tensors, encoded targets replace exactly their native weight and scale, aliased experts and wo_a
 slicing follow the loader's layout."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.loader_profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3
+from quantizer.contract.pack_spec import EXL3, NATIVE, pack_spec, spec_bytes
+from quantizer.contract.rules import make_plan
 from quantizer.model.targets import targets
-from quantizer.plan.plan import make_plan
-from quantizer.plan.profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3
-from quantizer.plan.spec import EXL3, NATIVE, pack_spec, spec_bytes
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 

@@ -8,12 +8,13 @@ import json
 import pytest
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.loader_profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_k, exl3_bytes, k_from_trellis, leaf_layout
 from quantizer.model.targets import ROUTED, quantizable, target_map, targets
 from quantizer.model.tensor_classes import ATTENTION, HEAD, ROUTED_EXPERT, classify
-from quantizer.plan.plan import Plan, make_plan
-from quantizer.plan.profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3
 from quantizer.plan.uniform import lowest_uniform_bpw, uniform_plan
 from quantizer.shipped import model_config_path
 

@@ -11,11 +11,11 @@ import pytest
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.cli import main
+from quantizer.contract.loader_profiles import EXLLAMAV3, TENSORFOLD
+from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import exl3_bytes
 from quantizer.model.targets import stored_parts, target_map
-from quantizer.plan.plan import make_plan
-from quantizer.plan.profiles import EXLLAMAV3, TENSORFOLD
 from quantizer.plan.recipe import _KeyPool, plan_from_recipe, read_recipe, recipe_entries, write_recipe
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path, shipped
@@ -128,7 +128,7 @@ def test_shipped_recipes_are_what_uniform_plan_writes(v41, bpw, tmp_path, capsys
     capsys.readouterr()
     assert fresh.read_text() == shipped_path.read_text(), "regenerate configs/recipes with the command in its header"
     plan = plan_from_recipe(v41, read_recipe(shipped_path))
-    assert plan.achieved_bpw <= float(bpw) and plan.loader == "exllamav3"
+    assert plan.achieved_bpw <= float(bpw) and plan.profile.name == "exllamav3"
 
 
 def test_a_full_disk_while_writing_a_recipe_leaves_no_temporary_file(tmp_path, capsys, monkeypatch):

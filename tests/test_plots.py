@@ -13,8 +13,8 @@ from PIL import Image
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.cli import main
+from quantizer.contract.plan import Plan
 from quantizer.model.targets import targets
-from quantizer.plan.plan import Plan
 from quantizer.plots import DPI, save_figure
 from quantizer.shipped import model_config_path, shipped
 
@@ -44,7 +44,7 @@ def assert_readable_png(path, fig) -> None:
 
 
 def test_fit_plot_stacks_every_term_of_each_rank_to_its_visible_memory(tmp_path, monkeypatch, capsys):
-    drawn = spy_figures(monkeypatch, "quantizer.fit.cli")
+    drawn = spy_figures(monkeypatch, "quantizer.commands.fit")
     png = tmp_path / "fit.png"
     recipe = shipped("configs", "recipes", "2.9.yaml")
     assert main(["fit", "--model-config", "deepseek-v4.1-flash", "--recipe", str(recipe), "--sparks", "2",
@@ -68,7 +68,7 @@ def test_fit_plot_stacks_every_term_of_each_rank_to_its_visible_memory(tmp_path,
 
 
 def test_fit_plot_of_a_pack_that_does_not_fit_stacks_past_visible(tmp_path, monkeypatch):
-    drawn = spy_figures(monkeypatch, "quantizer.fit.cli")
+    drawn = spy_figures(monkeypatch, "quantizer.commands.fit")
     png = tmp_path / "fit.png"
     recipe = shipped("configs", "recipes", "2.9.yaml")
     assert main(["fit", "--model-config", "deepseek-v4.1-flash", "--recipe", str(recipe), "--sparks", "1",
@@ -81,7 +81,7 @@ def test_fit_plot_of_a_pack_that_does_not_fit_stacks_past_visible(tmp_path, monk
 
 
 def test_plan_plot_draws_each_plans_k_per_layer_and_projection(tmp_path, monkeypatch):
-    drawn = spy_figures(monkeypatch, "quantizer.plan.cli")
+    drawn = spy_figures(monkeypatch, "quantizer.commands.plan")
     other, png = tmp_path / "other.json", tmp_path / "k.png"
     assert main(["plan", "--model-config", TINY, "--bpw", "4", "--loader", "exllamav3", "--out", str(other)]) == 0
     assert main(["plan", "--model-config", TINY, "--bpw", "2.5", "--loader", "exllamav3", "--plot", str(png),

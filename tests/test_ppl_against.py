@@ -13,11 +13,11 @@ import torch
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.codec import EXL3Linear, dequantize
+from quantizer.contract.loader_profiles import EXLLAMAV3
+from quantizer.contract.rules import make_plan
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.targets import targets
 from quantizer.model.transformer import DeepseekModel
-from quantizer.plan.plan import make_plan
-from quantizer.plan.profiles import EXLLAMAV3
 from quantizer.ppl.compare import compare
 from quantizer.ppl.perplexity import RowPredictions
 

@@ -4,8 +4,8 @@ around every test (tests/gpu/conftest.py) sees what a test changes and forgets t
 from __future__ import annotations
 
 import torch
-
 from process_state import snapshot, state_changes
+
 from quantizer import caches
 from quantizer.checkpoint import fingerprint
 from quantizer.checkpoint.source import Checkpoint

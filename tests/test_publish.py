@@ -18,13 +18,13 @@ from huggingface_hub.utils import hf_raise_for_status
 
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import build_parser, main
+from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.model.targets import targets
 from quantizer.pack.card import CARD_NAME
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.pack.owned import owned_files
-from quantizer.plan.plan import make_plan
-from quantizer.publish.publish import plan_publish, upload
+from quantizer.publish.hub_upload import plan_publish, upload
 
 REPO = "example-org/tiny-v41-exl3"
 
@@ -266,7 +266,7 @@ def test_offline_mode_is_refused_before_verify_and_the_hub_refuses_it_too(pack, 
     """HF_HUB_OFFLINE set: refused before a verify that may hash hundreds of GiB; and the real HfApi, which
     refuses every request in offline mode without touching the network, gives one line as well."""
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr("quantizer.publish.publish.verify_pack", lambda *a, **k: pytest.fail("verified"))
+    monkeypatch.setattr("quantizer.publish.hub_upload.verify_pack", lambda *a, **k: pytest.fail("verified"))
     assert main(["publish", str(pack), "--repo", REPO]) == 2
     _one_line(capsys.readouterr().err, "offline mode (HF_HUB_OFFLINE is set)", "unset HF_HUB_OFFLINE")
     assert hub.calls == []

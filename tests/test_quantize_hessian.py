@@ -9,9 +9,9 @@ import torch
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear, dequantize
+from quantizer.contract.rules import make_plan
 from quantizer.model.targets import targets
 from quantizer.pack.writer import PackSettings, write_pack
-from quantizer.plan.plan import make_plan
 from quantizer.quantize import QuantizeSettings, quantize
 from quantizer.workdir import JOB_NAME
 

@@ -12,15 +12,16 @@ import torch
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
+from quantizer.contract.loader_profiles import EXLLAMAV3, load_profile
+from quantizer.contract.pack_spec import pack_spec
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import make_plan
 from quantizer.model.targets import ROUTED, targets
-from quantizer.plan.plan import Plan, make_plan
-from quantizer.plan.profiles import EXLLAMAV3
 from quantizer.plan.uniform import uniform_plan
 from quantizer.quantize import QuantizeSettings, quantize
-from quantizer.plan.spec import pack_spec
+from quantizer.quantize.encode_hours import EncodeRate, RateTable, estimate, plan_estimate
 from quantizer.quantize.linears import work_units
 from quantizer.quantize.pipeline import run_pipeline
-from quantizer.quantize.rates import EncodeRate, RateTable, estimate, plan_estimate
 from quantizer.quantize.results import RESULTS_DIR
 
 # Small linears (the CPU codec is the slow part): two encoded, one only cast to fp16.
@@ -39,7 +40,7 @@ def _hessians(ck):
 
 def _plan(ck):
     """A stage test: the quantize stage encodes any K map, so no engine profile's rules are asked of it."""
-    return Plan(ck.config.arch, "mul1", EXLLAMAV3, {t.key: KEYS.get(t.key) for t in targets(ck.config)})
+    return Plan(ck.config.arch, "mul1", load_profile(EXLLAMAV3), {t.key: KEYS.get(t.key) for t in targets(ck.config)})
 
 
 def test_the_pipelined_stage_writes_the_same_bytes_as_the_sequential_one(tiny_v41, tmp_path):

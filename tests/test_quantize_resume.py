@@ -11,15 +11,14 @@ import subprocess
 import sys
 import time
 
-
+from quantizer.build.stages import QUANTIZE_DIR
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
+from quantizer.contract.rules import make_plan
 from quantizer.model.targets import targets
-from quantizer.plan.plan import make_plan
-from quantizer.workdir import JOB_NAME
-from quantizer.pipeline.build import QUANTIZE_DIR
 from quantizer.quantize.results import RESULTS_DIR
 from quantizer.tiny.make import make_tiny
+from quantizer.workdir import JOB_NAME
 
 FP16_KEYS = [f"layers.{layer}.attn.{p}" for layer in (0, 1) for p in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")]
 # Last in stream order, four units (wo_a is two slices): the kill lands while they are being encoded.

@@ -9,11 +9,11 @@ import pytest
 
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.contract.pack_spec import pack_spec
+from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.model.targets import targets
-from quantizer.plan.plan import make_plan
 from quantizer.plan.uniform import uniform_plan
-from quantizer.plan.spec import pack_spec
 from quantizer.quantize.job import JobSpec, job_differences
 from quantizer.quantize.linears import GPU_BATCH_BYTES, plan_units, tensor_seed, work_units
 from quantizer.quantize.settings import QuantizeSettings

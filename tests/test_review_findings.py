@@ -21,24 +21,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors_check import assert_safetensors_agree
 
 from quantizer import distributed, workdir
+from quantizer.build.preflight import claim
 from quantizer.checkpoint import fingerprint
 from quantizer.checkpoint.safetensors_file import planned, read_header, read_tensor, write_safetensors
-from quantizer.checkpoint.source import Checkpoint
+from quantizer.checkpoint.source import Checkpoint, is_engram_table
 from quantizer.cli import build_parser, main
+from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.fit import fit_table, pack_fit_table, stored_from_pack
 from quantizer.model.layout import native_layout
 from quantizer.model.targets import targets
-from quantizer.checkpoint.source import is_engram_table
 from quantizer.model.tensor_classes import ENGRAM_TABLE, classify
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
-from quantizer.pipeline.preflight import claim
-from quantizer.plan.plan import make_plan
 from quantizer.quantize.results import RESULTS_DIR, SUFFIX
 from quantizer.textdata import read_texts
-from safetensors_check import assert_safetensors_agree
 
 ROOT = Path(__file__).resolve().parents[1]
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import tomllib
+import torch
 import zstandard
+from script_module import script_module
 
 from quantizer.checkpoint.safetensors_file import planned, write_safetensors
 from quantizer.errors import UserError
@@ -35,7 +36,6 @@ from quantizer.textdata import (
     text_argument,
     token_rows,
 )
-from script_module import script_module
 
 REPO = Path(__file__).resolve().parents[1]
 CALIBRATION = REPO / "calibration"

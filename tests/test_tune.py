@@ -15,20 +15,21 @@ import numpy as np
 import pytest
 import torch
 
+from quantizer.build.stages import PLAN_FILE, QUANTIZE_DIR, BuildRequest, build, plan_and_state
+from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_bytes, read_header
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.codec import dequantize, quantize_linear
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
-from quantizer.pack.manifest import Manifest
-from quantizer.calibrate.settings import CalibrationSettings
-from quantizer.pipeline.build import PLAN_FILE, QUANTIZE_DIR, BuildRequest, build, plan_and_state
 from quantizer.model.hooks import ForwardHooks, ScaledCodes
 from quantizer.model.linear import NativeLinear
-from quantizer.model.targets import targets
-from quantizer.plan.plan import Plan, make_plan
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
+from quantizer.model.targets import targets
+from quantizer.pack.manifest import Manifest
 from quantizer.ppl.pack_source import PackSource
 from quantizer.shipped import model_config_path
 from quantizer.tune import end_to_end, stage
@@ -183,7 +184,7 @@ def test_tune_without_calibration_is_refused_in_one_line(tiny_v41, tmp_path, cap
 def test_a_source_byte_changed_during_tuning_keeps_no_tuned_block(packs, src, tmp_path, capsys, monkeypatch):
     """Blocks tuned from changed bytes are deleted before the refusal, like the units encoded from them,
     so a rerun with the bytes put back never reuses them."""
-    build_module = importlib.import_module("quantizer.pipeline.build")  # the package exports the function
+    build_module = importlib.import_module("quantizer.build.stages")  # the package exports the function
 
     work = tmp_path / "work"
     real = build_module.tune
@@ -288,7 +289,7 @@ def test_tuning_that_does_not_fit_is_refused_before_any_stage(flag, instead, tin
 @pytest.mark.parametrize("flag", ["--tune-e2e", "--tune"])
 def test_too_few_calibration_rows_to_tune_are_refused_before_any_stage(flag, tiny_v41, tmp_path, capsys, monkeypatch):
     """One row leaves none to hold out: refused before calibration and quantize, not after them."""
-    build_module = importlib.import_module("quantizer.pipeline.build")
+    build_module = importlib.import_module("quantizer.build.stages")
     monkeypatch.setattr(build_module, "calibrate", lambda *a, **k: pytest.fail("calibrated before refusing"))
     ids = tmp_path / "ids.npy"
     np.save(ids, np.random.default_rng(0).integers(3, 200, size=(1, 32)))

@@ -14,10 +14,10 @@ import pytest
 from quantizer.checkpoint.safetensors_file import PlannedTensor, read_header, read_tensor, write_safetensors
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import main
+from quantizer.contract.rules import make_plan
 from quantizer.model.targets import targets
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest, sha256_file
 from quantizer.pack.owned import owned_files
-from quantizer.plan.plan import make_plan
 
 CAP = "4M"
 

@@ -22,9 +22,19 @@ not run by calibration.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.model.targets import (
-    ATTN, COMPRESSOR_PROJECTIONS, DRAFT, HEAD_GROUP, INDEX, ROUTED, SHARED, Target, target_map, targets,
+    ATTN,
+    COMPRESSOR_PROJECTIONS,
+    DRAFT,
+    HEAD_GROUP,
+    INDEX,
+    ROUTED,
+    SHARED,
+    Target,
+    target_map,
+    targets,
 )
 
 SLICE = ".slice."  # stored-key infix of a wo_a row slice (quantizer/quantize/linears.py)

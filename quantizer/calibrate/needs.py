@@ -42,10 +42,10 @@ from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.storage import STORAGE_DTYPES
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.model.block import Block
-from quantizer.model.targets import classified_layout, targets
-from quantizer.model.tensor_classes import ENGRAM_TABLE
 from quantizer.model.state import DEFAULT_ATTN_CHUNK_ELEMENTS
 from quantizer.model.streaming import MemoryEstimate, block_activations, block_weight_bytes, state_bytes
+from quantizer.model.targets import classified_layout, targets
+from quantizer.model.tensor_classes import ENGRAM_TABLE
 from quantizer.report import GIB, gib
 
 

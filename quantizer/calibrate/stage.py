@@ -35,12 +35,23 @@ from quantizer.calibrate.needs import calibration_needs
 from quantizer.calibrate.resume import drop_resume_points, load_chunk, resume_point, save_chunk
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.storage import (
-    CALIBRATION_DIR, HEAD_FILE, SUMMARY_FILE, HessianStore, layer_file, pack_hessian,
-    read_meta, write_stats_file,
+    CALIBRATION_DIR,
+    HEAD_FILE,
+    SUMMARY_FILE,
+    HessianStore,
+    layer_file,
+    pack_hessian,
+    read_meta,
+    write_stats_file,
 )
 from quantizer.calibrate.summary import MEASURED_KL, CalibrationSummary, LayerStats, TensorStats
 from quantizer.calibrate.unit_kl import (
-    fits, free_memory, kl_relative_error, measure_unit_kl, probe_rows, unit_kl_needs,
+    fits,
+    free_memory,
+    kl_relative_error,
+    measure_unit_kl,
+    probe_rows,
+    unit_kl_needs,
 )
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
@@ -51,7 +62,12 @@ from quantizer.model.streaming import CheckpointSource, load_block
 from quantizer.model.transformer import DeepseekModel
 from quantizer.report import gib
 from quantizer.workdir import (
-    FINGERPRINT_CACHE, claim_work_dir, open_job, require_free_space, settings_differences, source_difference,
+    FINGERPRINT_CACHE,
+    claim_work_dir,
+    open_job,
+    require_free_space,
+    settings_differences,
+    source_difference,
 )
 
 

@@ -29,7 +29,11 @@ from quantizer.calibrate.groups import HEAD_KEY, SLICE, stored_group, wo_a_slice
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.safetensors_file import (
-    SafetensorsHeader, planned, read_header, read_tensor, write_safetensors,
+    SafetensorsHeader,
+    planned,
+    read_header,
+    read_tensor,
+    write_safetensors,
 )
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError

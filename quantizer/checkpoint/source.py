@@ -178,7 +178,11 @@ def _hub_refusal(repo_id: str, revision: str | None, filename: str, e: Exception
     error is a not-found error, a cache miss is an entry-not-found error)."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (
-        EntryNotFoundError, GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 

@@ -7,11 +7,25 @@ and verify all read the same rules from one place.
 
 from quantizer.exl3.codebook import CODEBOOKS, NUM_STATES, Codebook, codebook_values, parse_codebook
 from quantizer.exl3.distortion import CODEBOOK_MSE_FACTOR, MUL1_MSE, model_proxy
-from quantizer.exl3.rates import (
-    HALF_RATES, INTEGER_RATES, UNQUANTIZED, check_bpw, check_k, drafter_k, rate_floor, rate_grid, trellis_k,
+from quantizer.exl3.k_values import (
+    HALF_RATES,
+    INTEGER_RATES,
+    UNQUANTIZED,
+    check_bpw,
+    check_k,
+    drafter_k,
+    rate_floor,
+    rate_grid,
+    trellis_k,
 )
 from quantizer.exl3.sizes import (
-    EXL3_LEAVES, HADAMARD_BLOCK, PACK_ALIGN, budget_bpw, exl3_bytes, k_from_trellis, leaf_layout,
+    EXL3_LEAVES,
+    HADAMARD_BLOCK,
+    PACK_ALIGN,
+    budget_bpw,
+    exl3_bytes,
+    k_from_trellis,
+    leaf_layout,
 )
 
 __all__ = [

@@ -12,7 +12,7 @@ from fractions import Fraction
 from functools import lru_cache
 
 from quantizer.exl3.codebook import Codebook, parse_codebook
-from quantizer.exl3.rates import UNQUANTIZED
+from quantizer.exl3.k_values import UNQUANTIZED
 
 EXL3_LEAVES = ("trellis", "suh", "svh", "mul1", "mcg", "bias")
 HADAMARD_BLOCK = 128  # EXL3 rotates 128-wide Hadamard blocks: in and out features must be multiples

@@ -16,8 +16,8 @@ from typing import Callable
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
-from quantizer.fit.launch import read_launch
 from quantizer.fit.hardware import GIB, Hardware, kv_bytes_per_token, load_hardware, swa_ring_bytes
+from quantizer.fit.launch import read_launch
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES, Options, rank_weights
 from quantizer.fit.residency import bytes_by_class, copy_rule, split_mapped
 from quantizer.fit.stored import StoredTensor, stored_from_pack

@@ -17,18 +17,26 @@ from __future__ import annotations
 import re
 from bisect import bisect_right
 from collections import defaultdict
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.source import is_engram_table
+from quantizer.contract.pack_spec import native_tensors
 from quantizer.exl3 import HADAMARD_BLOCK
 from quantizer.fit.stored import EXL3, StoredTensor, exl3_key
-from quantizer.model.tensor_classes import (
-    ATTENTION, DRAFTER, ENGRAM_RESIDENT, ENGRAM_TABLE, HEAD, ROUTED_EXPERT, SHARED_EXPERT, VISION, classify,
-)
 from quantizer.model.targets import target_map
-from quantizer.plan.spec import native_tensors
+from quantizer.model.tensor_classes import (
+    ATTENTION,
+    DRAFTER,
+    ENGRAM_RESIDENT,
+    ENGRAM_TABLE,
+    HEAD,
+    ROUTED_EXPERT,
+    SHARED_EXPERT,
+    VISION,
+    classify,
+)
 
 SPLITS = ("tp", "ep")
 ENGRAM_MODES = ("nvme", "scales", "resident")

@@ -22,6 +22,7 @@ from quantizer.fit.hardware import MappedServing
 from quantizer.fit.stored import StoredTensor
 from quantizer.model.tensor_classes import ENGRAM_TABLE, VISION
 
+
 def copy_rule(pattern: str) -> re.Pattern:
     """The copy pattern as the loader applies it; a malformed one is a UserError naming it."""
     try:

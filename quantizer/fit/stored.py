@@ -1,6 +1,6 @@
 """What a pack stores, tensor by tensor, read back from its safetensors headers.
 
-A plan's tensors come from its pack spec (plan/spec.py); this reads the same `StoredTensor` rows from
+A plan's tensors come from its pack spec (contract/pack_spec.py); this reads the same `StoredTensor` rows from
 a written pack (or a native checkpoint), so fit sizes a plan and the pack built from it alike.
 """
 
@@ -11,10 +11,10 @@ from pathlib import Path
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.contract.pack_spec import EXL3, NATIVE, StoredTensor
 from quantizer.errors import UserError
 from quantizer.exl3 import EXL3_LEAVES, k_from_trellis
 from quantizer.model.tensor_classes import classify
-from quantizer.plan.spec import EXL3, NATIVE, StoredTensor
 
 __all__ = ["EXL3", "NATIVE", "StoredTensor", "exl3_key", "stored_from_pack"]
 

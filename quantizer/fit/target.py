@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.pack_spec import pack_spec
+from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.fit.cold_experts import place_cold_experts
 from quantizer.fit.hardware import Hardware, load_hardware
@@ -21,8 +23,6 @@ from quantizer.fit.launch import Launch
 from quantizer.fit.memory import FitReport, Scenario, check_topology, fit, highest_fitting_bpw, lowest_accepted
 from quantizer.fit.stored import StoredTensor
 from quantizer.model.targets import DRAFT, targets
-from quantizer.plan.plan import Plan
-from quantizer.plan.spec import pack_spec
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,15 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.exl3 import HADAMARD_BLOCK, UNQUANTIZED
 from quantizer.model.layout import TensorSpec, native_layout
 from quantizer.model.tensor_classes import (
-    ATTENTION, COMPRESSOR, DRAFTER, ENGRAM_RESIDENT, HEAD, INDEXER, ROUTED_EXPERT, SHARED_EXPERT, classify,
+    ATTENTION,
+    COMPRESSOR,
+    DRAFTER,
+    ENGRAM_RESIDENT,
+    HEAD,
+    INDEXER,
+    ROUTED_EXPERT,
+    SHARED_EXPERT,
+    classify,
 )
 
 # Target groups: the unit of floors in a uniform plan and of patterns in a recipe.

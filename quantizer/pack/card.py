@@ -22,11 +22,11 @@ from pathlib import Path
 
 import yaml
 
+from quantizer.contract.loader_profiles import load_profile
 from quantizer.fit.memory import pack_fit_table
 from quantizer.model.tensor_classes import DRAFTER, ENGRAM_TABLE, VISION, classify
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest
 from quantizer.pack.measurement import Measurement
-from quantizer.plan.profiles import load_profile
 from quantizer.report import size_text, table
 from quantizer.workdir import write_json_atomic, write_text_atomic
 

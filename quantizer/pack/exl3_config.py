@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import math
-
 from collections import Counter
 
 from quantizer import __version__

@@ -52,7 +52,7 @@ from quantizer.pack.measurement import Measurement
 from quantizer.workdir import read_json
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_VERSION = 3  # 2: plan.loader (a profile name) replaces plan.loader_mode; 3: files, the digest covers all
+MANIFEST_VERSION = 3  # 2: plan.profile.name (a profile name) replaces plan.loader_mode; 3: files, the digest covers all
 NATIVE = "native"
 
 

@@ -28,7 +28,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from quantizer.checkpoint.safetensors_file import (
-    PAD_PREFIX, PlannedTensor, TensorEntry, read_header, write_safetensors,
+    PAD_PREFIX,
+    PlannedTensor,
+    TensorEntry,
+    read_header,
+    write_safetensors,
 )
 from quantizer.errors import UserError
 from quantizer.exl3 import PACK_ALIGN

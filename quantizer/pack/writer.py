@@ -32,33 +32,43 @@ import torch
 from tqdm import tqdm
 
 from quantizer import __version__
-from quantizer.checkpoint.fingerprint import source_fingerprint
-from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.errors import UserError
-from quantizer.exl3 import UNQUANTIZED, parse_codebook
-from quantizer.model.layout import TensorSpec
-from quantizer.model.targets import targets
-from quantizer.model.tensor_classes import classify
+from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.safetensors_file import (
-    PAD_PREFIX, TORCH_DTYPES, TensorEntry, planned, read_header, read_tensor, write_safetensors,
+    PAD_PREFIX,
+    TORCH_DTYPES,
+    TensorEntry,
+    planned,
+    read_header,
+    read_tensor,
+    write_safetensors,
 )
-from quantizer.exl3 import PACK_ALIGN
+from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
+from quantizer.contract.loader_profiles import ENGRAM_SIBLING
+from quantizer.contract.pack_spec import CONVERTED, ENGRAM_DIR, REPLACED_LEAVES, PackSpec, StoredTensor, expert_of, pack_spec
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import achieved_bpw
+from quantizer.contract.stored_linear import StoredLinear
+from quantizer.errors import UserError
+from quantizer.exl3 import PACK_ALIGN, UNQUANTIZED, parse_codebook
 from quantizer.fit.hardware import load_hardware
 from quantizer.fit.launch import LAUNCH_FILE, Launch, write_launch
 from quantizer.fit.target import drafter_in_exl3
-from quantizer.model.targets import DRAFT, HEAD_GROUP, ROUTED
+from quantizer.model.layout import TensorSpec
+from quantizer.model.targets import DRAFT, HEAD_GROUP, ROUTED, targets
+from quantizer.model.tensor_classes import classify
 from quantizer.pack.card import source_license, write_card
 from quantizer.pack.exl3_config import (
-    EXLLAMAV3_FORM, EXLLAMAV3_TARGET, fill_template, pack_config, profile_values, quantization_config, tensor_storage,
+    EXLLAMAV3_FORM,
+    EXLLAMAV3_TARGET,
+    fill_template,
+    pack_config,
+    profile_values,
+    quantization_config,
+    tensor_storage,
 )
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, FileRecord, Manifest, ShardRecord, TensorRecord, sha256_file
 from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, link_or_copy, reusable_sources, write_shards
-from quantizer.plan.plan import Plan, achieved_bpw
-from quantizer.plan.profiles import ENGRAM_SIBLING, load_profile
-from quantizer.plan.spec import (
-    CONVERTED, ENGRAM_DIR, REPLACED_LEAVES, PackSpec, StoredLinear, StoredTensor, expert_of, pack_spec,
-)
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.results import ResultStore
 from quantizer.report import size_text
@@ -96,7 +106,7 @@ def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, se
     out = Path(out)
     check_new_pack_dir(out)
     engram = engram_dir_of(out)
-    sibling = load_profile(plan.loader).engram_tables == ENGRAM_SIBLING
+    sibling = plan.profile.engram_tables == ENGRAM_SIBLING
     if sibling:
         check_new_pack_dir(engram)
     owned = partial is None
@@ -122,7 +132,7 @@ def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settin
     linears = spec.encoded
     tensors, sources = _pack_tensors(ck, plan, spec, store, settings.job_settings, partial / CONVERTED_FILE,
                                      settings.tuned_files)
-    align = load_profile(plan.loader).pack_align
+    align = plan.profile.pack_align
     shards = assign_shards(tensors, settings.shard_size, reusable_sources(tensors, align))
     size = sum(s.nbytes for s in shards)
     linkable = sum(s.nbytes for s in shards if s.reuse and os.stat(s.reuse).st_dev == os.stat(partial).st_dev)
@@ -310,7 +320,7 @@ def _write_configs(ck: Checkpoint, plan: Plan, spec: PackSpec, tensors: list[Pac
     codebook = parse_codebook(plan.codebook)
     bpw = achieved_bpw(ck.config, plan)
     qcfg = quantization_config(source_config, bpw, _head_bits(plan), codebook, calibration)
-    engine_qcfg = engine_quantization_config(load_profile(plan.loader), qcfg, source_config, ck.config, spec.linears)
+    engine_qcfg = engine_quantization_config(plan.profile, qcfg, source_config, ck.config, spec.linears)
     write_json_atomic(pack / "config.json", pack_config(source_config, engine_qcfg))
     write_json_atomic(pack / "quantization_config.json", {**qcfg, "tensor_storage": tensor_storage(tensors, codebook)})
     return qcfg
@@ -359,7 +369,7 @@ def _write_engram_dir(ck: Checkpoint, spec: PackSpec, where: Path) -> dict | Non
 def _write_launch(cfg: ModelConfig, plan: Plan, launch: Launch, pack: Path) -> dict | None:
     """launch.env, where the plan's engine serves weights from the mapped file (fit/launch.py); what the
     manifest records of it, or None."""
-    if load_hardware().engine(load_profile(plan.loader).fit_engine).mapped is None:
+    if load_hardware().engine(plan.profile.fit_engine).mapped is None:
         return None
     launch = replace(launch, drafter=drafter_in_exl3(cfg, plan))  # a source-form drafter is launched without
     write_launch(pack, launch)
@@ -396,7 +406,7 @@ def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackS
               engram_dir: dict | None, launch: dict | None, files: dict[str, FileRecord]) -> Manifest:
     tensors = {t.name: TensorRecord(s.file, t.K, t.cls) for s in shards for t in s.tensors}
     aliases = {t.key: alias_of(plan, t.key) for t in targets(ck.config) if alias_of(plan, t.key)}
-    features = (["per-expert-K"] if load_profile(plan.loader).per_expert_k else []) + (["expert-aliases"] if aliases else [])
+    features = (["per-expert-K"] if plan.profile.per_expert_k else []) + (["expert-aliases"] if aliases else [])
     return Manifest(
         tool={
             "name": "quantizer", "version": __version__, "torch": torch.__version__.split("+")[0],
@@ -409,7 +419,7 @@ def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackS
                 "weight_block_size": list(ck.config.fp8_block),
                 "base_model": settings.base_model, "license": source_license(ck.root),
                 "quantization_config": _source_config(ck).get("quantization_config")},
-        plan={"hash": plan.content_hash(), "loader": plan.loader, "codebook": plan.codebook,
+        plan={"hash": plan.content_hash(), "loader": plan.profile.name, "codebook": plan.codebook,
               "head_bits": qcfg["head_bits"], "engram_dir": engram_dir} | ({"launch": launch} if launch else {}),
         settings=dict(settings.job_settings) | ({"tuning": settings.tuning} if settings.tuning else {})
         | ({"end_to_end": settings.end_to_end} if settings.end_to_end else {}),

@@ -34,13 +34,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.loader_profiles import EXLLAMAV3, Overlay, load_profile, overlay_note
+from quantizer.contract.pack_spec import expert_of
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_k, rate_grid
 from quantizer.model.targets import ATTN, ENGRAM, INDEX, ROUTED, SHARED, target_map, targets
-from quantizer.plan.plan import Plan, make_plan
-from quantizer.plan.profiles import EXLLAMAV3, Overlay, load_profile, overlay_note
 from quantizer.plan.sensitivity import AliasOption, Sensitivity
-from quantizer.plan.spec import expert_of
 
 FLOORED = (ATTN, INDEX, SHARED, ENGRAM)
 # K 2, the lowest integer rate DSV4 attention takes: measured in exllamav3 on the small V4 model it cuts

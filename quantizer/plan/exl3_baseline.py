@@ -42,11 +42,12 @@ from pathlib import Path
 
 from quantizer.caches import process_cache
 from quantizer.checkpoint.config import V4, ModelConfig
+from quantizer.contract.loader_profiles import EXLLAMAV3, load_profile
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import achieved_bpw, make_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import drafter_k, rate_floor, rate_grid
 from quantizer.model.targets import DRAFT, ENGRAM, HEAD_GROUP, target_map, targets
-from quantizer.plan.plan import Plan, achieved_bpw, make_plan
-from quantizer.plan.profiles import EXLLAMAV3
 
 EXLLAMAV3_VERSION = "1.6.5"
 HQ = 1  # exllamav3's -hq 1, what DSV4 conversions use (docs/exl3-format.md, allocator)
@@ -69,7 +70,7 @@ def exl3_plan(cfg: ModelConfig, bpw: float, codebook: str = "mul1", head_bits: f
     def rates_at(bits: float) -> tuple[dict[str, float | None], float]:
         strategy, _ = exl3_strategy(cfg, bits, codebook, 6.0 if head_bits is None else head_bits, hq)
         k = our_rates(cfg, strategy, head_bits, drafter_bits)
-        return k, achieved_bpw(cfg, Plan(cfg.arch, codebook, loader, k))
+        return k, achieved_bpw(cfg, Plan(cfg.arch, codebook, load_profile(loader), k))
 
     lo, hi = float(rate_grid(codebook)[0]), float(rate_grid(codebook)[-1])
     best, achieved = rates_at(lo)

@@ -12,12 +12,12 @@ from dataclasses import replace
 
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.loader_profiles import EXLLAMAV3, load_profile
+from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import rate_grid
 from quantizer.plan.allocate import AllocationSettings, Allocator, alias_refusal
 from quantizer.plan.exl3_baseline import HQ, exl3_plan
-from quantizer.plan.plan import Plan
-from quantizer.plan.profiles import EXLLAMAV3, load_profile
 from quantizer.plan.sensitivity import sensitivity
 from quantizer.plan.uniform import lowest_uniform_bpw, uniform_plan
 

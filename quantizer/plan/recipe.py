@@ -24,11 +24,12 @@ from pathlib import Path
 import yaml
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.loader_profiles import EXLLAMAV3
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_k
 from quantizer.model.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, Target, targets
-from quantizer.plan.plan import Plan, make_plan
-from quantizer.plan.profiles import EXLLAMAV3
 from quantizer.workdir import write_text_atomic
 
 NATIVE = "native"

@@ -70,7 +70,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from quantizer.calibrate.summary import (
-    MEASURED_KL, REFERENCE_RATE, CalibrationSummary, LayerStats, TensorStats, kl_unit,
+    MEASURED_KL,
+    REFERENCE_RATE,
+    CalibrationSummary,
+    LayerStats,
+    TensorStats,
+    kl_unit,
 )
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError

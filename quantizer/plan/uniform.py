@@ -18,11 +18,12 @@ import math
 from dataclasses import dataclass
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.loader_profiles import EXLLAMAV3, Overlay, load_profile, overlay_note
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_k, rate_floor, rate_grid
 from quantizer.model.targets import ROUTED, targets
-from quantizer.plan.plan import Plan, make_plan
-from quantizer.plan.profiles import EXLLAMAV3, Overlay, load_profile, overlay_note
 
 MIN_FLOOR = 4.0
 

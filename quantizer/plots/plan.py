@@ -14,8 +14,8 @@ import textwrap
 from collections import defaultdict
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.plan import Plan
 from quantizer.model.targets import targets
-from quantizer.plan.plan import Plan
 from quantizer.plots import new_figure
 
 LABEL_CELLS_UP_TO = 64  # layers; wider grids are too narrow to print K in each cell
@@ -60,7 +60,7 @@ def k_figure(cfg: ModelConfig, plans: list[Plan]):
         ax.set_xlabel("layer", fontsize=8)
         mean = "; cells of experts with different K show their mean" if _experts_differ(cfg, plan) else ""
         ax.set_title(textwrap.fill(f"{plan.made_by}", 150) +
-                     f"\n{plan.achieved_bpw:.4f} bpw, loader {plan.loader}{mean}", fontsize=7)
+                     f"\n{plan.achieved_bpw:.4f} bpw, loader {plan.profile.name}{mean}", fontsize=7)
     bar = fig.colorbar(image, ax=list(axes), extend="max", shrink=0.9)
     bar.set_label("K (bits per weight)", fontsize=8)
     return fig

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from quantizer.codec import EXL3Linear, quantize_linear
+from quantizer.contract.stored_linear import StoredLinear
 from quantizer.exl3 import UNQUANTIZED
-from quantizer.plan.spec import StoredLinear
 from quantizer.quantize.linears import tensor_seed
 from quantizer.quantize.settings import QuantizeSettings
 

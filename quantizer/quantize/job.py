@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from quantizer.workdir import settings_differences, source_difference
 
+
 @dataclass(frozen=True)
 class JobSpec:
     source: dict  # path, revision, fingerprint

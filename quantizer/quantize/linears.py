@@ -1,4 +1,4 @@
-"""The work units that encode a plan's stored linears (the pack spec's `encoded`, plan/spec.py),
+"""The work units that encode a plan's stored linears (the pack spec's `encoded`, contract/pack_spec.py),
 and the per-linear seeds.
 
 On CPU each stored linear is its own unit; on CUDA same-shape linears go through exllamav3's batch
@@ -12,9 +12,10 @@ import hashlib
 import json
 from dataclasses import replace
 
+from quantizer.contract.pack_spec import PackSpec
+from quantizer.contract.stored_linear import StoredLinear
 from quantizer.exl3 import UNQUANTIZED
 from quantizer.model.targets import DRAFT, ROUTED
-from quantizer.plan.spec import PackSpec, StoredLinear
 from quantizer.quantize.results import Unit
 
 GPU_BATCH_BYTES = 4 << 30  # fp32 weights of one batched unit on the GPU

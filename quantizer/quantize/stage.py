@@ -32,17 +32,18 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec.exllamav3_adapter import release_encoder_buffers
+from quantizer.contract.pack_spec import REPLACED_LEAVES, pack_spec
+from quantizer.contract.plan import Plan
+from quantizer.contract.stored_linear import StoredLinear
 from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.exl3 import exl3_bytes
 from quantizer.model.targets import targets
-from quantizer.plan.plan import Plan
 from quantizer.quantize.encode import EncodedUnit, encode_unit
+from quantizer.quantize.encode_hours import RateTable, estimate
 from quantizer.quantize.job import JobSpec, job_differences
-from quantizer.plan.spec import REPLACED_LEAVES, StoredLinear, pack_spec
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.pipeline import PREFETCH_UNITS, run_pipeline
-from quantizer.quantize.rates import RateTable, estimate
 from quantizer.quantize.results import ResultStore, Unit
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.report import size_text
@@ -84,7 +85,7 @@ def quantize(
     results are the same). `on_start` runs once the job is locked and accepted, before any encoding
     (build saves the plan there, so a refused rerun changes nothing). `source_check(names)` runs before
     each unit is saved with the source tensors it was read from, and raises if they may have changed
-    since (build: pipeline/source_guard.py), so no unit of changed bytes enters the cache. Under torchrun
+    since (build: build/source_guard.py), so no unit of changed bytes enters the cache. Under torchrun
     rank 0 holds the lock and checks the job; every rank encodes its share."""
     work = Path(work)
     if settings.device == "cuda":

@@ -8,7 +8,13 @@ reports bad ones the same way.
 from quantizer.textdata.files import read_texts, read_tokens
 from quantizer.textdata.rows import check_ids, model_rows, rows_from_file, token_rows
 from quantizer.textdata.shipped_sets import (
-    SET_FILES, calibration_text, default_text, default_tokenizer, shipped_text_path, shipped_tokenizer_path, text_argument,
+    SET_FILES,
+    calibration_text,
+    default_text,
+    default_tokenizer,
+    shipped_text_path,
+    shipped_tokenizer_path,
+    text_argument,
 )
 from quantizer.textdata.tokenizer import SPECIAL_TOKENS, encode_texts, load_tokenizer
 

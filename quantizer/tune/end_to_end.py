@@ -34,10 +34,10 @@ from quantizer.calibrate.stage import tokens_digest
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import TensorEntry, read_tensor
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.contract.plan import Plan
 from quantizer.model.hooks import ForwardHooks, ScaledCodes
 from quantizer.model.streaming import block_activations, model_bytes
 from quantizer.model.transformer import DeepseekModel
-from quantizer.plan.plan import Plan
 from quantizer.report import gib
 from quantizer.tune.block import BlockLinears, scaled_hooks
 from quantizer.tune.scales import BestHeldOut, RelativeScales

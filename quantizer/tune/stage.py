@@ -30,6 +30,8 @@ from quantizer.calibrate.unit_kl import free_memory
 from quantizer.checkpoint.safetensors_file import TensorEntry, read_tensor
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear
+from quantizer.contract.pack_spec import pack_spec
+from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED
 from quantizer.model.linear import NativeLinear
@@ -37,8 +39,6 @@ from quantizer.model.streaming import CheckpointSource, block_weight_bytes, esti
 from quantizer.model.targets import targets
 from quantizer.model.transformer import DeepseekModel
 from quantizer.pack.writer import alias_of
-from quantizer.plan.plan import Plan
-from quantizer.plan.spec import pack_spec
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.results import ResultStore
 from quantizer.report import GIB, gib

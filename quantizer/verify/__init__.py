@@ -1,5 +1,5 @@
 """The verify stage: a pack checked against its own manifest."""
 
-from quantizer.verify.verify import Finding, VerifyReport, verify_pack
+from quantizer.verify.checks import Finding, VerifyReport, verify_pack
 
 __all__ = ["Finding", "VerifyReport", "verify_pack"]

@@ -15,8 +15,8 @@ import importlib.util
 import os
 
 import pytest
-
 from process_state import snapshot, state_changes
+
 from quantizer import caches
 
 

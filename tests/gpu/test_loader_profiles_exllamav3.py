@@ -30,15 +30,15 @@ from safetensors.torch import save_file
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import make_plan
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
-from quantizer.plan.plan import Plan, make_plan
 from quantizer.ppl.compare import compare
 from quantizer.ppl.exllamav3_engine import budgeted_bytes, exllamav3_predictions, stored_bpw, stored_k
 from quantizer.ppl.pack_source import PackSource
 from quantizer.ppl.perplexity import row_predictions
 from quantizer.shipped import shipped
 from quantizer.textdata import model_rows, shipped_text_path
-
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and exllamav3")
 

@@ -27,15 +27,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantizer.pipeline.build import BuildRequest, build
+import quantizer.model.attention as attention
+from quantizer.build.stages import BuildRequest, build
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear, decode_rotated, dequantize
-import quantizer.model.attention as attention
+from quantizer.contract.rules import make_plan
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.model.targets import targets
 from quantizer.pack.manifest import MANIFEST_NAME
-from quantizer.plan.plan import make_plan
 from quantizer.ppl.exllamav3_engine import exllamav3_logits
 from quantizer.ppl.pack_source import PackSource
 from quantizer.quantize.settings import QuantizeSettings

@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 import torch
 
-from quantizer.checkpoint.source import Checkpoint
-from quantizer.cli import main
-from quantizer.pack.manifest import Manifest
-from quantizer.pipeline.build import PLAN_FILE, QUANTIZE_DIR
-from quantizer.plan.plan import Plan
-from quantizer.tune import stage
-from quantizer.tune.settings import TuneSettings
-
 # tests/gpu is on sys.path (pytest prepend import mode)
 from test_pack_exllamav3 import _load, _stored, assert_engines_agree, check_linears_decode_as_ours
+
+from quantizer.build.stages import PLAN_FILE, QUANTIZE_DIR
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.cli import main
+from quantizer.contract.plan import Plan
+from quantizer.pack.manifest import Manifest
+from quantizer.tune import stage
+from quantizer.tune.settings import TuneSettings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and exllamav3")
 

@@ -20,7 +20,7 @@ from quantizer.hub import LOGIN, hub_failures
 from quantizer.pack.card import CARD_NAME
 from quantizer.pack.manifest import Manifest
 from quantizer.pack.owned import owned_files, strays
-from quantizer.verify.verify import verify_pack
+from quantizer.verify.checks import verify_pack
 
 REPO_TYPE = "model"
 

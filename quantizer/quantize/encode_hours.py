@@ -15,10 +15,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.pack_spec import stored_linears
+from quantizer.contract.plan import Plan
+from quantizer.contract.stored_linear import StoredLinear
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED
-from quantizer.plan.plan import Plan
-from quantizer.plan.spec import StoredLinear, stored_linears
 from quantizer.shipped import shipped
 
 RATES_FORMAT = "quantizer-encode-rates"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from quantizer.plan.profiles import LOADERS
-from quantizer.verify.verify import verify_pack
+from quantizer.contract.loader_profiles import LOADERS
+from quantizer.verify.checks import verify_pack
 
 
 def register(sub: argparse._SubParsersAction) -> None:

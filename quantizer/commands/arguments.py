@@ -16,11 +16,11 @@ from pathlib import Path
 
 from quantizer.calibrate.settings import EXPERT_HESSIANS, CalibrationSettings
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.loader_profiles import DEFAULT_OVERLAY, OVERLAY, LoaderProfile, Overlay, check_overlay, parse_overlay
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
 from quantizer.hub import branch_problem, repo_id_problem
 from quantizer.model.targets import DRAFT
-from quantizer.plan.profiles import DEFAULT_OVERLAY, OVERLAY, LoaderProfile, Overlay, check_overlay, parse_overlay
 from quantizer.shipped import model_config_path
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from quantizer.arguments import revision
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.inventory.inventory import Inventory, refuse_pack, take_inventory
+from quantizer.commands.arguments import revision
+from quantizer.inventory.classify import Inventory, refuse_pack, take_inventory
 from quantizer.report import gib, table
 
 

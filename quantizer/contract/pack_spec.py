@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import tensor_nbytes
+from quantizer.contract.loader_profiles import ENGRAM_SIBLING, load_profile
+from quantizer.contract.stored_linear import StoredLinear
 from quantizer.exl3 import UNQUANTIZED, exl3_bytes, leaf_layout
-from quantizer.model.targets import Target, classified_layout, stored_parts, targets
+from quantizer.model.targets import classified_layout, stored_parts, targets
 from quantizer.model.tensor_classes import ENGRAM_TABLE
-from quantizer.plan.profiles import ENGRAM_SIBLING, load_profile
 
 if TYPE_CHECKING:
-    from quantizer.plan.plan import Plan
+    from quantizer.contract.plan import Plan
 
 EXL3 = "exl3"
 NATIVE = "native"
@@ -30,29 +31,6 @@ CONVERTED = "converted"  # a plain tensor stored in the dtype its engine reads (
 ENGRAM_DIR = "engram-dir"  # an Engram table kept in the sibling Engram directory, not the pack's
 REPLACED_LEAVES = (".weight", ".scale")  # what an encoded linear replaces of its native tensors
 ENCODED_PROBE = 4.0  # any EXL3 rate: stored_parts only asks whether a target is encoded
-
-
-class StoredLinear(NamedTuple):
-    """One linear as the pack stores it and its loader reads it, and where its weight comes from.
-    (Named tuples: the full model has ~96k linears and ~190k pack tensors, built per plan a search tries.)"""
-
-    key: str  # stored key: the target key, or `<wo_a key>.slice.<g>`
-    target: Target
-    K: float | None  # None: native storage; 16: an unquantized fp16 weight
-    codebook: str | None  # None unless quantized (K not None and not 16)
-    rows: tuple[int, int] | None = None  # row range of the native [out, in] weight; None = all of it
-
-    @property
-    def in_features(self) -> int:
-        return self.target.in_features
-
-    @property
-    def out_features(self) -> int:
-        return self.rows[1] - self.rows[0] if self.rows else self.target.out_features
-
-    @property
-    def numel(self) -> int:
-        return self.in_features * self.out_features
 
 
 class StoredTensor(NamedTuple):
@@ -117,9 +95,9 @@ def pack_spec(cfg: ModelConfig, plan: "Plan") -> PackSpec:
                            s.K if s.K != UNQUANTIZED else None, s.key)
               for s in linears if s.K is not None
               for suffix, shape, dtype, nbytes in leaf_layout(s.in_features, s.out_features, s.K, plan.codebook)]
-    profile = load_profile(plan.loader)
+    profile = plan.profile
     placed = profile.plain_dtypes or profile.engram_tables == ENGRAM_SIBLING  # else every native as it is
-    natives = [_placed(n, plan.loader) if placed else n for n in native_tensors(cfg) if n.name not in replaced]
+    natives = [_placed(n, plan.profile.name) if placed else n for n in native_tensors(cfg) if n.name not in replaced]
     return PackSpec(tuple(linears), tuple(natives + leaves), frozenset(replaced))
 
 
@@ -139,7 +117,7 @@ def spec_bytes(cfg: ModelConfig, plan: "Plan") -> dict[str, int]:
     """`pack_spec(cfg, plan).bytes_by_class()` without building the tensor list (planning searches
     ask it for many plans of the full model): native bytes, less what encoded targets replace, plus
     their linears' leaves."""
-    natives, replaced_bytes = _native_bytes(cfg, plan.loader)
+    natives, replaced_bytes = _native_bytes(cfg, plan.profile.name)
     cold = aliased_keys(plan) if plan.aliases else ()
     parts = _parts(cfg)
     out = defaultdict(int, natives)

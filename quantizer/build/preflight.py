@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Iterator
 
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.contract.pack_spec import pack_spec
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import check_plan
 from quantizer.errors import UserError
 from quantizer.pack.writer import discard_partial, side_files
-from quantizer.plan.plan import Plan, check_plan
-from quantizer.plan.spec import pack_spec
 from quantizer.report import size_text
 from quantizer.workdir import claim_work_dir, existing_parent, free_bytes, job_lock, lock_file
 

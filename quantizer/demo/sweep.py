@@ -1,7 +1,7 @@
 """`quantizer demo`: a bundled small model (V4.1 by default, or V4) built at several sizes by four
 methods, on the CPU, with the size, fit and quality of every pack.
 
-Every pack is an ordinary `build` (pipeline/build.py) into one shared work directory, so every row
+Every pack is an ordinary `build` (build/stages.py) into one shared work directory, so every row
 is exactly what `quantizer build` writes with the same settings (tests/test_demo.py checks one).
 They share one calibration and the quantize stage's cache of encodings: each (tensor, K) any plan
 needs is encoded once. Each size is anchored on exllamav3's own allocator (its plan's `bits`), and
@@ -35,20 +35,20 @@ from pathlib import Path
 
 import torch
 
+from quantizer.build.stages import QUANTIZE_DIR, BuildRequest, BuildResult, build
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.contract.loader_profiles import EXLLAMAV3, LOADERS, VLLM_EXL3, load_profile
+from quantizer.contract.pack_spec import pack_spec
+from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw
 from quantizer.fit.memory import pack_fit_table
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
-from quantizer.pipeline.build import QUANTIZE_DIR, BuildRequest, BuildResult, build
 from quantizer.plan.allocate import AllocationSettings
-from quantizer.plan.plan import Plan
-from quantizer.plan.profiles import EXLLAMAV3, LOADERS, VLLM_EXL3, load_profile
 from quantizer.ppl.compare import Comparison, compare
 from quantizer.ppl.pack_source import PackSource
 from quantizer.ppl.perplexity import row_predictions
-from quantizer.plan.spec import pack_spec
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.results import measured_encodings
 from quantizer.quantize.settings import QuantizeSettings
@@ -203,7 +203,7 @@ def _streamer(source) -> LayerStreamer:
 def _row(size: float, method: str, plan: Plan, manifest, pack: Path, c: Comparison, verified: bool) -> DemoRow:
     one = pack_fit_table(pack)["topologies"]["1"]  # against today's hardware profile
     weights = next(iter(one.values()))["weights_gib"][0]
-    return DemoRow(size, method, plan.loader, plan.achieved_bpw, sum(s.bytes for s in manifest.shards), c.pack.ppl, c.kl,
+    return DemoRow(size, method, plan.profile.name, plan.achieved_bpw, sum(s.bytes for s in manifest.shards), c.pack.ppl, c.kl,
                    c.kl_stderr, c.top1, c.top1_stderr, c.nll_delta, c.nll_delta_stderr, verified,
                    all(v["fits"] for v in one.values()), weights)
 

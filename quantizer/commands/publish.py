@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from quantizer.arguments import repo_id, revision
-from quantizer.publish.publish import PublishPlan, hub_token, plan_publish, upload
+from quantizer.commands.arguments import repo_id, revision
+from quantizer.publish.hub_upload import PublishPlan, hub_token, plan_publish, upload
 from quantizer.report import size_text, table
 
 

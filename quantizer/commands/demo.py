@@ -8,8 +8,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from quantizer.demo.demo import (
-    DEMO_LOADERS, KNOWN_METHODS, METHODS, MODELS, SIZES, DemoResult, DemoSettings, as_json_rows, run_demo,
+from quantizer.demo.sweep import (
+    DEMO_LOADERS,
+    KNOWN_METHODS,
+    METHODS,
+    MODELS,
+    SIZES,
+    DemoResult,
+    DemoSettings,
+    as_json_rows,
+    run_demo,
 )
 from quantizer.plots import plot_path, save_figure
 from quantizer.report import table

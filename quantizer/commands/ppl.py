@@ -23,15 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-
 from pathlib import Path
 
 import torch
 
 from quantizer import __version__
-from quantizer.arguments import revision
 from quantizer.checkpoint.fingerprint import sha256_file
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.commands.arguments import revision
 from quantizer.errors import UserError
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.pack.card import CARD_NAME, record_measurement
@@ -41,7 +40,7 @@ from quantizer.ppl.compare import Comparison, compare
 from quantizer.ppl.pack_source import PackSource, require_built_from, require_intact
 from quantizer.ppl.perplexity import NonFiniteLogits, perplexity, row_predictions
 from quantizer.textdata import SET_FILES, model_rows, text_argument
-from quantizer.verify.verify import verify_pack
+from quantizer.verify.checks import verify_pack
 
 DEFAULT_COLS = 512
 

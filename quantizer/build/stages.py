@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from quantizer.build.preflight import check_given_plan, check_places, check_space, claim, disk_needs
+from quantizer.build.source_guard import PinnedSource, StageOutputs, pin_source, require_unchanged
 from quantizer.calibrate.needs import calibration_needs
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.stage import calibrate, tokens_digest
@@ -39,32 +41,32 @@ from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.fingerprint import layout_fingerprint
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.contract.plan import Plan
 from quantizer.distributed import code_fingerprint, current
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw, rate_grid
-from quantizer.fit.memory import FitReport
 from quantizer.fit.cold_experts import routed_tokens
 from quantizer.fit.launch import Launch
+from quantizer.fit.memory import FitReport
 from quantizer.fit.target import FitTarget, largest_fitting_plan
-from quantizer.inventory.inventory import require_consistent
+from quantizer.inventory.classify import require_consistent
 from quantizer.pack.manifest import Manifest
 from quantizer.pack.writer import PackSettings, check_new_pack_dir, publish_pack, write_pack
-from quantizer.pipeline.source_guard import PinnedSource, StageOutputs, pin_source, require_unchanged
-from quantizer.pipeline.preflight import check_given_plan, check_places, check_space, claim, disk_needs
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS, UNIFORM, planner
-from quantizer.plan.plan import Plan
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
-from quantizer.quantize.rates import plan_estimate
+from quantizer.quantize.encode_hours import plan_estimate
 from quantizer.quantize.results import measured_encodings
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import QuantizeResult, check_cuda, measured_proxies, quantize
-from quantizer.tune.end_to_end import STAGE as E2E_STAGE, EndToEndResult, check_end_to_end_fits, end_to_end
+from quantizer.tune.end_to_end import STAGE as E2E_STAGE
+from quantizer.tune.end_to_end import EndToEndResult, check_end_to_end_fits, end_to_end
 from quantizer.tune.settings import EndToEndSettings, TuneSettings
-from quantizer.tune.stage import STAGE as TUNE_STAGE, TuneResult, check_tune_fits, tune, tune_line
+from quantizer.tune.stage import STAGE as TUNE_STAGE
+from quantizer.tune.stage import TuneResult, check_tune_fits, tune, tune_line
 from quantizer.tune.store import finished, run_record
-from quantizer.verify.verify import VerifyReport, verify_pack
+from quantizer.verify.checks import VerifyReport, verify_pack
 
 QUANTIZE_DIR = "quantize"
 PLAN_FILE, RECIPE_FILE = "plan.json", "recipe.yaml"
@@ -262,7 +264,7 @@ def save_plan(cfg: ModelConfig, plan: Plan, work: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     plan.save(work / PLAN_FILE)
     write_recipe(cfg, plan, work / RECIPE_FILE, f"{plan.made_by}\nAchieved bits (exllamav3 accounting, budgeted "
-                 f"tensors): {plan.achieved_bpw:.4f}; loader {plan.loader}")
+                 f"tensors): {plan.achieved_bpw:.4f}; loader {plan.profile.name}")
 
 
 def check_plannable(cfg: ModelConfig, req: BuildRequest) -> Plan:

@@ -12,15 +12,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from quantizer.arguments import add_expert_hessians, revision
-from quantizer.calibrate.settings import (
-    DEFAULT_COLS, DEFAULT_ROWS, DEVICES, EXPERT_HESSIAN_DTYPES, CalibrationSettings,
-)
 from quantizer.calibrate.rows import calibration_rows
+from quantizer.calibrate.settings import (
+    DEFAULT_COLS,
+    DEFAULT_ROWS,
+    DEVICES,
+    EXPERT_HESSIAN_DTYPES,
+    CalibrationSettings,
+)
 from quantizer.calibrate.stage import CalibrationResult, calibrate
 from quantizer.calibrate.summary import KL_UNITS, MEASURED_KL
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.inventory.inventory import require_consistent
+from quantizer.commands.arguments import add_expert_hessians, revision
+from quantizer.inventory.classify import require_consistent
 from quantizer.report import table
 
 DEFAULTS = CalibrationSettings()

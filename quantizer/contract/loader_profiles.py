@@ -31,16 +31,13 @@ import json
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 from quantizer.checkpoint.config import V4, ModelConfig
+from quantizer.contract.stored_linear import StoredLinear
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED, check_k, drafter_k
 from quantizer.model.targets import ATTN, DRAFT, ENGRAM, GROUPS, HEAD_GROUP, INDEX, ROUTED, SHARED, Target
 from quantizer.shipped import shipped
-
-if TYPE_CHECKING:
-    from quantizer.plan.spec import StoredLinear
 
 EXLLAMAV3 = "exllamav3"
 VLLM_EXL3 = "vllm-exl3"

@@ -12,9 +12,19 @@ import argparse
 import functools
 from pathlib import Path
 
-from quantizer.arguments import (
-    add_model_arguments, add_one_spark_arguments, add_plan_arguments, count, load_model_config, overlay_of, tokens,
+from quantizer.commands.arguments import (
+    add_model_arguments,
+    add_one_spark_arguments,
+    add_plan_arguments,
+    count,
+    load_model_config,
+    overlay_of,
+    tokens,
 )
+from quantizer.contract.loader_profiles import EXLLAMAV3, LOADERS, load_profile
+from quantizer.contract.pack_spec import pack_spec
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import check_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw
 from quantizer.fit.hardware import load_hardware
@@ -22,15 +32,12 @@ from quantizer.fit.launch import read_launch
 from quantizer.fit.memory import BPW_FLOOR, TOPOLOGIES, fit
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES
 from quantizer.fit.render import render
-from quantizer.fit.target import runs_drafter
 from quantizer.fit.stored import stored_from_pack
+from quantizer.fit.target import runs_drafter
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
-from quantizer.plan.plan import Plan, check_plan
-from quantizer.plan.profiles import EXLLAMAV3, LOADERS, load_profile
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.uniform import lowest_uniform_bpw, uniform_plan
 from quantizer.plots import plot_path, save_figure
-from quantizer.plan.spec import pack_spec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -106,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 raise UserError("with --model-config give --recipe R.yaml, --bpw B or --plan P.json")
         if args.plan or args.loader:
-            engine = engine or load_profile(plan.loader).fit_engine
+            engine = engine or plan.profile.fit_engine
         if drafter is None and not runs_drafter(cfg, plan, engine, hw):
             drafter = "off"
         stored = pack_spec(cfg, plan).tensors

@@ -13,11 +13,21 @@ import argparse
 import re
 from pathlib import Path
 
-from quantizer.arguments import add_expert_hessians, add_one_spark_arguments, count, overlay_of, repo_id, revision, tokens
-from quantizer.pipeline.build import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
+from quantizer.build.stages import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
 from quantizer.calibrate.rows import calibration_rows
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.commands.arguments import (
+    add_expert_hessians,
+    add_one_spark_arguments,
+    count,
+    overlay_of,
+    repo_id,
+    revision,
+    tokens,
+)
+from quantizer.contract.loader_profiles import LOADERS, default_loader, load_profile
+from quantizer.contract.plan import Plan
 from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
@@ -25,11 +35,9 @@ from quantizer.fit.cold_experts import check_share
 from quantizer.fit.memory import TOPOLOGIES, pack_fit_table
 from quantizer.fit.render import render as render_fit
 from quantizer.fit.target import FitTarget
+from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS
-from quantizer.plan.profiles import LOADERS, default_loader, load_profile
-from quantizer.pack.writer import DEFAULT_SHARD_SIZE
-from quantizer.plan.plan import Plan
 from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
 from quantizer.report import gib, table
 from quantizer.tune.settings import INPUTS, TARGETS, EndToEndSettings, TuneSettings
@@ -122,9 +130,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--cold-share picks cold experts by the calibration's routing: use --method ours with "
                         "calibration")
     ck = Checkpoint.open(args.src, revision=args.revision)
-    loader = plan.loader if plan else args.loader or default_loader(ck.config, args.sparks)
-    if plan and args.loader and args.loader != plan.loader:
-        raise UserError(f"--loader {args.loader} conflicts with {args.plan}, which is made for {plan.loader}")
+    loader = plan.profile.name if plan else args.loader or default_loader(ck.config, args.sparks)
+    if plan and args.loader and args.loader != plan.profile.name:
+        raise UserError(f"--loader {args.loader} conflicts with {args.plan}, which is made for {plan.profile.name}")
     if plan and args.overlay is not None:
         raise UserError(f"--overlay makes a plan; {args.plan} is one already (its K map decides)")
     profile = load_profile(loader)
@@ -209,7 +217,7 @@ def summary(r: BuildResult) -> str:
 def _engine_lines(r: BuildResult) -> list[str]:
     """How to point the plan's engine at the pack (and at its Engram directory, where it has one)."""
     engram = r.manifest.plan.get("engram_dir")
-    lines = [f"engine: {load_profile(r.plan.loader).engine.split(':')[0]} (loader profile {r.plan.loader})"]
+    lines = [f"engine: {r.plan.profile.engine.split(':')[0]} (loader profile {r.plan.profile.name})"]
     if engram:
         where = r.out.parent / engram["dir"]
         lines.append(f"Engram tables: {engram['tables']} tensors in {len(engram['shards'])} source shard(s) linked into "

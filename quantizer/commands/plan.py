@@ -17,13 +17,22 @@ import argparse
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from quantizer.arguments import (
-    add_model_arguments, add_one_spark_arguments, add_plan_arguments, count, load_model_config, overlay_of, tokens,
-)
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS
 from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.commands.arguments import (
+    add_model_arguments,
+    add_one_spark_arguments,
+    add_plan_arguments,
+    count,
+    load_model_config,
+    overlay_of,
+    tokens,
+)
+from quantizer.contract.loader_profiles import LOADERS, Overlay, default_loader, load_profile
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import TOTAL, TOTAL_RESIDENT, check_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw, rate_grid
 from quantizer.fit.cold_experts import check_share, routed_tokens
@@ -34,15 +43,13 @@ from quantizer.model.targets import GROUPS, ROUTED, targets
 from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings
 from quantizer.plan.exl3_baseline import HQ
 from quantizer.plan.methods import EXL3, METHODS, OURS, UNIFORM, planner
-from quantizer.plan.plan import TOTAL, TOTAL_RESIDENT, Plan, check_plan
-from quantizer.plan.profiles import LOADERS, Overlay, default_loader, load_profile
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plots import plot_path, save_figure
-from quantizer.quantize.rates import plan_estimate
+from quantizer.quantize.encode_hours import plan_estimate
+from quantizer.report import gib, table
 from quantizer.tune.settings import TuneSettings
 from quantizer.tune.stage import tune_line
-from quantizer.report import gib, table
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -169,14 +176,14 @@ def load_summary(cfg: ModelConfig, args: argparse.Namespace) -> CalibrationSumma
 
 def recipe_header(args: argparse.Namespace, plan: Plan, method: str = UNIFORM, target: FitTarget | None = None) -> str:
     model = args.model_config or "<checkpoint>/config.json"
-    extra = f" --loader {plan.loader}" + ("" if args.codebook == "mul1" else f" --codebook {args.codebook}")
+    extra = f" --loader {plan.profile.name}" + ("" if args.codebook == "mul1" else f" --codebook {args.codebook}")
     if args.overlay is not None:
         extra += f" --overlay {args.overlay}".rstrip() + f" --overlay-bits {args.overlay_bits:g}"
     budget = f"--bpw {args.bpw:g}" if args.bpw is not None else _fit_flags(target)
     if method != UNIFORM:
         extra += _method_flags(args, method)
     lines = [
-        f"exllamav3 recipe for {model} at {plan.target_bpw:g} bpw, for the {plan.loader} loader profile.",
+        f"exllamav3 recipe for {model} at {plan.target_bpw:g} bpw, for the {plan.profile.name} loader profile.",
         f"Made by {plan.made_by}.",
         f"Regenerate: quantizer plan --model-config {model} {budget}{extra} --recipe-out <this file>",
         f"Achieved bits (exllamav3 accounting, budgeted tensors): {plan.achieved_bpw:.4f}; "
@@ -223,10 +230,10 @@ def render(cfg: ModelConfig, plan: Plan) -> str:
     sizes = plan.expected_bytes
     lines = [
         f"{plan.made_by}: achieved {plan.achieved_bpw:.4f} bits over budgeted tensors "
-        f"(target {plan.target_bpw:g}); loader {plan.loader}, codebook {plan.codebook}; hash {plan.content_hash()[:16]}",
+        f"(target {plan.target_bpw:g}); loader {plan.profile.name}, codebook {plan.codebook}; hash {plan.content_hash()[:16]}",
         table(["group", "K (count)"], rows, right=set()),
     ]
-    if load_profile(plan.loader).per_expert_k:
+    if plan.profile.per_expert_k:
         lines.append("routed experts by layer (mean K): " + "; ".join(
             f"L{layer} {sum(ks) / len(ks):.2f}" for layer, ks in sorted(layers.items()) if None not in ks))
     else:

@@ -4,10 +4,10 @@ Every check yields a Finding; a FAULT names the shard or tensor and what is wron
 catch truncated, replaced, missing and extra shards, tensors beyond EOF, misalignment, an index that
 disagrees with the shards, dropped tensors and trellis shapes that disagree with the K the manifest
 claims, and the model card (README.md) must be the one the manifest gives (pack/card.py). Then the
-layout check: the shards hold exactly the tensors of the pack spec (plan/spec.py) of the K map they
+layout check: the shards hold exactly the tensors of the pack spec (contract/pack_spec.py) of the K map they
 carry, so a pack that is self-consistent but not what any plan makes is caught. Then the loader
 check: the K and codebook each stored linear holds (read from the shards, not the manifest) against
-the rules of a loader profile (plan/profiles.py), by default the one the pack was made for; a fault
+the rules of a loader profile (contract/loader_profiles.py), by default the one the pack was made for; a fault
 names the tensor, the rule and the engine code it comes from. The manifest's claims (every key of it:
 source, plan, settings, bpw, K, aliases, files, measurement) must match the digest the pack stage (or
 `ppl --record`) wrote of them. The pack directory holds exactly the files it owns (pack/owned.py): a
@@ -27,20 +27,21 @@ from tqdm import tqdm
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, SafetensorsHeader, TensorEntry, read_header
 from quantizer.checkpoint.source import INDEX_NAME, is_engram_table
+from quantizer.contract.loader_profiles import ENGRAM_SIBLING, LoaderProfile, Violation, load_profile, violations
+from quantizer.contract.pack_spec import expert_of, native_tensors, pack_spec
+from quantizer.contract.plan import Plan
+from quantizer.contract.stored_linear import StoredLinear
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
-from quantizer.model.targets import target_map
 from quantizer.fit.launch import read_launch
 from quantizer.fit.memory import pack_fit_table
+from quantizer.model.targets import target_map
 from quantizer.model.tensor_classes import ENGRAM_TABLE as ENGRAM_TABLE_CLASS
 from quantizer.pack.card import CARD_NAME, render_card, without_fit
 from quantizer.pack.exl3_config import EXLLAMAV3_FORM
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, sha256_file
 from quantizer.pack.owned import SYMLINK, engram_files, owned_files, strays
 from quantizer.pack.writer import ENGRAM_SUFFIX, engine_quantization_config
-from quantizer.plan.profiles import ENGRAM_SIBLING, LoaderProfile, Violation, load_profile, violations
-from quantizer.plan.plan import Plan
-from quantizer.plan.spec import StoredLinear, expert_of, native_tensors, pack_spec
 
 EXL3_SCALES = ("suh", "svh")
 EXL3_LEAVES = (".trellis", ".suh", ".svh", ".mul1", ".mcg")
@@ -512,7 +513,7 @@ def _model_config(pack: Path, manifest: Manifest, report: VerifyReport) -> Model
 
 def _check_spec(cfg: ModelConfig, manifest: Manifest, headers: dict[str, SafetensorsHeader],
                 report: VerifyReport) -> None:
-    """The shards hold exactly the pack spec (plan/spec.py) of the K map they carry: every native
+    """The shards hold exactly the pack spec (contract/pack_spec.py) of the K map they carry: every native
     tensor of the model's layout in its shape and dtype, every stored linear's leaves, nothing else."""
     entries = {name: e for h in headers.values() for name, e in h.tensors.items() if not name.startswith(PAD_PREFIX)}
     k: dict[str, float | None] = {}
@@ -521,7 +522,7 @@ def _check_spec(cfg: ModelConfig, manifest: Manifest, headers: dict[str, Safeten
         first = held if f"{held}.trellis" in entries or f"{held}.weight" in entries else f"{held}.slice.0"
         k[key] = _held(first, entries)[0]
     aliases = {expert_of(cold): expert_of(warm) for cold, warm in manifest.aliases.items()}
-    plan = Plan(cfg.arch, manifest.plan["codebook"], manifest.plan["loader"], k, aliases=aliases)
+    plan = Plan(cfg.arch, manifest.plan["codebook"], load_profile(manifest.plan["loader"]), k, aliases=aliases)
     want = {t.name: t for t in pack_spec(cfg, plan).model_dir}
     faults = [f"missing ({t.dtype}{list(t.shape)})" if n not in entries else None for n, t in want.items()]
     problems = {n: f for n, f in zip(want, faults) if f}

@@ -17,8 +17,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from quantizer.arguments import count
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.commands.arguments import count
 from quantizer.errors import UserError
 from quantizer.evaluate.paired import PairedScore, paired_scores
 from quantizer.pack.manifest import MANIFEST_NAME
