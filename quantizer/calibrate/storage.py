@@ -49,6 +49,16 @@ META_KEY = "calibration"
 STORAGE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
+def read_summary(path: str | Path) -> CalibrationSummary:
+    """The calibration summary at `path`: a summary file, a calibrate work directory
+    (WORK/calibration/summary.json) or a calibration directory (its summary.json)."""
+    path = Path(path)
+    if path.is_dir():
+        nested = path / CALIBRATION_DIR / SUMMARY_FILE
+        path = nested if nested.exists() else path / SUMMARY_FILE
+    return CalibrationSummary.load(path)
+
+
 def layer_file(layer: int) -> str:
     return f"layer_{layer:03d}.safetensors"
 

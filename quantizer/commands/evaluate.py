@@ -17,12 +17,11 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from quantizer.checkpoint.source import Checkpoint
 from quantizer.commands.arguments import count
 from quantizer.errors import UserError
 from quantizer.evaluate.paired import PairedScore, paired_scores
-from quantizer.pack.manifest import MANIFEST_NAME
-from quantizer.ppl.pack_source import require_built_from, require_intact
+from quantizer.pack.manifest import MANIFEST_NAME, is_pack
+from quantizer.ppl.measure import open_measured
 from quantizer.report import table
 
 
@@ -49,14 +48,9 @@ def run(args: argparse.Namespace) -> int:
     if not tasks:
         raise UserError("--tasks: give at least one lm-eval task name")
     harness.require_tasks(tasks, args.include_path)  # seconds, before a pack of hundreds of GiB is hashed
-    pack = Checkpoint.open(args.pack)
-    is_pack = (pack.root / MANIFEST_NAME).exists()
-    if args.against and not is_pack:
+    if args.against and not is_pack(args.pack):
         raise UserError(f"{args.pack}: not a pack (no {MANIFEST_NAME}); --against compares a pack with its source")
-    if is_pack:
-        require_intact(pack)
-    if args.against:
-        require_built_from(pack, Checkpoint.open(args.against))
+    open_measured(args.pack, args.against)
     run_on = lambda model: harness.evaluate(model, tasks, args.include_path, args.limit, args.device,  # noqa: E731
                                             args.max_length)
     pack_results = run_on(args.pack)

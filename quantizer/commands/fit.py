@@ -34,7 +34,7 @@ from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_
 from quantizer.fit.render import render
 from quantizer.fit.stored import stored_from_pack
 from quantizer.fit.target import runs_drafter
-from quantizer.pack.manifest import MANIFEST_NAME, Manifest
+from quantizer.pack.manifest import Manifest, is_pack
 from quantizer.plan.recipe import plan_from_recipe, read_recipe
 from quantizer.plan.uniform import lowest_uniform_bpw, uniform_plan
 from quantizer.plots import plot_path, save_figure
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--loader and --overlay make a plan for --bpw or --recipe; a pack is fitted as it was built")
         cfg, stored = stored_from_pack(args.src)
         source = str(args.src)
-        if engine is None and (Path(args.src) / MANIFEST_NAME).is_file():
+        if engine is None and is_pack(args.src):
             engine = load_profile(Manifest.load(Path(args.src)).plan["loader"]).fit_engine
         launch = read_launch(args.src)
         if launch:

@@ -7,8 +7,7 @@ from pathlib import Path
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.commands.arguments import revision
-from quantizer.inventory.classify import Inventory, refuse_pack, take_inventory
-from quantizer.report import gib, table
+from quantizer.inventory.classify import refuse_pack, take_inventory
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,19 +25,5 @@ def run(args: argparse.Namespace) -> int:
     ck = Checkpoint.open(args.src, args.revision, include_engram=not args.no_engram)
     refuse_pack(ck.root)
     inv = take_inventory(ck)
-    print(inv.to_json() if args.json else render(inv))
+    print(inv.to_json() if args.json else inv.render())
     return 1 if inv.problems else 0
-
-
-def render(inv: Inventory) -> str:
-    rows = [[c.cls, f"{c.tensors:,}", f"{c.params:,}", f"{c.bytes:,}", gib(c.bytes)] for c in inv.classes]
-    rows.append(["total", f"{inv.tensors:,}", f"{inv.params:,}", f"{inv.bytes:,}", gib(inv.bytes)])
-    lines = [
-        f"{inv.source}  ({inv.arch}; routed experts: {inv.routed_layers} layers x {inv.routed_experts_per_layer})",
-        table(["class", "tensors", "params", "bytes", "GiB"], rows),
-    ]
-    if inv.problems:
-        lines += ["", f"{len(inv.problems)} problem(s):"] + [f"  - {p}" for p in inv.problems]
-    else:
-        lines += ["", "consistent with config.json: every implied tensor present with its shape and dtype"]
-    return "\n".join(lines)

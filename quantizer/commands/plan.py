@@ -14,11 +14,10 @@ when a --bpw plan does not fit the --sparks asked for (as `quantizer fit`), 2 on
 from __future__ import annotations
 
 import argparse
-from collections import Counter, defaultdict
 from pathlib import Path
 
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS
-from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
+from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE, read_summary
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.commands.arguments import (
@@ -32,22 +31,22 @@ from quantizer.commands.arguments import (
 )
 from quantizer.contract.loader_profiles import LOADERS, Overlay, default_loader, load_profile
 from quantizer.contract.plan import Plan
-from quantizer.contract.rules import TOTAL, TOTAL_RESIDENT, check_plan
+from quantizer.contract.rules import TOTAL_RESIDENT, check_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw, rate_grid
 from quantizer.fit.cold_experts import check_share, routed_tokens
 from quantizer.fit.memory import TOPOLOGIES
 from quantizer.fit.render import render as render_fit
 from quantizer.fit.target import FitTarget, fit_plan, largest_fitting_plan
-from quantizer.model.targets import GROUPS, ROUTED, targets
 from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings
 from quantizer.plan.exl3_baseline import HQ
 from quantizer.plan.methods import EXL3, METHODS, OURS, UNIFORM, planner
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
+from quantizer.plan.summary import plan_summary
 from quantizer.plots import plot_path, save_figure
 from quantizer.quantize.encode_hours import plan_estimate
-from quantizer.report import gib, table
+from quantizer.report import gib
 from quantizer.tune.settings import TuneSettings
 from quantizer.tune.stage import tune_line
 
@@ -129,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         fitted = largest_fitting_plan(cfg, plan_at, lo, rate_grid(args.codebook)[-1], target, tokens=tokens)
         plan = fitted.plan
     report = fitted.report if fitted else None
-    print(render(cfg, plan))
+    print(plan_summary(cfg, plan))
     print(plan_estimate(cfg, plan).line())
     print(tune_line(cfg, DEFAULT_ROWS, DEFAULT_COLS, TuneSettings()))
     if report:
@@ -167,11 +166,7 @@ def load_summary(cfg: ModelConfig, args: argparse.Namespace) -> CalibrationSumma
     if not args.calibration:
         raise UserError("--method ours needs a calibration summary: --calibration WORK_DIR|SUMMARY.json, "
                         "or --synthetic to plan from a made-up one")
-    path = Path(args.calibration)
-    if path.is_dir():
-        nested = path / CALIBRATION_DIR / SUMMARY_FILE
-        path = nested if nested.exists() else path / SUMMARY_FILE
-    return CalibrationSummary.load(path)
+    return read_summary(args.calibration)
 
 
 def recipe_header(args: argparse.Namespace, plan: Plan, method: str = UNIFORM, target: FitTarget | None = None) -> str:
@@ -215,55 +210,3 @@ def _method_flags(args: argparse.Namespace, method: str) -> str:
     flags += "" if args.alias is None else (" --alias" if args.alias else " --no-alias")
     flags += "" if args.floor is None else f" --floor {args.floor:g}"
     return flags
-
-
-def render(cfg: ModelConfig, plan: Plan) -> str:
-    """K per group, routed experts per layer, aliases, bpw, and expected bytes per class."""
-    by_group: dict[str, Counter] = {g: Counter() for g in GROUPS}
-    layers: dict[int, list[float | None]] = defaultdict(list)
-    for t in targets(cfg):
-        k = plan.k[t.key]
-        by_group[t.group][_k(k)] += 1
-        if t.group == ROUTED:
-            layers[t.layer].append(k)
-    rows = [[g, ", ".join(f"{k} x{n:,}" for k, n in sorted(c.items()))] for g, c in by_group.items() if c]
-    sizes = plan.expected_bytes
-    lines = [
-        f"{plan.made_by}: achieved {plan.achieved_bpw:.4f} bits over budgeted tensors "
-        f"(target {plan.target_bpw:g}); loader {plan.profile.name}, codebook {plan.codebook}; hash {plan.content_hash()[:16]}",
-        table(["group", "K (count)"], rows, right=set()),
-    ]
-    if plan.profile.per_expert_k:
-        lines.append("routed experts by layer (mean K): " + "; ".join(
-            f"L{layer} {sum(ks) / len(ks):.2f}" for layer, ks in sorted(layers.items()) if None not in ks))
-    else:
-        lines.append("routed experts by layer: " + "; ".join(_runs({L: ks[0] for L, ks in layers.items()})))
-    if plan.aliases:
-        per_layer = Counter(int(cold.split(".")[1]) for cold in plan.aliases)
-        lines.append(f"aliased cold experts: {len(plan.aliases)} (" +
-                     ", ".join(f"L{layer} x{n}" for layer, n in sorted(per_layer.items())) + ")")
-    lines += [
-        "",
-        table(["class", "GiB"], [[c, gib(n)] for c, n in sizes.items() if c not in (TOTAL, TOTAL_RESIDENT)]
-              + [["total", gib(sizes[TOTAL])], ["without Engram tables", gib(sizes[TOTAL_RESIDENT])]]),
-    ]
-    return "\n".join(lines)
-
-
-def _k(k: float | None) -> str:
-    return "native" if k is None else f"{k:g}"
-
-
-def _runs(layers: dict[int, float | None]) -> list[str]:
-    """`L0-14 K3; L15-24 K2.5; ...` from a layer -> K map."""
-    out, start = [], None
-    order = sorted(layers)
-    for i, layer in enumerate(order):
-        if start is None:
-            start = layer
-        last = i + 1 == len(order) or layers[order[i + 1]] != layers[layer]
-        if last:
-            span = f"L{start}" if start == layer else f"L{start}-{layer}"
-            out.append(f"{span} K{_k(layers[layer])}")
-            start = None
-    return out

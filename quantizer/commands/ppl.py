@@ -32,12 +32,11 @@ from quantizer.checkpoint.fingerprint import sha256_file
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.commands.arguments import revision
 from quantizer.errors import UserError
-from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.pack.card import CARD_NAME, record_measurement
-from quantizer.pack.manifest import MANIFEST_NAME
+from quantizer.pack.manifest import MANIFEST_NAME, is_pack
 from quantizer.pack.measurement import LogitsEngine, Measurement
 from quantizer.ppl.compare import Comparison, compare
-from quantizer.ppl.pack_source import PackSource, require_built_from, require_intact
+from quantizer.ppl.measure import forward_dtype, open_measured, streamer
 from quantizer.ppl.perplexity import NonFiniteLogits, perplexity, row_predictions
 from quantizer.textdata import SET_FILES, model_rows, text_argument
 from quantizer.verify.checks import verify_pack
@@ -70,19 +69,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--device cuda: no CUDA device is visible to torch; use --device cpu")
     if args.text:  # a file or a shipped set's name, resolved before any model is opened
         args.text = text_argument(args.text)
-    model = Checkpoint.open(args.src, revision=args.revision)
-    is_pack = (model.root / MANIFEST_NAME).exists()
-    if args.record and not (args.against and is_pack and Path(args.src).is_dir()):
+    if args.record and not (args.against and is_pack(args.src)):
         raise UserError("--record writes into a pack: give a local pack directory as MODEL and its source as --against")
-    reference = Checkpoint.open(args.against) if args.against else None
-    if is_pack:
-        require_intact(model)
-    if is_pack and reference is not None:
-        require_built_from(model, reference)
+    model, reference = open_measured(args.src, args.against, args.revision)
     try:
         return _report(args, model, reference)
     except NonFiniteLogits as e:
-        raise UserError(f"{args.src}: {e}" + (_first_fault(model.root) if is_pack else "")) from None
+        raise UserError(f"{args.src}: {e}" + (_first_fault(model.root) if is_pack(model.root) else "")) from None
 
 
 def _first_fault(pack) -> str:
@@ -93,22 +86,17 @@ def _first_fault(pack) -> str:
 
 def _report(args: argparse.Namespace, model: Checkpoint, reference: Checkpoint | None) -> int:
     rows = _rows(args, reference or model)
-    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-
-    def streamer(ck: Checkpoint) -> LayerStreamer:
-        source = PackSource(ck) if (ck.root / MANIFEST_NAME).exists() else CheckpointSource(ck)
-        return LayerStreamer(source, device=args.device, dtype=dtype)
-
     if reference is not None:
         if reference.config.vocab_size != model.config.vocab_size:
             raise UserError(f"{args.src} and {args.against} have different vocabularies; compare a pack with its source")
-        result = compare(row_predictions(streamer(reference), rows), row_predictions(streamer(model), rows))
+        result = compare(row_predictions(streamer(reference, args.device), rows),
+                         row_predictions(streamer(model, args.device), rows))
         print(json.dumps(result.as_dict()) if args.json else describe(result))
         if args.record:
-            record_measurement(model.root, measurement(result, rows, Path(args.text or args.tokens), args.device, dtype))
+            record_measurement(model.root, measurement(result, rows, Path(args.text or args.tokens), args.device))
             print(f"ppl: recorded in {model.root / MANIFEST_NAME} and {model.root / CARD_NAME}", file=sys.stderr)
         return 0
-    result = perplexity(streamer(model), rows)
+    result = perplexity(streamer(model, args.device), rows)
     if args.json:
         print(json.dumps(result.as_dict()))
     else:
@@ -123,9 +111,10 @@ def describe(c: Comparison) -> str:
             f"over {c.tokens:,} tokens")
 
 
-def measurement(c: Comparison, rows: torch.Tensor, text: Path, device: str, dtype: torch.dtype) -> Measurement:
+def measurement(c: Comparison, rows: torch.Tensor, text: Path, device: str) -> Measurement:
     """The comparison as the manifest records it: the rows' file by name and hash, our forward as the engine."""
-    engine = LogitsEngine("quantizer reference forward", __version__, device, str(dtype).removeprefix("torch."))
+    dtype = str(forward_dtype(device)).removeprefix("torch.")
+    engine = LogitsEngine("quantizer reference forward", __version__, device, dtype)
     return Measurement(text.name, sha256_file(text), rows.shape[0], rows.shape[1], c.tokens, c.kl, c.kl_stderr,
                        c.top1, c.top1_stderr, c.pack.ppl, c.source.ppl, c.nll_delta, c.nll_delta_stderr, engine)
 

@@ -44,10 +44,9 @@ from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw
 from quantizer.fit.memory import pack_fit_table
-from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.ppl.compare import Comparison, compare
-from quantizer.ppl.pack_source import PackSource
+from quantizer.ppl.measure import streamer
 from quantizer.ppl.perplexity import row_predictions
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.results import measured_encodings
@@ -166,11 +165,11 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
                 make(size, method, loader, budget(size), measured)
 
     held = rows(eval_text, settings.eval_rows)
-    reference = list(row_predictions(_streamer(CheckpointSource(ck)), held))
+    reference = list(row_predictions(streamer(ck, quiet=True), held))
     native_nll = torch.cat([r.nll() for r in reference])
     out = []
     for (size, method, _), result in built.items():
-        c = compare(reference, row_predictions(_streamer(PackSource(Checkpoint.open(result.out))), held))
+        c = compare(reference, row_predictions(streamer(Checkpoint.open(result.out), quiet=True), held))
         out.append(_row(size, method, result.plan, result.manifest, result.out, c, not result.verify.faults))
     rows_sorted = sorted(out, key=lambda r: (r.bpw, KNOWN_METHODS.index(r.method), LOADERS.index(r.loader)))
     return DemoResult(rows_sorted, float(native_nll.mean().exp()), native_nll.numel(), time.monotonic() - start,
@@ -194,10 +193,6 @@ def _available(methods: tuple[str, ...]) -> tuple[str, ...]:
                  "sizes anchored on the bpw asked for")
             return tuple(m for m in methods if m != EXL3)
     return methods
-
-
-def _streamer(source) -> LayerStreamer:
-    return LayerStreamer(source, progress=False, report=lambda line: None)
 
 
 def _row(size: float, method: str, plan: Plan, manifest, pack: Path, c: Comparison, verified: bool) -> DemoRow:

@@ -29,9 +29,8 @@ from quantizer.caches import process_cache
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.hub import LOGIN, hub_failures
-from quantizer.model.streaming import CheckpointSource, LayerStreamer, WeightSource
-from quantizer.pack.manifest import MANIFEST_NAME
-from quantizer.ppl.pack_source import PackSource
+from quantizer.model.streaming import LayerStreamer, WeightSource
+from quantizer.ppl.measure import forward_dtype, weight_source
 from quantizer.textdata.tokenizer import load_tokenizer
 
 MODEL_NAME = "quantizer"
@@ -65,11 +64,11 @@ class ForwardLM(LM):
     def __init__(self, model: str, device: str = "cpu", max_length: int = DEFAULT_MAX_LENGTH, batch_rows: int = 64):
         super().__init__()
         ck = Checkpoint.open(model)
-        source = PackSource(ck) if (ck.root / MANIFEST_NAME).exists() else CheckpointSource(ck)
+        source = weight_source(ck)
         if sum(e.nbytes for e in ck.tensors.values()) <= KEEP_WEIGHTS_BYTES:
             source = KeptWeights(source)
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        self.streamer = LayerStreamer(source, device=device, dtype=dtype, progress=False, report=lambda line: None)
+        self.streamer = LayerStreamer(source, device=device, dtype=forward_dtype(device), progress=False,
+                                      report=lambda line: None)
         self.tokenizer = load_tokenizer(ck.root)
         self.bos = ck.config.bos_token_id
         self.max_length = min(int(max_length), ck.config.max_position_embeddings)

@@ -12,7 +12,8 @@ from quantizer.checkpoint.source import INDEX_NAME, Checkpoint, is_engram_table
 from quantizer.errors import UserError
 from quantizer.model.layout import TensorSpec, native_layout
 from quantizer.model.tensor_classes import CLASSES, ROUTED_EXPERT, VISION, classify
-from quantizer.pack.manifest import MANIFEST_NAME
+from quantizer.pack.manifest import is_pack
+from quantizer.report import gib, table
 
 EXAMPLES = 3
 
@@ -39,6 +40,20 @@ class Inventory:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
+
+    def render(self) -> str:
+        """Tensors, parameters and bytes per class, then the problems (or that there are none)."""
+        rows = [[c.cls, f"{c.tensors:,}", f"{c.params:,}", f"{c.bytes:,}", gib(c.bytes)] for c in self.classes]
+        rows.append(["total", f"{self.tensors:,}", f"{self.params:,}", f"{self.bytes:,}", gib(self.bytes)])
+        lines = [
+            f"{self.source}  ({self.arch}; routed experts: {self.routed_layers} layers x {self.routed_experts_per_layer})",
+            table(["class", "tensors", "params", "bytes", "GiB"], rows),
+        ]
+        if self.problems:
+            lines += ["", f"{len(self.problems)} problem(s):"] + [f"  - {p}" for p in self.problems]
+        else:
+            lines += ["", "consistent with config.json: every implied tensor present with its shape and dtype"]
+        return "\n".join(lines)
 
 
 def take_inventory(ck: Checkpoint) -> Inventory:
@@ -127,7 +142,7 @@ def refuse_pack(root: Path) -> None:
         method = json.loads((root / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
     except (OSError, ValueError, AttributeError):
         method = None
-    if (root / MANIFEST_NAME).exists():
+    if is_pack(root):
         raise UserError(f"{root}: this is an EXL3 pack written by quantizer, not a native checkpoint; "
                         f"use `quantizer verify {root}` (and `quantizer fit {root}`)")
     if method == "exl3":

@@ -164,6 +164,11 @@ class Manifest:
         return {n[: -len(".trellis")]: t.K for n, t in self.tensors.items() if n.endswith(".trellis")}
 
 
+def is_pack(path: str | Path) -> bool:
+    """Whether `path` is a pack quantizer wrote (a directory with a manifest), not a native checkpoint."""
+    return (Path(path) / MANIFEST_NAME).is_file()
+
+
 def _digest(claims: dict) -> str:
     body = json.dumps(claims, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(body.encode()).hexdigest()

@@ -1,0 +1,41 @@
+"""Opening what `ppl`, `eval` and the demo measure, the one way: a pack is scored only once its shards
+match its manifest and, against a source, only against the checkpoint it was built from; a pack is read
+as its loader would compute with (PackSource), a checkpoint as it is (CheckpointSource), in float32 on
+the CPU or bfloat16 on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantizer.checkpoint.source import Checkpoint
+from quantizer.model.streaming import CheckpointSource, LayerStreamer, WeightSource
+from quantizer.pack.manifest import is_pack
+from quantizer.ppl.pack_source import PackSource, require_built_from, require_intact
+
+
+def open_measured(model: str, against: str | None = None, revision: str | None = None) -> tuple[Checkpoint, Checkpoint | None]:
+    """MODEL (a pack or a checkpoint) and its source, refused before any forward pass when a pack's bytes
+    are not its manifest's or it was not built from `against`."""
+    opened = Checkpoint.open(model, revision=revision)
+    reference = Checkpoint.open(against) if against else None
+    if is_pack(opened.root):
+        require_intact(opened)
+        if reference is not None:
+            require_built_from(opened, reference)
+    return opened, reference
+
+
+def weight_source(ck: Checkpoint) -> WeightSource:
+    """The weights the forward computes with: a pack's decoded as its loader would, a checkpoint's as stored."""
+    return PackSource(ck) if is_pack(ck.root) else CheckpointSource(ck)
+
+
+def forward_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def streamer(ck: Checkpoint, device: str = "cpu", quiet: bool = False) -> LayerStreamer:
+    """A layer-by-layer forward over `ck`; `quiet` for callers that print their own progress."""
+    return LayerStreamer(weight_source(ck), device=device, dtype=forward_dtype(device), progress=not quiet,
+                         report=(lambda line: None) if quiet else None)
