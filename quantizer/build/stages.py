@@ -45,7 +45,7 @@ from quantizer.contract.plan import Plan
 from quantizer.distributed import code_fingerprint, current
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw, rate_grid
-from quantizer.fit.cold_experts import routed_tokens
+from quantizer.fit.cold_experts import check_share, routed_tokens
 from quantizer.fit.launch import Launch
 from quantizer.fit.memory import FitReport
 from quantizer.fit.target import FitTarget, largest_fitting_plan
@@ -220,7 +220,8 @@ def plan_and_state(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSumm
 
 
 def check_request(req: BuildRequest) -> None:
-    """UserError for a request no checkpoint could satisfy."""
+    """UserError for a request no checkpoint could satisfy: the one place a build's request is checked
+    (the command checks only which flags go together)."""
     if sum(x is not None for x in (req.bpw, req.plan, req.target)) != 1:
         raise UserError("give one of --bpw B, --plan PLAN.json or --sparks N")
     if req.method not in METHODS:
@@ -229,6 +230,12 @@ def check_request(req: BuildRequest) -> None:
         raise UserError("--method ours allocates from a calibration; drop --no-calibrate, or use --method uniform")
     if req.bpw is not None:
         check_bpw(req.bpw, req.allocation.codebook)
+    if req.target is not None:
+        req.allocation.profile.check_sparks(req.target.sparks)
+        check_share(req.target.cold_share)
+        if req.target.cold_share and (req.method != OURS or req.plan is not None or req.calibration_rows is None):
+            raise UserError("--cold-share picks cold experts by the calibration's routing: use --method ours with "
+                            "calibration")
     if req.tune is not None and req.calibration_rows is None:
         raise UserError("--tune fits the pack's scales to calibration rows; drop --no-calibrate (or drop --tune)")
     if req.end_to_end is not None and req.calibration_rows is None:

@@ -13,7 +13,8 @@ import argparse
 import re
 from pathlib import Path
 
-from quantizer.build.stages import PLAN_FILE, RECIPE_FILE, BuildRequest, BuildResult, build
+from quantizer.build.stages import BuildRequest, build
+from quantizer.build.summary import build_summary
 from quantizer.calibrate.rows import calibration_rows
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
@@ -31,15 +32,12 @@ from quantizer.contract.plan import Plan
 from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
-from quantizer.fit.cold_experts import check_share
-from quantizer.fit.memory import TOPOLOGIES, pack_fit_table
-from quantizer.fit.render import render as render_fit
+from quantizer.fit.memory import TOPOLOGIES
 from quantizer.fit.target import FitTarget
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS
 from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
-from quantizer.report import gib, table
 from quantizer.tune.settings import INPUTS, TARGETS, EndToEndSettings, TuneSettings
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -125,10 +123,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--codebook {args.codebook} conflicts with {args.plan}, which uses {plan.codebook}")
     if args.sparks is None and (args.context is not None or args.streams != 1 or args.engine or args.cold_share):
         raise UserError("--context, --streams, --engine and --cold-share size the fit of --sparks N; add --sparks")
-    check_share(args.cold_share)
-    if args.cold_share and (args.no_calibrate or args.method != OURS):
-        raise UserError("--cold-share picks cold experts by the calibration's routing: use --method ours with "
-                        "calibration")
     ck = Checkpoint.open(args.src, revision=args.revision)
     loader = plan.profile.name if plan else args.loader or default_loader(ck.config, args.sparks)
     if plan and args.loader and args.loader != plan.profile.name:
@@ -136,8 +130,6 @@ def run(args: argparse.Namespace) -> int:
     if plan and args.overlay is not None:
         raise UserError(f"--overlay makes a plan; {args.plan} is one already (its K map decides)")
     profile = load_profile(loader)
-    if args.sparks:
-        profile.check_sparks(args.sparks)
     overlay = overlay_of(args, profile, args.codebook or "mul1")
     if not args.tune and (args.tune_steps, args.tune_inputs, args.tune_target) != (None, None, None):
         raise UserError("--tune-steps, --tune-inputs and --tune-target set the tune stage; add --tune")
@@ -164,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     )
     result = build(req)
     if current().main:
-        print(summary(result))
+        print(build_summary(result))
     return 1 if result.fit and not result.fit.fits else 0
 
 
@@ -184,93 +176,3 @@ def rebuild_command(argv: list[str]) -> tuple[str, ...]:
             continue
         command.append(arg)
     return tuple(command)
-
-
-def summary(r: BuildResult) -> str:
-    m = r.manifest
-    pack_bytes = sum(s.bytes for s in m.shards)
-    rows = [[cls, f"{t['tensors']:,}", f"{t['bytes']:,}", gib(t["bytes"]), "" if t["bpw"] is None else f"{t['bpw']:.3f}"]
-            for cls, t in m.totals.items()]
-    hist = ", ".join(f"K{k}: {n:,}" for k, n in m.quantization["k_histogram"].items())
-    lines = [
-        f"built {r.out} in {r.seconds:,.1f} s ({r.quantized.units - r.quantized.resumed_units:,} of "
-        f"{r.quantized.units:,} units encoded this run)",
-        f"{len(m.shards)} shards, {pack_bytes:,} bytes ({gib(pack_bytes)} GiB); bits {m.quantization['bits']}, "
-        f"bpw {m.quantization['bpw']}, head_bits {m.plan['head_bits']}, codebook {m.plan['codebook']}",
-        f"plan: {r.plan.made_by}; {r.plan.achieved_bpw:.4f} bits over the budgeted tensors; saved as "
-        f"{r.work / PLAN_FILE} and {r.work / RECIPE_FILE}",
-        _calibration_line(r),
-        f"linears by K (16 = fp16): {hist or 'none'}",
-        _proxy_line(r.quantized.proxy_err),
-        *_tune_lines(r),
-        *_end_to_end_line(r),
-        table(["class", "tensors", "bytes", "GiB", "bpw"], rows),
-        _fit_lines(pack_fit_table(r.out)),
-        *([] if r.fit is None else [render_fit(r.fit)]),
-        f"verify: clean ({len(r.verify.findings)} checks)",
-        *_engine_lines(r),
-        f"work directory {r.work} is kept (re-pack or resume from it); delete it when done",
-    ]
-    return "\n".join(lines)
-
-
-def _engine_lines(r: BuildResult) -> list[str]:
-    """How to point the plan's engine at the pack (and at its Engram directory, where it has one)."""
-    engram = r.manifest.plan.get("engram_dir")
-    lines = [f"engine: {r.plan.profile.engine.split(':')[0]} (loader profile {r.plan.profile.name})"]
-    if engram:
-        where = r.out.parent / engram["dir"]
-        lines.append(f"Engram tables: {engram['tables']} tensors in {len(engram['shards'])} source shard(s) linked into "
-                     f"{where}; point TensorFold at it: --engram {where} (or TF_DS_ENGRAM={where}), "
-                     f"the model at {r.out}")
-    launch = r.manifest.plan.get("launch")
-    if launch:
-        lines.append(f"launch settings: {r.out / launch['file']} ({launch['cold_experts']} cold experts served from the "
-                     f"mapped file); load them before the recipe's launcher: set -a; . {r.out / launch['file']}; set +a")
-    return lines
-
-
-def _calibration_line(r: BuildResult) -> str:
-    c = r.calibration
-    if c is None:
-        return "calibration: none (linears quantized without Hessians)"
-    return f"calibration: {c.rows} rows x {c.cols} tokens, site sensitivity {c.gains}"
-
-
-def _tune_lines(r: BuildResult) -> list[str]:
-    t = r.tuned
-    if t is None:
-        return []
-    ratios = [a / max(e, 1e-30) for e, a in t.errors.values()]
-    mean = sum(ratios) / len(ratios) if ratios else 1.0
-    return [f"tune: {t.blocks} blocks ({t.tuned} this run) on {t.tune_rows} rows, {t.heldout_rows} held out; held-out "
-            f"block-output MSE x{mean:.3f} on average (tuned / stored scales)"]
-
-
-def _end_to_end_line(r: BuildResult) -> list[str]:
-    e = r.end_to_end
-    if e is None:
-        return []
-    return [f"tune-e2e: {e.steps} steps ({'this run' if e.tuned else 'reused'}) on {e.tune_rows} rows, {e.heldout_rows} "
-            f"held out; held-out KL {e.kl_before:.4g} -> {e.kl_after:.4g} (x{e.kl_after / max(e.kl_before, 1e-30):.3f})"]
-
-
-def _proxy_line(proxy_err: dict[str, float | None]) -> str:
-    errors = {k: e for k, e in proxy_err.items() if e is not None}
-    if not errors:
-        return "proxy error: no encoded linears"
-    worst = max(errors, key=errors.get)
-    return (f"proxy error tr(EHE')/tr(WHW') (relative MSE when uncalibrated): mean {sum(errors.values()) / len(errors):.4g}, "
-            f"worst {errors[worst]:.4g} ({worst})")
-
-
-def _fit_lines(fit: dict) -> str:
-    """One line per topology: per engine, whether the pack fits at the model's context, else the most it fits."""
-    lines = [f"fit at {fit['context']:,} tokens per stream ({fit['hardware']}, engram {fit['engram']}):"]
-    for sparks, engines in fit["topologies"].items():
-        verdicts = [
-            f"{engine} {'fits' if r['fits'] else 'no'}" + ("" if r["fits"] else f" (up to {r['max_context']:,} tokens)")
-            for engine, r in engines.items()
-        ]
-        lines.append(f"  {sparks} Spark{'s' if sparks != '1' else ''}: " + (", ".join(verdicts) or "no engine runs here"))
-    return "\n".join(lines)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import EXLLAMAV3, Overlay, load_profile, overlay_note
+from quantizer.contract.loader_profiles import EXLLAMAV3, LoaderProfile, Overlay, load_profile, overlay_note
 from quantizer.contract.pack_spec import expert_of
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import make_plan
@@ -54,7 +54,7 @@ ALIAS_ROUNDS = 6
 
 @dataclass(frozen=True)
 class AllocationSettings:
-    loader: str = EXLLAMAV3  # a loader profile name (profiles.py)
+    loader: str = EXLLAMAV3  # a loader profile name (contract/loader_profiles.py)
     codebook: str = "mul1"
     floor: float = DEFAULT_FLOOR
     head_bits: float | None = 6.0
@@ -65,9 +65,13 @@ class AllocationSettings:
     overlay: Overlay | None = None  # EXL3 for the profile's overlay groups at fixed K (profiles.Overlay)
 
     @property
+    def profile(self) -> LoaderProfile:
+        return load_profile(self.loader)
+
+    @property
     def aliasing(self) -> bool:
         """Whether cold experts may be aliased; UserError where the loader cannot serve aliases."""
-        allowed = load_profile(self.loader).aliases
+        allowed = self.profile.aliases
         if self.alias and not allowed:
             raise UserError(alias_refusal(self.loader))
         return allowed if self.alias is None else self.alias
@@ -85,7 +89,7 @@ class Allocator:
     asks for several)."""
 
     def __init__(self, cfg: ModelConfig, sens: Sensitivity, settings: AllocationSettings = AllocationSettings()):
-        profile = load_profile(settings.loader)
+        profile = settings.profile
         if settings.codebook not in profile.codebooks:
             raise UserError(f"--codebook {settings.codebook}: the {profile.name} loader takes "
                             f"{' or '.join(profile.codebooks)} ({profile.sources['codebook']})")

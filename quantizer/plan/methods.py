@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import EXLLAMAV3, load_profile
+from quantizer.contract.loader_profiles import EXLLAMAV3
 from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import rate_grid
@@ -33,7 +33,7 @@ def planner(cfg: ModelConfig, method: str, settings: AllocationSettings = Alloca
     lowest = rate_grid(settings.codebook)[0]
     if method not in METHODS:
         raise UserError(f"method {method!r}; choose from {', '.join(METHODS)}")
-    if settings.alias and not load_profile(settings.loader).aliases:
+    if settings.alias and not settings.profile.aliases:
         raise UserError(alias_refusal(settings.loader))
     if method != OURS and settings.alias:
         raise UserError(f"--alias applies to --method ours; {method} plans store every expert")
