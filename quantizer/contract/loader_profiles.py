@@ -5,7 +5,7 @@ plain tensors must have, dtypes the model directory may not hold, where the Engr
 `quantization_config` the engine reads from config.json.
 
 The allocator optimises inside a profile (allocate.py) and budgets only the groups it quantizes,
-`make_plan` refuses a plan that breaks it, the pack spec (spec.py) lays a pack out by it, and
+`make_plan` refuses a plan that breaks it, the pack spec (pack_spec.py) lays a pack out by it, and
 `quantizer verify --loader` checks a written pack against it. The rules on stored linears, each with
 its K (None: source form, 16: fp16) and codebook:
 
@@ -20,7 +20,7 @@ its K (None: source form, 16: fp16) and codebook:
 - `one_k_per_projection`: the routed experts of one layer share one K per projection;
 - `gate_up_tied`: gate (w1) and up (w3) of a layer's routed experts share one K;
 - `aliases`: whether cold experts may be served by another expert's tensors.
-Pack-level rules (verify.py): `plain_dtypes`, `forbidden_dtypes`, `engram_tables`,
+Pack-level rules (verify/checks.py): `plain_dtypes`, `forbidden_dtypes`, `engram_tables`,
 `quantization_config`, `required_config_keys`, `architectures`, `required_files`, `index`; and
 `sparks`: the Spark counts the engine runs on (a plan for another count is refused).
 """

@@ -85,7 +85,7 @@ def expected_bytes(cfg: ModelConfig, plan: Plan) -> dict[str, int]:
 
 
 def achieved_bpw(cfg: ModelConfig, plan: Plan) -> float:
-    """exllamav3's `bits` over the targets the plan's loader budgets (profiles.py: for vllm-exl3 the
+    """exllamav3's `bits` over the targets the plan's loader budgets (loader_profiles.py: for vllm-exl3 the
     routed experts only); a native target counts at its source precision, an aliased cold expert at 0
     (it stores nothing)."""
     cold = aliased_keys(plan)

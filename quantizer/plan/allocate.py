@@ -8,7 +8,7 @@ are the segments of the lower convex hull of its (bits, cost) options, so a rate
 worse than the one after it (a non-convex step) does not stop the unit. All segments, best
 cost-per-bit first, are taken while they fit; this prefix is the Lagrangian optimum, exact for
 the bits it spends. What is left is filled by the best upgrades (any rate, hull or not) that still
-fit. The loader profile (profiles.py) decides what is allocated (only the groups its engine quantizes:
+fit. The loader profile (contract/loader_profiles.py) decides what is allocated (only the groups its engine quantizes:
 for `vllm-exl3` the routed experts, the rest is a fixed cost in bytes) and the units: one tensor where
 the loader takes K per expert (`vllm-exl3`, `tensorfold`); under `exllamav3` the routed experts of one
 layer share one K per projection and gate and up share one K, so a layer's gate+up is one unit and
