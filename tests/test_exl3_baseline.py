@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from test_allocate import budget_bytes  # tests/ is on sys.path (pytest prepend import mode)
 
+from quantizer import caches
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.contract.loader_profiles import EXLLAMAV3, load_profile
 from quantizer.contract.pack_spec import aliased_keys
@@ -131,6 +132,6 @@ def test_wo_a_slices_and_compressors_map_to_our_targets():
 def test_missing_exllamav3_is_a_user_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "exllamav3" else real(name, *a))
-    monkeypatch.setattr(exl3_baseline, "_MODELS", {})
+    caches.reset()  # no twin model kept from an earlier test
     with pytest.raises(UserError, match=r"needs exllamav3: pip install exllamav3==1\.6\.5 triton"):
         exl3_plan(config("tiny-v41.json"), 2.9)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quantizer.caches import process_cache
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.model.targets import (
     ATTN,
@@ -99,21 +100,15 @@ _REPORTERS = {  # shared groups: the linear (or router) whose reported input fil
     "attn.input": "attn.wq_a.weight",
     "attn.q_latent": "attn.wq_b.weight",
 }
-_CACHE: dict[str, tuple[tuple[HGroup, ...], ...]] = {}
-_CACHE_SIZE = 4
 
 
 def layer_groups(cfg: ModelConfig, layer: int, expert_inputs: bool = False) -> tuple[HGroup, ...]:
     """The Hessian groups of trunk layer `layer`, in native target order; with `expert_inputs`, each
     routed expert's own input group too (after its w2's)."""
-    key = f"{cfg!r}:{expert_inputs}"
-    if key not in _CACHE:
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = _model_groups(cfg, expert_inputs)
-    return _CACHE[key][layer]
+    return _model_groups(cfg, expert_inputs)[layer]
 
 
+@process_cache(maxsize=4)
 def _model_groups(cfg: ModelConfig, expert_inputs: bool) -> tuple[tuple[HGroup, ...], ...]:
     per_layer: list[dict[str, HGroup]] = [{} for _ in range(cfg.num_layers)]
     for t in targets(cfg):

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quantizer.caches import value_hash
 from quantizer.errors import UserError
 from quantizer.workdir import read_json
 
@@ -80,6 +81,8 @@ class ModelConfig:
     eos_token_id: int = 1
     vision: dict | None = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    __hash__ = value_hash  # rope_scaling is a dict: a process cache keys on the values
 
     # ---- layer roles -------------------------------------------------------------------------
 

@@ -23,12 +23,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from quantizer.caches import process_cache
+from quantizer.caches import ProcessStore
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.workdir import read_json, write_json_atomic
 
 HASH_CHUNK = 16 << 20
-_HASHED: dict[tuple, str] = process_cache({})  # (path, stat key) -> sha256, for the life of the process
+_HASHED = ProcessStore(maxsize=4096)  # (path, stat key) -> sha256: a real model has ~60 shards
 
 
 def source_fingerprint(ck: Checkpoint, cache: Path | None = None, borrow: Path | None = None) -> str:

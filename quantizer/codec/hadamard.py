@@ -7,7 +7,6 @@ symmetric and its own inverse, so the same call rotates and un-rotates.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 
@@ -15,8 +14,7 @@ from quantizer.caches import process_cache
 from quantizer.exl3 import HADAMARD_BLOCK as BLOCK
 
 
-@process_cache
-@lru_cache(maxsize=None)
+@process_cache(maxsize=1)
 def _hadamard_cpu() -> torch.Tensor:
     i = torch.arange(BLOCK)
     a = i.view(-1, 1) & i.view(1, -1)

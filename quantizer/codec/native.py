@@ -20,7 +20,6 @@ import platform
 import shutil
 import subprocess
 import warnings
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -92,8 +91,7 @@ class Kernel:
         return states
 
 
-@process_cache
-@lru_cache(maxsize=None)
+@process_cache(maxsize=1)
 def kernel() -> Kernel | None:
     """The compiled encoder, built on first use; None when turned off or when it cannot be built."""
     if os.environ.get("QUANTIZER_NATIVE", "1") == "0":

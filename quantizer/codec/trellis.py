@@ -8,7 +8,6 @@ int16: word i = u16[2i] | u16[2i+1] << 16. Positions map to tile elements in ten
 
 from __future__ import annotations
 
-from functools import lru_cache
 from itertools import accumulate
 
 import torch
@@ -22,8 +21,7 @@ STATE_MASK = 0xFFFF
 _CHUNK_TILES = 8192
 
 
-@process_cache
-@lru_cache(maxsize=None)
+@process_cache(maxsize=32)  # every K of the grid, half rates included
 def step_bits(K: float) -> tuple[int, ...]:
     """D(p): bits position p adds to the ring; half rates alternate KA (even p) and KA+1 (odd p)."""
     k = trellis_k(K)
@@ -41,8 +39,7 @@ def _window_ends(K: float) -> tuple[int, ...]:
     return tuple(accumulate(step_bits(K)))
 
 
-@process_cache
-@lru_cache(maxsize=None)
+@process_cache(maxsize=1)
 def tile_element_order() -> torch.Tensor:
     """Row-major tile element (r*16 + c) of each trellis position p, the kernels' tensor-core order."""
     order = []
@@ -54,8 +51,7 @@ def tile_element_order() -> torch.Tensor:
     return torch.tensor(order, dtype=torch.long)
 
 
-@process_cache
-@lru_cache(maxsize=None)
+@process_cache(maxsize=64)  # (K, device)
 def _unpack_index(K: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ring = words_per_tile(K) * 16
     starts = torch.tensor([(s - 16) % ring for s in _window_ends(K)], dtype=torch.long)
@@ -63,8 +59,7 @@ def _unpack_index(K: float, device: torch.device) -> tuple[torch.Tensor, torch.T
     return word.to(device), ((word + 1) % (ring // 32)).to(device), (32 - (starts & 31)).to(device)
 
 
-@process_cache
-@lru_cache(maxsize=None)
+@process_cache(maxsize=64)  # (K, device)
 def _pack_index(K: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     position, shift = [], []
     for p, d in enumerate(step_bits(K)):

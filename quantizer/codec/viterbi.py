@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from functools import lru_cache
 from typing import Literal
 
 import torch
@@ -44,8 +43,7 @@ _CPU_CHUNK_TILES, _CPU_CHUNK_BYTES = 16, 256 << 20
 _GPU_CHUNK_TILES, _GPU_CHUNK_BYTES = 256, 1 << 30
 
 
-@process_cache
-@lru_cache(maxsize=None)
+@process_cache(maxsize=64)  # (codebook, device, bits per step)
 def _grids(codebook: Codebook, device: torch.device, d: int) -> torch.Tensor:
     """Codebook values laid out as the step for D = d reads them."""
     grid = codebook_values(codebook).to(device=device, dtype=torch.float32).view(NUM_STATES >> d, 1 << d)
@@ -131,8 +129,7 @@ class _Search:
         return states.to(torch.int32)
 
 
-@process_cache
-@lru_cache(maxsize=1)
+@process_cache(maxsize=1)
 def _workspaces(codebook: Codebook, K: float, device: torch.device, workers: int) -> tuple[_Search, ...]:
     """Workspaces kept between calls (LDLQ calls once per strip): 256 MiB in all on a CPU, 1 GiB on a GPU."""
     entry_bytes = 4 * TILE_POSITIONS * (NUM_STATES >> min(step_bits(K)))
@@ -147,8 +144,7 @@ def _encode_slice(search: _Search, tiles: torch.Tensor, seam: int) -> torch.Tens
     return torch.cat([search.encode(tiles[i : i + chunk], seam) for i in range(0, tiles.shape[0], chunk)])
 
 
-@process_cache
-@lru_cache(maxsize=1)
+@process_cache(maxsize=1)
 def _pool(workers: int) -> ThreadPoolExecutor:
     """Worker threads kept for the process: LDLQ encodes once per 16-row strip."""
     return ThreadPoolExecutor(workers, thread_name_prefix="exl3-encode")
@@ -166,8 +162,7 @@ def _one_torch_thread():
         torch.set_num_threads(threads)
 
 
-@process_cache
-@lru_cache(maxsize=None)
+@process_cache(maxsize=4)
 def _values_cpu(codebook: Codebook) -> torch.Tensor:
     return codebook_values(codebook).to(torch.float32).contiguous()
 

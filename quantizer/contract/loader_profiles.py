@@ -30,8 +30,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from functools import lru_cache
 
+from quantizer.caches import process_cache, value_hash
 from quantizer.checkpoint.config import V4, ModelConfig
 from quantizer.contract.stored_linear import StoredLinear
 from quantizer.errors import UserError
@@ -90,6 +90,8 @@ class LoaderProfile:
     architectures: tuple[str, ...] = ()  # config.json's `architectures` exactly, where the engine asserts it
     required_files: tuple[str, ...] = ()  # files the engine reads from the pack directory besides the shards
     ignored: dict[str, str] = field(default_factory=dict)  # what the engine does not read, and where that is seen
+
+    __hash__ = value_hash  # its rule sources are a dict
 
     def quantizes(self, group: str) -> bool:
         """Whether the engine may read this target group as EXL3."""
@@ -227,7 +229,7 @@ def check_overlay(profile: LoaderProfile, overlay: Overlay, codebook: str, head_
     return overlay
 
 
-@lru_cache(maxsize=None)
+@process_cache(maxsize=len(LOADERS))
 def load_profile(name: str) -> LoaderProfile:
     if name not in LOADERS:
         raise UserError(f"loader profile {name!r}; choose one of {', '.join(LOADERS)}")

@@ -14,9 +14,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
+from quantizer.caches import process_cache
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import tensor_nbytes
-from quantizer.contract.loader_profiles import ENGRAM_SIBLING, load_profile
+from quantizer.contract.loader_profiles import ENGRAM_SIBLING, LOADERS, load_profile
 from quantizer.contract.stored_linear import StoredLinear
 from quantizer.exl3 import UNQUANTIZED, exl3_bytes, leaf_layout
 from quantizer.model.targets import classified_layout, stored_parts, targets
@@ -142,48 +143,29 @@ def aliased_keys(plan: "Plan") -> set[str]:
     return {key for key in plan.k if expert_of(key) in plan.aliases}
 
 
-_NATIVE: dict[str, tuple[StoredTensor, ...]] = {}
-
-
+@process_cache(maxsize=2)
 def native_tensors(cfg: ModelConfig) -> tuple[StoredTensor, ...]:
     """Every tensor of the native layout as stored unchanged, built once per model shape (the full
     model has ~96k, and fit searches ask for many plans of one model)."""
-    shape_key = repr(cfg)
-    if shape_key not in _NATIVE:
-        _NATIVE.clear()
-        _NATIVE[shape_key] = tuple(StoredTensor(spec.name, spec.nbytes, tuple(spec.shape), spec.dtype, cls, NATIVE,
-                                                None, None)
-                                   for spec, cls in classified_layout(cfg))
-    return _NATIVE[shape_key]
+    return tuple(StoredTensor(spec.name, spec.nbytes, tuple(spec.shape), spec.dtype, cls, NATIVE, None, None)
+                 for spec, cls in classified_layout(cfg))
 
 
-_BYTES: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
-
-
+@process_cache(maxsize=2 * len(LOADERS))
 def _native_bytes(cfg: ModelConfig, loader: str) -> tuple[dict[str, int], dict[str, int]]:
     """(native bytes per class as the loader stores them, bytes of each target's `.weight` and `.scale`),
     once per model shape and loader."""
-    shape_key = repr(cfg) + loader
-    if shape_key not in _BYTES:
-        _BYTES.clear()
-        by_class: dict[str, int] = defaultdict(int)
-        by_name = {}
-        for n in native_tensors(cfg):
-            by_class[n.cls] += _placed(n, loader).nbytes
-            by_name[n.name] = n.nbytes
-        replaced = {t.key: sum(by_name.get(t.key + leaf, 0) for leaf in REPLACED_LEAVES) for t in targets(cfg)}
-        _BYTES[shape_key] = (dict(by_class), replaced)
-    return _BYTES[shape_key]
+    by_class: dict[str, int] = defaultdict(int)
+    by_name = {}
+    for n in native_tensors(cfg):
+        by_class[n.cls] += _placed(n, loader).nbytes
+        by_name[n.name] = n.nbytes
+    replaced = {t.key: sum(by_name.get(t.key + leaf, 0) for leaf in REPLACED_LEAVES) for t in targets(cfg)}
+    return dict(by_class), replaced
 
 
-_PARTS: dict[str, dict[str, tuple[list, list]]] = {}
-
-
+@process_cache(maxsize=2)
 def _parts(cfg: ModelConfig) -> dict[str, tuple[list, list]]:
     """Per target key: its stored parts (model/targets.stored_parts) kept whole (index False: native or
     fp16) and encoded (True: a wo_a's slices), once per model shape."""
-    shape_key = repr(cfg)
-    if shape_key not in _PARTS:
-        _PARTS.clear()
-        _PARTS[shape_key] = {t.key: (stored_parts(cfg, t, None), stored_parts(cfg, t, ENCODED_PROBE)) for t in targets(cfg)}
-    return _PARTS[shape_key]
+    return {t.key: (stored_parts(cfg, t, None), stored_parts(cfg, t, ENCODED_PROBE)) for t in targets(cfg)}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -125,8 +124,7 @@ class ForwardLM(LM):
         return context[-keep:] + continuation, len(continuation)
 
 
-@process_cache
-@lru_cache(maxsize=4)
+@process_cache(maxsize=4)
 def task_manager(include_path: str | None) -> TaskManager:
     """lm-eval's task index (with `include_path`'s tasks): about 10 s to build, so `eval --against` builds
     it once for the source and the pack."""

@@ -8,11 +8,11 @@ fp16 once, which is what the CUDA kernels compute (one fp16 rounding per value).
 from __future__ import annotations
 
 import enum
-from functools import lru_cache
 
 import numpy as np
 import torch
 
+from quantizer.caches import process_cache
 from quantizer.errors import UserError
 
 NUM_STATES = 1 << 16
@@ -52,7 +52,7 @@ def _fp16_bits(bits: int) -> float:
     return float(np.array([bits], dtype=np.uint16).view(np.float16)[0])
 
 
-@lru_cache(maxsize=None)
+@process_cache(maxsize=len(Codebook))
 def _table(codebook: Codebook) -> torch.Tensor:
     s = np.arange(NUM_STATES, dtype=np.uint64)
     if codebook is Codebook.MUL1:

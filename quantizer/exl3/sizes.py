@@ -9,8 +9,8 @@ pack's stored bpw sits a little above its K.
 from __future__ import annotations
 
 from fractions import Fraction
-from functools import lru_cache
 
+from quantizer.caches import process_cache
 from quantizer.exl3.codebook import Codebook, parse_codebook
 from quantizer.exl3.k_values import UNQUANTIZED
 
@@ -19,7 +19,7 @@ HADAMARD_BLOCK = 128  # EXL3 rotates 128-wide Hadamard blocks: in and out featur
 PACK_ALIGN = 64  # every tensor of a pack starts at a 64-byte offset (docs/exl3-format.md, alignment)
 
 
-@lru_cache(maxsize=256)
+@process_cache(maxsize=256)
 def leaf_layout(
     in_features: int, out_features: int, k: float, codebook: Codebook | str
 ) -> tuple[tuple[str, tuple, str, int], ...]:

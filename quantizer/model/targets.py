@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
+from quantizer.caches import process_cache
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.exl3 import HADAMARD_BLOCK, UNQUANTIZED
 from quantizer.model.layout import TensorSpec, native_layout
@@ -166,23 +167,13 @@ class _ModelIndex:
     layout: tuple[tuple[TensorSpec, str], ...]
 
 
-_CACHE: dict[str, _ModelIndex] = {}
-_CACHE_SIZE = 4
-
-
+@process_cache(maxsize=4)  # the real shape (~1 s to index) outlives the small ones a session also uses
 def _index(cfg: ModelConfig) -> _ModelIndex:
-    key = repr(cfg)  # every shape field; ModelConfig holds dicts, so it is not hashable itself
-    index = _CACHE.pop(key, None)
-    if index is None:
-        specs = native_layout(cfg)
-        scales = {s.name: s.nbytes for s in specs if s.name.endswith(".scale")}
-        found = tuple(
-            t for t in (_target(s, scales.get(s.name[: -len(".weight")] + ".scale", 0)) for s in specs)
-            if t is not None
-        )
-        layout = tuple((s, classify(s.name).cls) for s in specs)
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))
-        index = _ModelIndex(found, MappingProxyType({t.key: t for t in found}), layout)
-    _CACHE[key] = index  # last = most recently used: the real shape (~1 s to index) outlives small ones in use
-    return index
+    specs = native_layout(cfg)
+    scales = {s.name: s.nbytes for s in specs if s.name.endswith(".scale")}
+    found = tuple(
+        t for t in (_target(s, scales.get(s.name[: -len(".weight")] + ".scale", 0)) for s in specs)
+        if t is not None
+    )
+    layout = tuple((s, classify(s.name).cls) for s in specs)
+    return _ModelIndex(found, MappingProxyType({t.key: t for t in found}), layout)

@@ -53,7 +53,6 @@ EXLLAMAV3_VERSION = "1.6.5"
 HQ = 1  # exllamav3's -hq 1, what DSV4 conversions use (docs/exl3-format.md, allocator)
 MATCH_TOLERANCE = 1e-3  # bits of exllamav3's input searched to this precision
 MTP_BITS = 4  # exllamav3's default; unused (no MTP component is built)
-_MODELS: dict[str, tuple] = process_cache({})
 
 
 def exl3_strategy(cfg: ModelConfig, bits: float, codebook: str = "mul1", head_bits: float = 6.0,
@@ -152,21 +151,18 @@ def v4_twin_config(cfg: ModelConfig) -> dict:
     }
 
 
+@process_cache(maxsize=1)
 def _model(cfg: ModelConfig) -> tuple:
     """(exllamav3 Config, Model, create_q_strategy) for the V4 twin, built once per shape."""
-    key = repr(cfg)
-    if key not in _MODELS:
-        exl3 = _import_exllamav3()
-        with tempfile.TemporaryDirectory(prefix="exl3-twin-") as tmp:
-            root = Path(tmp)
-            (root / "config.json").write_text(json.dumps(v4_twin_config(cfg)))
-            header = b"{}"
-            (root / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-            config = exl3.Config.from_directory(str(root))
-            model = exl3.Model.from_config(config)
-        _MODELS.clear()
-        _MODELS[key] = (config, model, exl3.create_q_strategy)
-    return _MODELS[key]
+    exl3 = _import_exllamav3()
+    with tempfile.TemporaryDirectory(prefix="exl3-twin-") as tmp:
+        root = Path(tmp)
+        (root / "config.json").write_text(json.dumps(v4_twin_config(cfg)))
+        header = b"{}"
+        (root / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+        config = exl3.Config.from_directory(str(root))
+        model = exl3.Model.from_config(config)
+    return config, model, exl3.create_q_strategy
 
 
 def _import_exllamav3() -> types.SimpleNamespace:
