@@ -21,7 +21,7 @@ from pathlib import Path
 from quantizer.checkpoint.safetensors_file import read_header
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main as cli
-from quantizer.fit.memory import fit
+from quantizer.fit.memory import FitTarget, fit
 from quantizer.fit.stored import stored_from_pack
 from quantizer.inventory.classify import take_inventory
 from quantizer.report import table
@@ -65,7 +65,7 @@ def run(repeat: int) -> None:
             ("Checkpoint.open", lambda: Checkpoint.open(ck_dir)),
             ("take_inventory(Checkpoint.open)", lambda: take_inventory(Checkpoint.open(ck_dir))),
             ("quantizer inspect", lambda: quiet_cli(["inspect", str(ck_dir)])),
-            ("stored_from_pack + fit (2 Sparks)", lambda: fit(*stored_from_pack(ck_dir), 2, 1 << 20, 1, "vllm")),
+            ("stored_from_pack + fit (2 Sparks)", lambda: fit(*stored_from_pack(ck_dir), FitTarget(2, 1 << 20, 1, "vllm"))),
             ("quantizer fit PACK --sparks 2", lambda: quiet_cli(["fit", str(ck_dir), "--sparks", "2"])),
         ]
         times = [(name, best(repeat, fn)) for name, fn in steps]

@@ -23,7 +23,7 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.contract.loader_profiles import DEFAULT_OVERLAY, EXLLAMAV3_V41, Overlay
 from quantizer.contract.pack_spec import pack_spec
 from quantizer.fit.hardware import GIB, load_hardware
-from quantizer.fit.memory import fit
+from quantizer.fit.memory import FitTarget, fit
 from quantizer.plan.uniform import uniform_plan
 from quantizer.report import table
 from quantizer.shipped import model_config_path
@@ -42,7 +42,7 @@ def rows() -> list[dict]:
     fixed = next(r.gib for r in engine.runtime if "fixed-shape" in r.name)
     out = []
     for context, measured in MEASURED_TORCH_ALLOC_GIB.items():
-        rank = fit(cfg, stored, 1, context, 1, EXLLAMAV3_V41).ranks[0]
+        rank = fit(cfg, stored, FitTarget(1, context, 1, EXLLAMAV3_V41)).ranks[0]
         cuda = rank.weights_gib - sum(rank.weights_by_class_gib.get(c, 0.0) for c in HOST_RESIDENT)
         estimate = cuda + rank.kv_pool_gib + fixed
         out.append({"context": context, "bits": bits, "copied_gib": rank.weights_gib, "mapped_gib": rank.mapped_gib,

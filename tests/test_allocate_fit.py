@@ -18,7 +18,8 @@ from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import rate_grid
 from quantizer.fit.memory import fit
-from quantizer.fit.target import FitTarget, largest_fitting_plan
+from quantizer.fit.target import largest_fitting_plan
+from quantizer.fit.memory import FitTarget
 from quantizer.model.targets import targets
 from quantizer.plan.allocate import AllocationSettings, allocate
 from quantizer.plan.methods import OURS, planner
@@ -63,7 +64,7 @@ def test_two_sparks_at_1m_plans_in_few_probes_and_fits(v41, tmp_path, capsys, mo
     plan = Plan.load(tmp_path / "p.json")
     # the most that fits: a whole 0.01 bpw more would not
     assert 2.5 < plan.achieved_bpw < 3.3
-    report = fit(v41, pack_spec(v41, plan).tensors, 2, MILLION)
+    report = fit(v41, pack_spec(v41, plan).tensors, FitTarget(2, MILLION))
     assert report.fits and min(r.free_gib for r in report.ranks) < 0.01 * 550e9 / 8 / 2 / (1 << 30)
     header = (tmp_path / "r.yaml").read_text()
     assert "Budget: the most bits that fit 2 Sparks at 1,048,576 tokens" in header

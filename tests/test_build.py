@@ -24,7 +24,7 @@ from quantizer.codec import EXL3Linear, dequantize
 from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import make_plan
-from quantizer.fit.memory import fit
+from quantizer.fit.memory import FitTarget, fit
 from quantizer.fit.stored import stored_from_pack
 from quantizer.model.targets import targets
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
@@ -173,8 +173,8 @@ def test_the_plan_predicts_the_packs_bytes_and_fit_exactly(built):
     totals = Manifest.load(pack).totals
     assert {c: plan.expected_bytes.get(c) for c in totals} == {c: t["bytes"] for c, t in totals.items()}
     for sparks in (1, 2):
-        before = fit(cfg, pack_spec(cfg, plan).tensors, sparks, 4096)
-        after = fit(cfg, stored_from_pack(pack)[1], sparks, 4096)
+        before = fit(cfg, pack_spec(cfg, plan).tensors, FitTarget(sparks, 4096))
+        after = fit(cfg, stored_from_pack(pack)[1], FitTarget(sparks, 4096))
         assert [r.weights_gib for r in before.ranks] == [r.weights_gib for r in after.ranks]
 
 

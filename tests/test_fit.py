@@ -14,9 +14,9 @@ from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.fit.hardware import Term, derived_kv_bytes_per_token, load_hardware, swa_ring_bytes
-from quantizer.fit.memory import fit, fit_table
+from quantizer.fit.memory import FitOptions, FitTarget, fit, fit_table
 from quantizer.fit.placement import Options, block_split, rank_weights
-from quantizer.fit.target import FitTarget, largest_fitting_plan
+from quantizer.fit.target import largest_fitting_plan
 from quantizer.model.targets import targets
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
@@ -83,12 +83,12 @@ def test_placement_tp4_and_ep(v41, pack):
 def test_29_fits_two_sparks_at_1m_on_tensorfold_not_one(v41, pack):
     # jayleaton / bertholomus / soumyarupsarkar serve the 2.9 bpw pack at 1,048,576 positions on
     # two Sparks with TensorFold
-    r = fit(v41, pack(2.9), 2, 1_048_576, 1, "tensorfold")
+    r = fit(v41, pack(2.9), FitTarget(2, 1_048_576, 1, "tensorfold"))
     assert r.fits and r.max_context == 1_048_576 and r.max_context_capped
     assert 97 < r.ranks[0].weights_gib < 101 and r.ranks[1].visible_gib == 119.6
     with pytest.raises(UserError, match="engine tensorfold runs on 2 or 4 Spark"):  # its V4.1 engine is tp = 2 (or 4)
-        fit(v41, pack(2.9), 1, 1_048_576, 1, "tensorfold")
-    one = fit(v41, pack(2.9), 1, 1_048_576, 1, "vllm")
+        fit(v41, pack(2.9), FitTarget(1, 1_048_576, 1, "tensorfold"))
+    one = fit(v41, pack(2.9), FitTarget(1, 1_048_576, 1, "vllm"))
     assert not one.fits and one.short_gib > 80 and one.max_context == 0
     assert one.would_fit["smallest_sparks"] == 4  # vLLM charges more per token than TensorFold: 2 Sparks are short
     assert f"short by {one.short_gib:.2f} GiB" in one.verdict and "fits 4 Sparks at this context" in one.verdict
@@ -96,51 +96,51 @@ def test_29_fits_two_sparks_at_1m_on_tensorfold_not_one(v41, pack):
 
 def test_29_on_vllm_two_sparks_near_mias_614k(v41, pack):
     # Mia's vLLM kit runs the 2.9 pack at TP2 with max_model_len 614,400 (2.5 GiB KV pool)
-    r = fit(v41, pack(2.9), 2, 524_288, 1, "vllm")
+    r = fit(v41, pack(2.9), FitTarget(2, 524_288, 1, "vllm"))
     assert r.fits and 500_000 < r.max_context < 700_000
 
 
 def test_35_needs_four_sparks_with_12_gib_skew(v41, pack):
     # Pollard 3.51 runs vLLM TP4/TP3, not TP2; on TP4 the 640-wide ranks carry ~12 GiB more (tonyd2wild)
-    assert not fit(v41, pack(3.5), 2, 262_144, 1, "vllm").fits
-    r = fit(v41, pack(3.5), 4, 1_048_576, 1, "vllm")
+    assert not fit(v41, pack(3.5), FitTarget(2, 262_144, 1, "vllm")).fits
+    r = fit(v41, pack(3.5), FitTarget(4, 1_048_576, 1, "vllm"))
     routed = [m.weights_by_class_gib["routed_expert"] for m in r.ranks]
     assert r.fits and 11.5 < routed[0] - routed[2] < 13 and routed[0] == routed[1]
     assert 12 < r.ranks[1].weights_gib - r.ranks[2].weights_gib < 14  # drafter experts split alike
 
 
 def test_25_fits_two_sparks(v41, pack):
-    assert fit(v41, pack(2.5), 2, 1_048_576, 1, "vllm").fits
-    assert not fit(v41, pack(2.5), 1, 65_536, 1, "vllm").fits
+    assert fit(v41, pack(2.5), FitTarget(2, 1_048_576, 1, "vllm")).fits
+    assert not fit(v41, pack(2.5), FitTarget(1, 65_536, 1, "vllm")).fits
 
 
 def test_475_body_needs_four_sparks_ep(v41, pack):
     # "not a practical two-Spark body"; vcruz305 serves 4.75 with vLLM TP4+EP4
-    assert not fit(v41, pack(4.75), 2, 8192, 1, "vllm").fits
-    r = fit(v41, pack(4.75), 4, 1_048_576, 1, "vllm", split="ep")
+    assert not fit(v41, pack(4.75), FitTarget(2, 8192, 1, "vllm")).fits
+    r = fit(v41, pack(4.75), FitTarget(4, 1_048_576, 1, "vllm"), FitOptions(split="ep"))
     assert r.fits and max(m.weights_gib for m in r.ranks) - min(m.weights_gib for m in r.ranks) < 1.5
 
 
 def test_16_streams_sharing_2m_on_four_sparks(v41, pack):
     # bertholomus: TP4 serves 16 streams sharing a 2,097,152-position window on the 2.9 pack
-    assert fit(v41, pack(2.9), 4, 131_072, 16, "tensorfold").fits
+    assert fit(v41, pack(2.9), FitTarget(4, 131_072, 16, "tensorfold")).fits
 
 
 def test_159_class_fits_one_spark(v41, pack):
     # SAGE 1.59 runs on one Spark with exllamav3 TP1, ~107-111 GiB resident, no drafter or vision
-    r = fit(v41, pack(1.59), 1, 32_768, 1, "exllamav3", drafter="off", vision="off")
+    r = fit(v41, pack(1.59), FitTarget(1, 32_768, 1, "exllamav3"), FitOptions(drafter="off", vision="off"))
     assert r.fits and 100 < r.ranks[0].weights_gib < 112 and r.max_context >= 32_768
-    assert not fit(v41, pack(1.59), 1, 32_768, 1, "exllamav3").fits  # with the drafter and vision
+    assert not fit(v41, pack(1.59), FitTarget(1, 32_768, 1, "exllamav3")).fits  # with the drafter and vision
 
 
 def test_resident_engram_does_not_fit(v41, pack):
     # fattchris: TP4 resident Engram at 8K reached ~121 GiB used, ~0.5 GiB available -> CAPACITY_FAIL;
     # TP2 would need ~94 GiB of tables per node (jayleaton)
-    two = fit(v41, pack(2.9), 2, 8192, 1, "vllm", engram="resident")
+    two = fit(v41, pack(2.9), FitTarget(2, 8192, 1, "vllm"), FitOptions(engram="resident"))
     assert not two.fits and two.ranks[0].weights_by_class_gib["engram_table"] == pytest.approx(188.83 / 2, abs=0.01)
-    four = fit(v41, pack(2.9), 4, 8192, 1, "tensorfold", engram="resident")
+    four = fit(v41, pack(2.9), FitTarget(4, 8192, 1, "tensorfold"), FitOptions(engram="resident"))
     assert not four.fits and four.short_gib < 3
-    assert fit(v41, pack(2.9), 4, 8192, 1, "tensorfold").fits
+    assert fit(v41, pack(2.9), FitTarget(4, 8192, 1, "tensorfold")).fits
 
 
 def _tiny_spark():
@@ -155,18 +155,18 @@ def _tiny_spark():
 def test_highest_bpw_is_the_boundary():
     tiny, small = _tiny_spark()
     stored_at = lambda b: pack_spec(tiny, uniform_plan(tiny, b)).tensors  # noqa: E731
-    r = fit(tiny, stored_at(5.0), 1, 64, 1, "native", hardware=small, stored_at_bpw=stored_at, bpw=5.0)
+    r = fit(tiny, stored_at(5.0), FitTarget(1, 64, 1, "native"), hardware=small, stored_at_bpw=stored_at, bpw=5.0)
     best = r.would_fit["highest_bpw"]
     assert not r.fits and 2.5 < best < 5.0 and f"--bpw {best:g} fits 1 Spark" in r.verdict
-    assert fit(tiny, stored_at(best), 1, 64, 1, "native", hardware=small).fits
-    assert not fit(tiny, stored_at(round(best + 0.05, 2)), 1, 64, 1, "native", hardware=small).fits
+    assert fit(tiny, stored_at(best), FitTarget(1, 64, 1, "native"), hardware=small).fits
+    assert not fit(tiny, stored_at(round(best + 0.05, 2)), FitTarget(1, 64, 1, "native"), hardware=small).fits
 
 
 def test_fit_suggests_what_plan_sparks_finds():
     # one search: fit's "--bpw B fits" and the largest plan `plan/build --sparks` choose end at one bpw
     tiny, small = _tiny_spark()
     stored_at = lambda b: pack_spec(tiny, uniform_plan(tiny, b)).tensors  # noqa: E731
-    best = fit(tiny, stored_at(5.0), 1, 64, 1, "native", hardware=small, stored_at_bpw=stored_at,
+    best = fit(tiny, stored_at(5.0), FitTarget(1, 64, 1, "native"), hardware=small, stored_at_bpw=stored_at,
                bpw=5.0).would_fit["highest_bpw"]
     fitted = largest_fitting_plan(tiny, lambda b: uniform_plan(tiny, b), 1.0, 5.0, FitTarget(1, 64, 1, "native"), small)
     plan, report = fitted.plan, fitted.report
@@ -174,20 +174,20 @@ def test_fit_suggests_what_plan_sparks_finds():
 
 
 def test_report_json_and_bad_inputs(v41, pack):
-    r = fit(v41, pack(2.9), 4, 1_048_576, 2, "vllm")
+    r = fit(v41, pack(2.9), FitTarget(4, 1_048_576, 2, "vllm"))
     data = json.loads(r.to_json())
     assert [m["weights_gib"] for m in data["ranks"]] == [m.weights_gib for m in r.ranks]
     assert {"fits", "verdict", "max_context", "short_gib", "worst_rank", "would_fit", "terms"} <= set(data)
     assert data["ranks"][0]["kv_pool_gib"] == pytest.approx(2 * 1_048_576 * 3752 / GIB)
     assert all(t["source"] for t in data["terms"])
     with pytest.raises(UserError, match=r"engine exllamav3 runs on 1 Spark\(s\) only"):
-        fit(v41, pack(2.9), 2, 8192, 1, "exllamav3")
+        fit(v41, pack(2.9), FitTarget(2, 8192, 1, "exllamav3"))
     with pytest.raises(UserError, match="unknown --engine"):
-        fit(v41, pack(2.9), 2, 8192, 1, "sglang")
+        fit(v41, pack(2.9), FitTarget(2, 8192, 1, "sglang"))
     with pytest.raises(UserError, match="--kv-bits applies"):
-        fit(v41, pack(2.9), 2, 8192, 1, "vllm", kv_bits=4)
+        fit(v41, pack(2.9), FitTarget(2, 8192, 1, "vllm"), FitOptions(kv_bits=4))
     with pytest.raises(UserError, match="beyond the model's 1,048,576 positions"):
-        fit(v41, pack(2.9), 4, 2_097_152, 1, "vllm")
+        fit(v41, pack(2.9), FitTarget(4, 2_097_152, 1, "vllm"))
 
 
 def test_fit_table_for_the_manifest(v41, pack):
@@ -216,10 +216,10 @@ def test_v4_0731_shape_fits():
     v4 = ModelConfig.from_file(model_config_path("deepseek-v4-flash-0731.json"))
     plan = uniform_plan(v4, 2.5)
     stored = pack_spec(v4, plan).tensors
-    r = fit(v4, stored, 1, 65_536, 1, "native")
+    r = fit(v4, stored, FitTarget(1, 65_536, 1, "native"))
     assert r.kv_bytes_per_token == 3514.25 and r.fits
     assert r.ranks[0].weights_gib * GIB == plan.expected_bytes["total"]  # one rank holds it all
-    four = fit(v4, stored, 4, 65_536, 1, "vllm")
+    four = fit(v4, stored, FitTarget(4, 65_536, 1, "vllm"))
     head = [m.weights_by_class_gib["head"] for m in four.ranks]  # vocab 32,384 / 32,384 / 32,256 / 32,256
     assert four.fits and head[0] == head[1] > head[2] == head[3]
 

@@ -15,7 +15,7 @@ from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import leaf_layout
-from quantizer.fit.memory import fit
+from quantizer.fit.memory import FitTarget, fit
 from quantizer.fit.stored import stored_from_pack
 from quantizer.model.targets import classified_layout, stored_parts, target_map
 from quantizer.plan.uniform import uniform_plan
@@ -73,8 +73,8 @@ def test_pack_headers_give_the_plans_tensors(tiny_pack):
     assert from_headers == {key: k for key, k in plan.k.items() if k is not None}
     assert len(set(from_headers.values())) >= 3  # K read from trellis.shape[-1] / 16, half rates included
     for sparks in (1, 2, 4):
-        a = fit(pack_cfg, stored, sparks, 4096, 1, "vllm")
-        b = fit(cfg, pack_spec(cfg, plan).tensors, sparks, 4096, 1, "vllm")
+        a = fit(pack_cfg, stored, FitTarget(sparks, 4096, 1, "vllm"))
+        b = fit(cfg, pack_spec(cfg, plan).tensors, FitTarget(sparks, 4096, 1, "vllm"))
         assert [m.weights_gib for m in a.ranks] == [m.weights_gib for m in b.ranks]
 
 

@@ -21,7 +21,7 @@ from quantizer.contract.plan import Plan
 from quantizer.fit.cold_experts import place_cold_experts, routed_tokens
 from quantizer.fit.hardware import GIB, load_hardware
 from quantizer.fit.launch import LAUNCH_FILE, Launch, read_launch
-from quantizer.fit.memory import Scenario, evaluate, fit
+from quantizer.fit.memory import FitOptions, FitTarget, Scenario, evaluate, fit
 from quantizer.fit.residency import split_mapped
 from quantizer.model.targets import DRAFT, ROUTED, targets
 from quantizer.model.tensor_classes import ENGRAM_TABLE, classify
@@ -234,7 +234,7 @@ def test_cold_experts_make_more_bits_fit_within_their_routing_share(real_v41):
         copied = bool(pattern.search(f"{expert}.w1.trellis"))
         assert copied == (expert not in cold), expert
     assert not pattern.search("mtp.0.attn.wq_a.trellis") and pattern.search("layers.0.attn.wq_a.trellis")
-    assert not fit(real_v41, stored, 1, 524_288, 1, V41_ENGINE).fits  # the plain fit: every expert copied
+    assert not fit(real_v41, stored, FitTarget(1, 524_288, 1, V41_ENGINE)).fits  # the plain fit: every expert copied
     none, launch0 = place_cold_experts(real_v41, stored, s, hw, tokens, share=0.0)
     assert launch0 == Launch() and none.copy_pattern == Launch().copy_pattern
 
@@ -243,8 +243,9 @@ def test_a_pack_without_a_drafter_overlay_launches_without_it(real_v41):
     plan = uniform_plan(real_v41, 1.4, loader=EXLLAMAV3_V41, head_bits=None)
     assert all(plan.k[t.key] is None for t in targets(real_v41) if t.group == DRAFT)
     assert "DRAFT=0" in Launch(drafter=False).render()
-    copied_on = fit(real_v41, pack_spec(real_v41, plan).tensors, 1, 8192, 1, V41_ENGINE).ranks[0]
-    copied_off = fit(real_v41, pack_spec(real_v41, plan).tensors, 1, 8192, 1, V41_ENGINE, drafter="off").ranks[0]
+    stored, one = pack_spec(real_v41, plan).tensors, FitTarget(1, 8192, 1, V41_ENGINE)
+    copied_on = fit(real_v41, stored, one).ranks[0]
+    copied_off = fit(real_v41, stored, one, FitOptions(drafter="off")).ranks[0]
     # dequantized to FP16, the MXFP4 drafter experts take four times their bytes in GPU memory
     assert copied_on.weights_by_class_gib["dspark_drafter"] > 20 and "dspark_drafter" not in copied_off.weights_by_class_gib
 

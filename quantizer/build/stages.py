@@ -48,7 +48,8 @@ from quantizer.exl3 import check_bpw, rate_grid
 from quantizer.fit.cold_experts import check_share, routed_tokens
 from quantizer.fit.launch import Launch
 from quantizer.fit.memory import FitReport
-from quantizer.fit.target import FitTarget, largest_fitting_plan
+from quantizer.fit.target import largest_fitting_plan
+from quantizer.fit.memory import FitTarget
 from quantizer.inventory.classify import require_consistent
 from quantizer.pack.manifest import Manifest
 from quantizer.pack.writer import PackSettings, check_new_pack_dir, publish_pack, write_pack

@@ -33,7 +33,7 @@ from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
 from quantizer.fit.memory import TOPOLOGIES
-from quantizer.fit.target import FitTarget
+from quantizer.fit.memory import FitTarget
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS

@@ -29,7 +29,7 @@ from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw
 from quantizer.fit.hardware import load_hardware
 from quantizer.fit.launch import read_launch
-from quantizer.fit.memory import BPW_FLOOR, TOPOLOGIES, fit
+from quantizer.fit.memory import BPW_FLOOR, TOPOLOGIES, FitOptions, FitTarget, fit
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES
 from quantizer.fit.render import render
 from quantizer.fit.stored import stored_from_pack
@@ -117,12 +117,12 @@ def run(args: argparse.Namespace) -> int:
         if drafter is None and not runs_drafter(cfg, plan, engine, hw):
             drafter = "off"
         stored = pack_spec(cfg, plan).tensors
-    report = fit(
-        cfg, stored, args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
-        args.streams, engine, split=args.split, engram=args.engram, drafter=drafter or "split",
-        vision=args.vision, guard_gib=args.guard, kv_bits=args.kv_bits, copy_pattern=copy, fp8_lazy=args.fp8_lazy,
-        hardware=hw, source=source, stored_at_bpw=stored_at_bpw, bpw=args.bpw, lowest_bpw=lowest_bpw,
-    )
+    target = FitTarget(args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
+                       args.streams, engine)
+    options = FitOptions(args.split, args.engram, drafter or "split", args.vision, args.guard, args.kv_bits, copy,
+                         args.fp8_lazy)
+    report = fit(cfg, stored, target, options, hardware=hw, source=source, stored_at_bpw=stored_at_bpw, bpw=args.bpw,
+                 lowest_bpw=lowest_bpw)
     print(report.to_json() if args.json else render(report, args.explain))
     if plot:
         from quantizer.plots.fit import fit_figure

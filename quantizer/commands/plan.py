@@ -37,7 +37,8 @@ from quantizer.exl3 import check_bpw, rate_grid
 from quantizer.fit.cold_experts import check_share, routed_tokens
 from quantizer.fit.memory import TOPOLOGIES
 from quantizer.fit.render import render as render_fit
-from quantizer.fit.target import FitTarget, fit_plan, largest_fitting_plan
+from quantizer.fit.target import fit_plan, largest_fitting_plan
+from quantizer.fit.memory import FitTarget
 from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings
 from quantizer.plan.exl3_baseline import HQ
 from quantizer.plan.methods import EXL3, METHODS, OURS, UNIFORM, planner

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import dataclasses
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
@@ -105,6 +106,43 @@ class Scenario:
     def options(self) -> Options:
         return Options(self.sparks, self.split, self.engram, self.drafter, self.vision)
 
+
+
+@dataclass(frozen=True)
+class FitTarget:
+    """What a pack must fit: Sparks, tokens per stream, streams and engine (None: the hardware file's
+    default); `cold_share` is the routed tokens cold experts may take where the engine maps weights."""
+
+    sparks: int
+    context: int
+    streams: int = 1
+    engine: str | None = None
+    cold_share: float = 0.0
+
+    def describe(self) -> str:
+        return (f"{self.sparks} Spark{'s' if self.sparks > 1 else ''} at {self.context:,} tokens x {self.streams} "
+                f"stream{'s' if self.streams > 1 else ''}")
+
+    def scenario(self, hw: Hardware, drafter: bool = True) -> Scenario:
+        s = Scenario(self.sparks, self.context, self.streams, self.engine or hw.default_engine,
+                     drafter="split" if drafter else "off")
+        check_topology(hw, s.engine, s.sparks)
+        return s
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """How the pack is placed on the target (the `fit` command's flags); the defaults are what the
+    engines do out of the box."""
+
+    split: str = "tp"
+    engram: str = "nvme"
+    drafter: str = "split"
+    vision: str = "rank0"
+    guard_gib: float | None = None
+    kv_bits: float | None = None
+    copy_pattern: str | None = None
+    fp8_lazy: bool = False
 
 def _check(s: Scenario, hw: Hardware) -> None:
     for value, allowed, flag in ((s.split, SPLITS, "--split"), (s.engram, ENGRAM_MODES, "--engram"),
@@ -204,33 +242,24 @@ FIT_PROBES = 12
 def fit(
     cfg: ModelConfig,
     stored: list[StoredTensor],
-    sparks: int,
-    context: int,
-    streams: int = 1,
-    engine: str | None = None,
+    target: FitTarget,
+    options: FitOptions = FitOptions(),
     *,
-    split: str = "tp",
-    engram: str = "nvme",
-    drafter: str = "split",
-    vision: str = "rank0",
-    guard_gib: float | None = None,
-    kv_bits: float | None = None,
-    copy_pattern: str | None = None,
-    fp8_lazy: bool = False,
     hardware: Hardware | None = None,
     source: str = "",
     stored_at_bpw: Callable[[float], list[StoredTensor]] | None = None,
     bpw: float | None = None,
     lowest_bpw: float = BPW_FLOOR,
 ) -> FitReport:
-    """Fit `stored` on `sparks` GB10s. When it does not fit, say by how much and what would:
-    the smallest topology that fits, the context that fits here, and (given `stored_at_bpw`, a
-    function that builds the pack at another bpw, from `lowest_bpw` up) the highest bpw that fits here."""
+    """Fit `stored` on the target's Sparks, placed by `options`. When it does not fit, say by how much
+    and what would: the smallest topology that fits, the context that fits here, and (given
+    `stored_at_bpw`, a function that builds the pack at another bpw, from `lowest_bpw` up) the highest
+    bpw that fits here."""
     hw = hardware or load_hardware()
-    s = Scenario(sparks, context, streams, engine or hw.default_engine, split, engram, drafter, vision,
-                 guard_gib, kv_bits, copy_pattern, fp8_lazy)
+    s = Scenario(target.sparks, target.context, target.streams, target.engine or hw.default_engine,
+                 **dataclasses.asdict(options))
     _check(s, hw)
-    _check_context(cfg, context)
+    _check_context(cfg, target.context)
     ranks, kvb = _terms(cfg, stored, s, hw)
     fits = _fits(ranks)
     worst = min(ranks, key=lambda r: r.free_gib)
@@ -242,8 +271,8 @@ def fit(
         if stored_at_bpw is not None and bpw is not None:
             would["highest_bpw"] = _highest_bpw(cfg, s, hw, stored_at_bpw, lowest_bpw, bpw)
     report = FitReport(
-        source=source, arch=cfg.arch, sparks=sparks, engine=s.engine, split=split, engram=engram,
-        drafter=drafter, vision=vision, context=context, streams=streams, kv_bytes_per_token=kvb,
+        source=source, arch=cfg.arch, sparks=s.sparks, engine=s.engine, split=s.split, engram=s.engram,
+        drafter=s.drafter, vision=s.vision, context=s.context, streams=s.streams, kv_bytes_per_token=kvb,
         ranks=ranks, fits=fits, short_gib=max(0.0, -worst.free_gib), worst_rank=worst.rank,
         max_context=max_context, max_context_capped=raw_max > cfg.max_position_embeddings,
         would_fit=would, verdict="", terms=explain_terms(cfg, s, hw), mapped=hw.engine(s.engine).mapped is not None,

@@ -20,28 +20,9 @@ from quantizer.errors import UserError
 from quantizer.fit.cold_experts import place_cold_experts
 from quantizer.fit.hardware import Hardware, load_hardware
 from quantizer.fit.launch import Launch
-from quantizer.fit.memory import FitReport, Scenario, check_topology, fit, highest_fitting_bpw, lowest_accepted
+from quantizer.fit.memory import FitOptions, FitReport, FitTarget, Scenario, fit, highest_fitting_bpw, lowest_accepted
 from quantizer.fit.stored import StoredTensor
 from quantizer.model.targets import DRAFT, targets
-
-
-@dataclass(frozen=True)
-class FitTarget:
-    sparks: int
-    context: int
-    streams: int = 1
-    engine: str | None = None
-    cold_share: float = 0.0  # routed tokens the cold experts may take (engines that map weights)
-
-    def describe(self) -> str:
-        return (f"{self.sparks} Spark{'s' if self.sparks > 1 else ''} at {self.context:,} tokens x {self.streams} "
-                f"stream{'s' if self.streams > 1 else ''}")
-
-    def scenario(self, hw: Hardware, drafter: bool = True) -> Scenario:
-        s = Scenario(self.sparks, self.context, self.streams, self.engine or hw.default_engine,
-                     drafter="split" if drafter else "off")
-        check_topology(hw, s.engine, s.sparks)
-        return s
 
 
 @dataclass(frozen=True)
@@ -58,8 +39,8 @@ def fit_plan(cfg: ModelConfig, plan: Plan, target: FitTarget, tokens: dict[str, 
     stored = pack_spec(cfg, plan).tensors
     s, launch = place_cold_experts(cfg, stored, target.scenario(hw, runs_drafter(cfg, plan, target.engine, hw)), hw,
                                    tokens or {}, target.cold_share)
-    report = fit(cfg, stored, s.sparks, s.context, s.streams, s.engine, drafter=s.drafter, copy_pattern=s.copy_pattern,
-                 hardware=hw, source=plan.made_by)
+    report = fit(cfg, stored, target, FitOptions(drafter=s.drafter, copy_pattern=s.copy_pattern), hardware=hw,
+                 source=plan.made_by)
     return FittedPlan(plan, report, launch)
 
 
