@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo figures
+.PHONY: setup test test-fast demo figures
 setup: $(VENV)/.installed
 
 # pyproject.toml declares ranges; constraints.txt pins the versions CI tests, torch==2.13.0 among
@@ -17,6 +17,11 @@ $(VENV)/.installed: pyproject.toml setup.py constraints.txt
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=25
+
+# The inner loop: the linter and every test not marked slow (tests/conftest.py says which are).
+test-fast: setup
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -m "not slow"
 
 # The main job on the embedded default: the bundled small model at 2.5, 2.9 and 3.5 bpw, four methods.
 demo: setup

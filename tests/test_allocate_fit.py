@@ -35,6 +35,7 @@ def v41(real_v41):  # tests/conftest.py: shared by the session
     return real_v41
 
 
+@pytest.mark.slow
 def test_two_sparks_at_1m_plans_in_few_probes_and_fits(v41, tmp_path, capsys, monkeypatch):
     # counted work, not seconds: one sensitivity, and the search for the most bits that fit plans a
     # handful of budgets (fit/memory.py: the lowest rate, then two to four Newton probes)
@@ -92,6 +93,7 @@ def most_that_fits(cfg, target, settings=AllocationSettings()):
     return largest_fitting_plan(cfg, plan_at, lowest, rate_grid(settings.codebook)[-1], target)
 
 
+@pytest.mark.slow
 def test_vllm_exl3_mixes_routed_k_per_expert_and_keeps_the_rest_in_source_form(v41):
     """The seed's vLLM shape: routed experts EXL3 with K per expert (K2..K8, what the plugin loads),
     everything else FP8 source form as a fixed cost, every expert stored. On one Spark it cannot fit

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from one_line import one_line
 from test_build_guards import _build  # tests/ is on sys.path (pytest prepend import mode)
 
 from quantizer.checkpoint.source import Checkpoint
@@ -56,12 +57,6 @@ def clean_pack(tiny_v41, plan_file, tmp_path_factory):
 
 
 
-
-def _one_line(err: str, *needles: str) -> None:
-    """The run ended on one error line holding every needle (after whatever progress it printed)."""
-    errors = [line for line in err.splitlines() if ": error: " in line]
-    assert len(errors) == 1 and all(n in errors[0] for n in needles) and err.rstrip().endswith(errors[0]), err
-    assert "Traceback" not in err, err
 
 
 def _flip(ck_root: Path, name: str) -> None:
@@ -109,7 +104,7 @@ def test_a_source_byte_changed_during_quantize_is_refused_before_a_unit_of_it_is
     capsys.readouterr()
     assert _build(src, plan_file, out) == 2
     shard = Checkpoint.open(src).entry(LATE).path.name
-    _one_line(capsys.readouterr().err, f"{shard} changed while this build read it", "the unit read from it was not saved")
+    one_line(capsys.readouterr().err, f"{shard} changed while this build read it", "the unit read from it was not saved")
     assert 2 <= len(saved) < 7 and len(_units(work)) == 3 + len(saved) and not out.exists()
     assert not list(tmp_path.glob("pack.partial*"))
 
@@ -131,7 +126,7 @@ def test_a_source_byte_changed_between_quantize_and_pack_publishes_nothing(src, 
 
     monkeypatch.setattr(build_module, "quantize", quantize_then_change)
     assert _build(src, plan_file, out) == 2
-    _one_line(capsys.readouterr().err, "changed while this build read it (quantize)", "deleted the 10 unit(s)")
+    one_line(capsys.readouterr().err, "changed while this build read it (quantize)", "deleted the 10 unit(s)")
     assert _units(work) == set() and not (work / "quantize" / "job.json").exists() and not out.exists()
 
 
@@ -148,7 +143,7 @@ def test_a_source_byte_changed_while_packing_publishes_nothing(src, plan_file, t
 
     monkeypatch.setattr(writer, "_copy_side_files", copy_then_change)
     assert _build(src, plan_file, out) == 2
-    _one_line(capsys.readouterr().err, "changed while this build packed it; the pack was not published")
+    one_line(capsys.readouterr().err, "changed while this build packed it; the pack was not published")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pack.work", "src"]
 
 
@@ -182,7 +177,7 @@ def test_a_hand_edited_plan_is_refused_before_any_stage_naming_tensor_and_file(t
     plan = _edited(tiny_v41, tmp_path, edit)
     monkeypatch.setattr(build_module, "quantize", lambda *a, **k: pytest.fail("a stage ran"))
     assert _build(tiny_v41, plan, tmp_path / "pack") == 2
-    _one_line(capsys.readouterr().err, str(plan), *needles)
+    one_line(capsys.readouterr().err, str(plan), *needles)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["edited.json"]  # no pack, no work directory
 
 
@@ -208,7 +203,7 @@ def test_ppl_on_a_pack_with_one_flipped_trellis_byte_is_refused_naming_the_shard
     _flip(corrupt, "layers.0.attn.wq_b.trellis")
     assert main(["ppl", str(corrupt), "--tokens", str(rows)]) == 2
     shard = Checkpoint.open(corrupt).entry("layers.0.attn.wq_b.trellis").path
-    _one_line(capsys.readouterr().err, f"{shard}: sha256", "run `quantizer verify --full")
+    one_line(capsys.readouterr().err, f"{shard}: sha256", "run `quantizer verify --full")
     assert np.isfinite(intact)
 
 
@@ -228,7 +223,7 @@ def test_a_context_or_count_below_one_is_refused(argv, capsys):
     with pytest.raises(SystemExit) as stop:
         build_parser().parse_args(argv)
     assert stop.value.code == 2
-    _one_line(capsys.readouterr().err, "at least 1")
+    one_line(capsys.readouterr().err, "at least 1")
 
 
 # ---- 2. torchrun ranks that read different bytes are refused -------------------------------------
@@ -244,6 +239,7 @@ sys.exit(main(args))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to python")
 def test_ranks_reading_copies_that_differ_in_one_byte_are_refused(src, plan_file, tiny_v41, tmp_path):
     """Two real gloo ranks on the CPU (torchrun): the copies share the layout, so only the content
@@ -303,11 +299,12 @@ def test_a_build_whose_pack_fails_verify_does_not_publish_it(tiny_v41, plan_file
 
     monkeypatch.setattr(build_module, "verify_pack", one_fault)
     assert _build(tiny_v41, plan_file, tmp_path / "pack") == 2
-    _one_line(capsys.readouterr().err, "verify found 1 fault(s) in the new pack, so it was not published",
+    one_line(capsys.readouterr().err, "verify found 1 fault(s) in the new pack, so it was not published",
               "layers.0.attn.wq_a: a fault verify found")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pack.work"]
 
 
+@pytest.mark.slow
 def test_sigterm_is_one_line_and_keeps_finished_work(src, plan_file, clean_pack, tmp_path, capsys, monkeypatch):
     out, work = tmp_path / "pack", tmp_path / "pack.work"
     real = results_module.ResultStore.save
@@ -347,7 +344,7 @@ def test_inspect_refuses_an_index_that_points_a_tensor_at_the_wrong_shard(src, c
 
 def test_inspect_on_a_pack_says_it_is_a_pack(clean_pack, capsys):
     assert main(["inspect", str(clean_pack)]) == 2
-    _one_line(capsys.readouterr().err, "this is an EXL3 pack written by quantizer", f"use `quantizer verify {clean_pack}`")
+    one_line(capsys.readouterr().err, "this is an EXL3 pack written by quantizer", f"use `quantizer verify {clean_pack}`")
 
 
 @pytest.mark.parametrize("edit", [

@@ -31,6 +31,8 @@ from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.ppl.exllamav3_engine import budgeted_bytes, stored_bpw, stored_k
 from quantizer.shipped import shipped
 
+pytestmark = pytest.mark.slow  # builds packs of the bundled model: `make test-fast` skips it
+
 CAP = 4 << 20
 BPW = "2.5"
 SIDE_FILES = {"tokenizer.json": "{}", "generation_config.json": '{"bos_token_id": 0}'}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from one_line import one_line
 
 from quantizer.build.preflight import claim
 from quantizer.checkpoint import fingerprint as fingerprint_module
@@ -52,12 +53,6 @@ def _snapshot(root: Path) -> dict[str, bytes]:
             if p.is_file() and p.name not in (LOCK_NAME, FINGERPRINT_CACHE)}
 
 
-def _one_line(err: str, needle: str) -> None:
-    """The run ended on one error line holding `needle` (after whatever progress it printed)."""
-    errors = [line for line in err.splitlines() if ": error: " in line]
-    assert len(errors) == 1 and needle in errors[0] and err.rstrip().endswith(errors[0]), err
-    assert "Traceback" not in err, err
-
 
 def _edit_header(shard: Path, edit) -> None:
     """Rewrite one shard's JSON header with `edit(header)`; the data bytes stay as they are."""
@@ -88,7 +83,7 @@ def test_one_changed_expert_byte_refuses_the_resume(src, plan_file, tmp_path, ca
     _flip_byte(Checkpoint.open(src), EXPERT)  # the middle of one expert: outside any sampled window
     capsys.readouterr()
     assert _build(src, plan_file, out) == 2
-    _one_line(capsys.readouterr().err, "source fingerprint differs")
+    one_line(capsys.readouterr().err, "source fingerprint differs")
     assert not out.exists() and _snapshot(work) == kept
 
 
@@ -116,7 +111,7 @@ def test_calibration_refuses_a_changed_byte_too(src, tmp_path, capsys):
     _flip_byte(Checkpoint.open(src), EXPERT)
     capsys.readouterr()
     assert main(args) == 2
-    _one_line(capsys.readouterr().err, "cannot resume a different calibration: source fingerprint differs")
+    one_line(capsys.readouterr().err, "cannot resume a different calibration: source fingerprint differs")
 
 
 # ---- 2. the pack stage: inside the lock, per-job temporary names ---------------------------------
@@ -126,7 +121,7 @@ def test_a_second_build_into_an_out_another_build_is_writing_is_refused(tiny_v41
     with claim(out, tmp_path / "first.work") as partial:
         (partial / "model-00001-of-00003.safetensors").write_bytes(b"the first build's shard")
         assert _build(tiny_v41, plan_file, out, "--work", str(tmp_path / "second.work")) == 2
-        _one_line(capsys.readouterr().err, "another build is writing this pack")
+        one_line(capsys.readouterr().err, "another build is writing this pack")
         assert (partial / "model-00001-of-00003.safetensors").read_bytes() == b"the first build's shard"
     assert not out.exists()
 
@@ -145,7 +140,7 @@ def test_a_pack_published_meanwhile_is_never_replaced(tiny_v41, plan_file, tmp_p
 
     monkeypatch.setattr(writer, "_copy_side_files", another_build_publishes)
     assert _build(tiny_v41, plan_file, out) == 2
-    _one_line(capsys.readouterr().err, "appeared while this build was packing")
+    one_line(capsys.readouterr().err, "appeared while this build was packing")
     assert [p.name for p in out.iterdir()] == ["theirs.txt"]
     assert not list(tmp_path.glob("pack.partial*"))  # our half pack is gone, nothing else touched
 
@@ -162,7 +157,7 @@ def test_a_refused_rerun_keeps_plan_and_recipe(tiny_v41, plan_file, tmp_path, ca
     make_plan(cfg, {t.key: (16.0 if t.key == FP16_KEYS[0] else None) for t in targets(cfg)}).save(other)
     capsys.readouterr()
     assert _build(tiny_v41, other, out, "--seed", "1") == 2  # another plan would share the cache; another seed may not
-    _one_line(capsys.readouterr().err, "cannot resume a different quantize job: seed differs: 0 -> 1")
+    one_line(capsys.readouterr().err, "cannot resume a different quantize job: seed differs: 0 -> 1")
     assert _snapshot(work) == kept and not out.exists()
 
 
@@ -171,7 +166,7 @@ def test_an_existing_directory_of_the_users_is_not_a_work_directory(tiny_v41, pl
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
     assert _build(tiny_v41, plan_file, tmp_path / "pack", "--work", str(mine)) == 2
-    _one_line(capsys.readouterr().err, "not a quantizer work directory")
+    one_line(capsys.readouterr().err, "not a quantizer work directory")
     assert _snapshot(mine) == {"notes.txt": b"mine"} and not (tmp_path / "pack").exists()
 
 
@@ -209,7 +204,7 @@ def test_a_checkpoint_its_config_does_not_describe_is_refused_before_any_stage(s
     kept = _snapshot(src)
     assert main(["build", str(src), "--bpw", "2.5", "--method", "uniform", "--no-calibrate",
                  "--out", str(tmp_path / "pack")]) == 2
-    _one_line(capsys.readouterr().err, message)
+    one_line(capsys.readouterr().err, message)
     assert _snapshot(src) == kept and not (tmp_path / "pack").exists() and not (tmp_path / "pack.work").exists()
 
 
@@ -253,10 +248,10 @@ def test_malformed_headers_index_and_config_are_one_line(src, tmp_path, capsys, 
     damage(src)
     kept = _snapshot(src)
     assert main(["inspect", str(src)]) == 2
-    _one_line(capsys.readouterr().err, message)
+    one_line(capsys.readouterr().err, message)
     assert main(["build", str(src), "--bpw", "2.5", "--method", "uniform", "--no-calibrate",
                  "--out", str(tmp_path / "pack")]) == 2
-    _one_line(capsys.readouterr().err, message)
+    one_line(capsys.readouterr().err, message)
     assert _snapshot(src) == kept and not (tmp_path / "pack").exists() and not (tmp_path / "pack.work").exists()
 
 
@@ -289,7 +284,7 @@ def test_a_full_disk_while_packing_is_one_line_and_leaves_no_half_pack(tiny_v41,
 
     monkeypatch.setattr(shards, "write_shard", full)
     assert _build(tiny_v41, plan_file, tmp_path / "pack") == 2
-    _one_line(capsys.readouterr().err, "no space left on the device; free some space and rerun the same command")
+    one_line(capsys.readouterr().err, "no space left on the device; free some space and rerun the same command")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pack.work"]  # kept: the rerun resumes from it
 
 
@@ -303,7 +298,7 @@ def test_a_read_only_location_is_one_line(tiny_v41, plan_file, tmp_path, capsys,
 
     monkeypatch.setattr(Path, "mkdir", read_only)
     assert _build(tiny_v41, plan_file, tmp_path / "pack") == 2
-    _one_line(capsys.readouterr().err, "pack.work: the file system is read-only; choose a writable location")
+    one_line(capsys.readouterr().err, "pack.work: the file system is read-only; choose a writable location")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -320,7 +315,7 @@ def test_impossible_requests_exit_2_and_write_nothing(tiny_v41, tmp_path, capsys
     out = tmp_path / "pack"
     extra = [a.replace("{out}", str(out)) for a in extra]
     assert main(["build", str(tiny_v41), "--out", str(out), "--method", "uniform", "--no-calibrate", *extra]) == 2
-    _one_line(capsys.readouterr().err, message)
+    one_line(capsys.readouterr().err, message)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -348,7 +343,7 @@ def test_ppl_against_a_checkpoint_the_pack_was_not_built_from_is_refused(pack, t
     other = make_tiny(tmp_path / "other", "v41", seed=1)
     for src, message in ((tiny_v4, "a v4 checkpoint, but"), (other, "not the checkpoint")):
         assert main(["ppl", str(pack), "--against", str(src), "--tokens", str(rows)]) == 2
-        _one_line(capsys.readouterr().err, message)
+        one_line(capsys.readouterr().err, message)
 
 
 def test_ppl_on_a_corrupt_pack_exits_2_naming_the_shard(pack, tmp_path, rows, capsys):
@@ -359,13 +354,13 @@ def test_ppl_on_a_corrupt_pack_exits_2_naming_the_shard(pack, tmp_path, rows, ca
         f.seek(e.offset)
         f.write(b"\xff\xff" * (e.nbytes // 2))
     assert main(["ppl", str(corrupt), "--tokens", str(rows)]) == 2
-    _one_line(capsys.readouterr().err, f"{e.path.name}: sha256")  # refused before measuring
+    one_line(capsys.readouterr().err, f"{e.path.name}: sha256")  # refused before measuring
     manifest = json.loads((corrupt / "manifest.json").read_text())  # a pack whose manifest vouches for the NaN
     for shard in manifest["shards"]:
         shard["sha256"] = fingerprint_module.sha256_file(corrupt / shard["file"])
     (corrupt / "manifest.json").write_text(json.dumps(Manifest.from_dict(manifest, "vouching").to_dict()))
     assert main(["ppl", str(corrupt), "--tokens", str(rows)]) == 2
-    _one_line(capsys.readouterr().err, "logits are not finite")
+    one_line(capsys.readouterr().err, "logits are not finite")
 
 
 # ---- 10. a mistyped path fails at once, without trying the hub -----------------------------------
@@ -379,7 +374,7 @@ def test_a_mistyped_path_is_never_tried_as_a_repo_id(tmp_path, capsys, monkeypat
     for typo, why in (("./nonexistent", "owner/name"), ("checkpoints/v41", "checkpoints/ is a directory here"),
                       ("some/dir.", "no part starting or ending"), ("a--b/c", "no '--'")):
         assert main(["inspect", typo]) == 2
-        _one_line(capsys.readouterr().err, why)
+        one_line(capsys.readouterr().err, why)
 
 
 def test_an_unreachable_hub_fails_at_once(tmp_path, capsys, monkeypatch):
@@ -388,7 +383,7 @@ def test_an_unreachable_hub_fails_at_once(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # huggingface_hub's own refusal
     assert main(["inspect", "someone/some-model"]) == 2
-    _one_line(capsys.readouterr().err, "not in the local Hugging Face cache and the hub cannot be reached")
+    one_line(capsys.readouterr().err, "not in the local Hugging Face cache and the hub cannot be reached")
 
 
 # ---- 11. the quantize stage's needs on CUDA are checked before calibration, not after it -------------
@@ -410,5 +405,5 @@ def test_a_cuda_build_without_exllamav3_is_refused_before_calibration(tiny_v41, 
     np.save(ids, np.random.default_rng(0).integers(3, 200, size=(4, 32)))
     assert main(["build", str(tiny_v41), "--bpw", "2.5", "--method", "uniform", "--tokens", str(ids), "--device",
                  "cuda", "--out", str(tmp_path / "pack")]) == 2
-    _one_line(capsys.readouterr().err, "--device cuda needs exllamav3 1.6.5: pip install 'quantizer[gpu]'")
+    one_line(capsys.readouterr().err, "--device cuda needs exllamav3 1.6.5: pip install 'quantizer[gpu]'")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.npy"]

@@ -15,6 +15,8 @@ from quantizer.contract.plan import Plan
 from quantizer.pack.manifest import MANIFEST_NAME
 from quantizer.shipped import shipped
 
+pytestmark = pytest.mark.slow  # builds packs of the bundled model: `make test-fast` skips it
+
 SMALL = str(shipped("small_model"))
 
 

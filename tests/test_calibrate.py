@@ -14,6 +14,7 @@ import torch
 from quantizer.calibrate import CalibrationSettings, CalibrationSummary, HessianStore, calibrate
 from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.cli import build_parser
 from quantizer.codec.ldlq import finalize_hessian
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.targets import DRAFT, ROUTED, targets
@@ -243,3 +244,13 @@ def test_default_rows_that_the_text_cannot_fill_say_so_and_asked_rows_do_not(tin
     assert "lowers its KL" in err
     assert calibration_rows(ck, None, str(stream), 2, 64).shape == (2, 64)
     assert capsys.readouterr().err.strip() == "calibrate: 2 rows of 64 tokens"
+
+
+def test_build_and_calibrate_state_the_same_calibration_defaults():
+    from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS
+
+    assert (DEFAULT_ROWS, DEFAULT_COLS) == (250, 2048)  # exllamav3's calibration
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for command, rows, cols in (("build", "--calib-rows", "--calib-cols"), ("calibrate", "--rows", "--cols")):
+        helps = {a.option_strings[0]: a.help for a in sub[command]._actions if a.option_strings}
+        assert f"up to {DEFAULT_ROWS}," in helps[rows] and helps[cols].endswith(f"else {DEFAULT_COLS})")

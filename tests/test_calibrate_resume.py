@@ -47,6 +47,7 @@ def _files(work):
     return {p.name: p.read_bytes() for p in sorted((work / CALIBRATION_DIR).iterdir()) if p.name != ".lock"}
 
 
+@pytest.mark.slow
 def test_a_killed_calibration_resumes_to_identical_files(tiny_v41, tokens, finished, tmp_path):
     work = tmp_path / "killed"
     args = ["calibrate", str(tiny_v41), "--tokens", str(tokens), "--work", str(work)]
@@ -130,6 +131,7 @@ def test_stated_disk_matches_the_files_written(tiny_v41, tokens, finished, capsy
     assert "RAM" in line and "disk" in line
 
 
+@pytest.mark.slow
 def test_real_model_needs_are_bounded():
     """V4.1-Flash at 250 x 2048: the routed experts' Hessians dominate the disk; float16 halves them; the
     default's own gate/up Hessian per expert (gate2) still fits one H200, made one expert at a time."""

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 from pathlib import Path
 
 import pytest
 import torch
+from one_line import one_line
 
 from quantizer.checkpoint import safetensors_file
-from quantizer.checkpoint.safetensors_file import planned, read_header, write_safetensors
-from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
+from quantizer.checkpoint.safetensors_file import planned, read_header, read_tensor, write_safetensors
+from quantizer.checkpoint.source import INDEX_NAME, Checkpoint, is_engram_table
 from quantizer.cli import main
 from quantizer.errors import UserError
+from quantizer.model.layout import native_layout
+from quantizer.model.tensor_classes import ENGRAM_TABLE, classify
 
 
 def copy(src: Path, tmp_path: Path) -> Path:
@@ -184,3 +188,91 @@ def test_cli_prints_one_line_and_exits_2(tiny_v41, tmp_path, capsys):
     assert main(["inspect", str(ck_dir)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("quantizer inspect: error: ") and "shard is missing" in err[0]
+
+
+def test_one_engram_table_predicate_answers_for_every_reader(tiny_v41, full_v41):
+    cfg = Checkpoint.open(full_v41).config
+    names = [spec.name for spec in native_layout(cfg)]
+    tables = {n for n in names if is_engram_table(n)}
+    assert tables == {n for n in names if re.fullmatch(r"layers\.\d+\.engram\.embed\.(weight|scale)", n)}
+    assert len(tables) == 2 * len(cfg.engram_layer_ids) and tables == {n for n in names
+                                                                        if classify(n).cls == ENGRAM_TABLE}
+    full = Checkpoint.open(tiny_v41)
+    without = Checkpoint.open(tiny_v41, include_engram=False)
+    assert set(full.tensors) - set(without.tensors) == {n for n in full.tensors if is_engram_table(n)} != set()
+
+
+def _hub_error(status: int, code: str | None = None):
+    """The exception huggingface_hub itself raises for this response (its own status mapping)."""
+    import httpx2
+    from huggingface_hub.utils import hf_raise_for_status
+
+    url = "https://huggingface.co/someone/some-model/resolve/main/config.json"
+    response = httpx2.Response(status, headers={"X-Error-Code": code} if code else {},
+                               request=httpx2.Request("GET", url))
+    try:
+        hf_raise_for_status(response)
+    except Exception as e:  # noqa: BLE001 - the error under test
+        return e
+    raise AssertionError("no error for this response")
+
+
+def _offline():
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    return LocalEntryNotFoundError("cannot reach the hub and not cached")
+
+
+@pytest.mark.parametrize("error, needle", [
+    (_offline, "config.json is not in the local Hugging Face cache and the hub cannot be reached"),
+    (lambda: _hub_error(403, "GatedRepo"), "someone/some-model: a gated repository this login has no access to; "
+                                           "accept its terms at"),
+    (lambda: _hub_error(401), "someone/some-model: no such repository on the hub, or a private one"),
+    (lambda: _hub_error(404, "RepoNotFound"), "no such repository on the hub"),
+    (lambda: _hub_error(404, "RevisionNotFound"), "no revision 'v2' on the hub; check --revision"),
+    (lambda: _hub_error(403), "the hub refused config.json (HTTP 403); log in"),
+    (lambda: _hub_error(500), "cannot fetch config.json (HTTP 500)"),
+])
+def test_each_hub_refusal_is_one_line(tmp_path, monkeypatch, capsys, error, needle):
+    import huggingface_hub
+
+    def download(repo_id, filename, revision=None, local_files_only=False):
+        if local_files_only:
+            raise _offline()
+        raise error()
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert main(["inspect", "someone/some-model", "--revision", "v2"]) == 2
+    one_line(capsys.readouterr().err, needle)
+
+
+def test_a_repo_without_an_index_is_read_as_one_file_but_a_refused_index_is_not(tiny_v41, tmp_path, monkeypatch,
+                                                                                   capsys):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    single = tmp_path / "snapshot"
+    single.mkdir()
+    shutil.copy(tiny_v41 / "config.json", single / "config.json")
+    ck = Checkpoint.open(tiny_v41)
+    write_safetensors(single / "model.safetensors", [planned(n, read_tensor(e), e.dtype) for n, e in ck.tensors.items()],
+                      align=1)
+    asked = []
+
+    def download(repo_id, filename, revision=None, local_files_only=False, index_error=None):
+        asked.append((filename, local_files_only))
+        if local_files_only and filename != "config.json":
+            raise LocalEntryNotFoundError("not cached")
+        if filename == "model.safetensors.index.json":
+            raise index_error()
+        return str(single / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda *a, **k: download(*a, **k, index_error=lambda: _hub_error(404, "EntryNotFound")))
+    assert main(["inspect", "someone/some-model"]) == 0
+    assert ("model.safetensors", False) in asked
+    capsys.readouterr()
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
+                        lambda *a, **k: download(*a, **k, index_error=lambda: _hub_error(403, "GatedRepo")))
+    assert main(["inspect", "someone/some-model"]) == 2
+    one_line(capsys.readouterr().err, "a gated repository")

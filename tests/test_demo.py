@@ -24,6 +24,8 @@ from quantizer.quantize.results import RESULTS_DIR
 from quantizer.shipped import shipped
 from quantizer.textdata import shipped_text_path
 
+pytestmark = pytest.mark.slow  # builds packs of the bundled model: `make test-fast` skips it
+
 KEYS = {"bpw", "method", "achieved_bpw", "bytes", "ppl", "kl", "kl_stderr", "top1", "top1_stderr", "nll_delta",
         "nll_delta_stderr", "loader", "verified", "fits_1_spark", "weights_gib"}
 

@@ -8,6 +8,7 @@ make two ranks of one torchrun command disagree) and records each rank's pid (to
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -19,9 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantizer import distributed
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.contract.rules import make_plan
+from quantizer.errors import UserError
 from quantizer.model.targets import ROUTED, targets
 from quantizer.quantize.results import RESULTS_DIR
 from quantizer.shipped import shipped
@@ -152,3 +155,27 @@ def test_ranks_that_do_not_share_the_work_directory_are_refused(build_args, tmp_
     assert code != 0
     assert "rank 1 (host " in out and "does not see the file rank 0 wrote there" in out, out
     assert not (tmp_path / "pack.work" / "calibration").exists()
+
+
+def test_rank_0s_failure_is_one_line_on_the_other_ranks(monkeypatch):
+    told = []
+
+    def share(self, obj):
+        if self.main:
+            told.append(obj)
+        return told[0]
+
+    monkeypatch.setattr(distributed.Ranks, "share", share)
+    rank0 = distributed.Ranks(0, 2, 0, control=object())
+    rank1 = distributed.Ranks(1, 2, 0, control=object())
+
+    def full_disk():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/shared/pack.partial-1/model-00001.safetensors")
+
+    with pytest.raises(OSError) as own:  # rank 0 keeps its own error (the CLI prints it as one line)
+        rank0.on_main(full_disk)
+    assert own.value.errno == errno.ENOSPC
+    with pytest.raises(UserError) as other:
+        rank1.on_main(lambda: pytest.fail("only rank 0 runs it"))
+    assert str(other.value) == ("rank 0 stopped: /shared/pack.partial-1/model-00001.safetensors: No space left on "
+                                "device; its own output says more")

@@ -31,6 +31,8 @@ from quantizer.pack.manifest import Manifest
 from quantizer.pack.owned import owned_files
 from quantizer.shipped import shipped
 
+pytestmark = pytest.mark.slow  # builds packs of the bundled model: `make test-fast` skips it
+
 EXL3_LEAVES = ("trellis", "suh", "svh", "mul1", "mcg")
 F8 = ("F8_E4M3", "F8_E5M2", "F8_E8M0")
 

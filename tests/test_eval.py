@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from one_line import one_line
 
 lm_eval = pytest.importorskip("lm_eval")  # the `eval` extra; the dev extra installs it
 
@@ -121,11 +122,6 @@ def test_a_pack_is_compared_only_with_its_own_source(built, tiny_v41, capsys):
     assert "compare a pack with its own source" in capsys.readouterr().err
 
 
-def _one_line(err: str, *needles: str) -> None:
-    errors = [line for line in err.splitlines() if ": error: " in line]
-    assert len(errors) == 1 and all(n in errors[0] for n in needles) and err.rstrip().endswith(errors[0]), err
-    assert "Traceback" not in err, err
-
 
 def _files(pack) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(pack.iterdir())}
@@ -141,7 +137,7 @@ def test_a_pack_with_a_flipped_byte_is_refused_before_it_is_scored(built, tmp_pa
     before = _files(pack)
     assert main(["eval", str(pack), "--tasks", TASK, "--include-path", str(built["tasks"]),
                  *(["--against", str(built["src"])] if against else [])]) == 2
-    _one_line(capsys.readouterr().err, f"{shard}: sha256", "is not the manifest's", "verify --full")
+    one_line(capsys.readouterr().err, f"{shard}: sha256", "is not the manifest's", "verify --full")
     assert _files(pack) == before
 
 
@@ -151,7 +147,7 @@ def test_a_pack_whose_manifest_was_edited_is_refused_before_it_is_scored(built, 
     manifest["quantization"]["bpw"] = 4.0
     (pack / "manifest.json").write_text(json.dumps(manifest))
     assert main(["eval", str(pack), "--tasks", TASK, "--include-path", str(built["tasks"])]) == 2
-    _one_line(capsys.readouterr().err, "manifest.json: was edited after packing")
+    one_line(capsys.readouterr().err, "manifest.json: was edited after packing")
 
 
 @pytest.mark.parametrize("flag, value", [("--limit", "0"), ("--limit", "-5"), ("--limit", "ten"), ("--max-length", "0"),
@@ -160,7 +156,7 @@ def test_counts_below_one_are_refused_while_the_arguments_are_read(flag, value, 
     with pytest.raises(SystemExit) as stop:
         build_parser().parse_args(["eval", "pack", "--tasks", TASK, flag, value])
     assert stop.value.code == 2
-    _one_line(capsys.readouterr().err, f"argument {flag}: {value!r}: a whole number of at least 1")
+    one_line(capsys.readouterr().err, f"argument {flag}: {value!r}: a whole number of at least 1")
 
 
 def _raised(error: Exception, cause: Exception | None = None):
@@ -199,7 +195,7 @@ def test_the_readmes_task_with_the_hub_out_of_reach_is_one_line(built, monkeypat
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     assert main(["eval", str(built["pack"]), "--tasks", "arc_easy", "--limit", "2",
                  "--include-path", str(built["tasks"])]) == 2  # the task index the other tests built
-    _one_line(capsys.readouterr().err, "error: the dataset of arc_easy: ", *needles)
+    one_line(capsys.readouterr().err, "error: the dataset of arc_easy: ", *needles)
 
 
 def test_the_readmes_task_in_offline_mode_says_so(built, monkeypatch, capsys):
@@ -215,5 +211,5 @@ def test_the_readmes_task_in_offline_mode_says_so(built, monkeypatch, capsys):
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     assert main(["eval", str(built["pack"]), "--tasks", "arc_easy", "--limit", "2",
                  "--include-path", str(built["tasks"])]) == 2  # the task index the other tests built
-    _one_line(capsys.readouterr().err, "error: the dataset of arc_easy: huggingface_hub is in offline mode "
+    one_line(capsys.readouterr().err, "error: the dataset of arc_easy: huggingface_hub is in offline mode "
               "(HF_HUB_OFFLINE is set); unset HF_HUB_OFFLINE")

@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+from safetensors_check import assert_safetensors_agree
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PlannedTensor, read_header, write_safetensors
@@ -15,9 +16,11 @@ from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import leaf_layout
+from quantizer.fit import fit_table, pack_fit_table
 from quantizer.fit.memory import FitTarget, fit
 from quantizer.fit.stored import stored_from_pack
 from quantizer.model.targets import classified_layout, stored_parts, target_map
+from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 
@@ -104,6 +107,7 @@ def test_cli_on_a_pack_json_and_explain(tiny_pack, capsys):
     assert "FITS:" in out and "weights by class" in out and out.count("source:") >= 8
 
 
+@pytest.mark.slow
 def test_cli_does_not_fit_exits_1_with_the_verdict(capsys):
     code = main(["fit", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.9", "--sparks", "1",
                  "--engine", "vllm", "--context", "1M"])
@@ -160,3 +164,15 @@ def test_fit_of_a_plan_charges_the_engine_its_loader_profile_runs_in(tmp_path, c
                      "--json", *extra]) == 0
         engines.append(json.loads(capsys.readouterr().out)["engine"])
     assert engines == ["tensorfold", "vllm"]
+
+
+def test_the_manifest_holds_no_fit_verdict_and_old_ones_are_ignored(tiny_v41, fp16_plan, tmp_path):
+    pack = tmp_path / "pack"
+    assert main(["build", str(tiny_v41), "--plan", str(fp16_plan), "--out", str(pack), "--no-calibrate"]) == 0
+    assert_safetensors_agree(pack)
+    data = json.loads((pack / MANIFEST_NAME).read_text())
+    assert "fit" not in data
+    cfg, stored = stored_from_pack(pack)
+    assert pack_fit_table(pack) == fit_table(cfg, stored, context=cfg.max_position_embeddings)
+    data["fit"] = {"topologies": {"1": {"vllm": {"fits": True}}}}  # what an older version wrote
+    assert Manifest.from_dict(data, "old manifest").shards == Manifest.load(pack).shards

@@ -9,6 +9,8 @@ import nbformat
 import pytest
 from script_module import script_module
 
+pytestmark = pytest.mark.slow  # runs every cell of the notebook: `make test-fast` skips it
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "first_look.ipynb"
 DEMO_ROWS = ROOT / "docs" / "figures" / "demo.json"

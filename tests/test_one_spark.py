@@ -139,6 +139,7 @@ def test_the_launch_file_is_a_file_the_pack_owns_and_publishes(one_spark_pack):
     assert LAUNCH_FILE in owned_files(Manifest.load(pack))
 
 
+@pytest.mark.slow
 def test_one_spark_plan_defaults_to_the_v41_loader_and_fits_512k(real_v41, capsys):
     assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "1", "--context", "512K"]) == 0
     out = capsys.readouterr().out

@@ -15,6 +15,7 @@ import huggingface_hub
 import pytest
 from huggingface_hub.errors import OfflineModeIsEnabled
 from huggingface_hub.utils import hf_raise_for_status
+from one_line import one_line
 
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import build_parser, main
@@ -76,13 +77,6 @@ def hub(monkeypatch):
     return Hub
 
 
-def _one_line(err: str, *needles: str) -> str:
-    """The run ended on one error line holding every needle, and printed no traceback."""
-    errors = [line for line in err.splitlines() if ": error: " in line]
-    assert len(errors) == 1 and all(n in errors[0] for n in needles) and err.rstrip().endswith(errors[0]), err
-    assert "Traceback" not in err, err
-    return errors[0]
-
 
 def _state(pack) -> dict[str, object]:
     """Every entry of the folder: a link by its target, a directory by its listing, a file by its bytes."""
@@ -131,7 +125,7 @@ def test_a_pack_folder_holding_what_the_pack_does_not_own_is_refused_naming_it(p
     before = _state(copy)
     for extra in (["--dry-run"], []):
         assert main(["publish", str(copy), "--repo", REPO, *extra]) == 2
-        _one_line(capsys.readouterr().err, f"holds what the pack does not own: {name} ({what})", "move them out")
+        one_line(capsys.readouterr().err, f"holds what the pack does not own: {name} ({what})", "move them out")
     assert main(["verify", str(copy)]) == 1
     assert f"FAULT {name}: " in capsys.readouterr().out
     assert hub.calls == [] and _state(copy) == before  # nothing uploaded, nothing of the user's changed
@@ -176,7 +170,7 @@ def test_repo_ids_and_branch_names_the_hub_would_refuse_are_refused_while_the_ar
     with pytest.raises(SystemExit) as stop:
         main(argv)
     assert stop.value.code == 2
-    _one_line(capsys.readouterr().err, f"argument {flag}: {value!r}: a ")
+    one_line(capsys.readouterr().err, f"argument {flag}: {value!r}: a ")
 
 
 def test_good_repo_ids_and_branch_names_pass(capsys):
@@ -258,7 +252,7 @@ def test_each_failure_of_the_hub_is_one_line_and_exit_2(pack, hub, monkeypatch, 
     monkeypatch.setattr(huggingface_hub, "HfApi", FailingHub)
     before = _state(pack)
     assert main(["publish", str(pack), "--repo", REPO, "--revision", "2.9bpw"]) == 2
-    _one_line(capsys.readouterr().err, f"error: upload to {REPO} branch 2.9bpw: ", *needles)
+    one_line(capsys.readouterr().err, f"error: upload to {REPO} branch 2.9bpw: ", *needles)
     assert _state(pack) == before
 
 
@@ -268,7 +262,7 @@ def test_offline_mode_is_refused_before_verify_and_the_hub_refuses_it_too(pack, 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr("quantizer.publish.hub_upload.verify_pack", lambda *a, **k: pytest.fail("verified"))
     assert main(["publish", str(pack), "--repo", REPO]) == 2
-    _one_line(capsys.readouterr().err, "offline mode (HF_HUB_OFFLINE is set)", "unset HF_HUB_OFFLINE")
+    one_line(capsys.readouterr().err, "offline mode (HF_HUB_OFFLINE is set)", "unset HF_HUB_OFFLINE")
     assert hub.calls == []
     monkeypatch.undo()
     plan = plan_publish(pack, REPO)

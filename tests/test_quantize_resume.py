@@ -4,6 +4,8 @@ another plan shares the encodings it has in common with the first."""
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import shutil
 import signal
@@ -67,6 +69,7 @@ def _files(pack):
     return {p.name: p.read_bytes() for p in sorted(pack.iterdir())}
 
 
+@pytest.mark.slow
 def test_a_killed_build_resumes_to_a_byte_identical_pack(tiny_v41, tmp_path, capsys):
     plan = _plan(tiny_v41, tmp_path / "plan.json", encoded=True)
     assert main(_args(tiny_v41, plan, tmp_path / "reference")) == 0
@@ -125,6 +128,7 @@ def test_a_rerun_with_another_seed_or_source_is_refused(tiny_v41, tmp_path, caps
     assert "source fingerprint differs: sha256:" in err and " vs sha256:" in err
 
 
+@pytest.mark.slow
 def test_another_plan_in_the_same_work_directory_encodes_only_what_it_adds(tiny_v41, tmp_path):
     """The quantize directory is a cache: a second plan reuses the encodings it shares with the first
     (their files untouched), encodes only its own, and packs what a fresh directory would."""

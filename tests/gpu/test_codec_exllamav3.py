@@ -3,7 +3,7 @@
 Run from the repository root on the GPU machine:
     source .device-cache/setup.sh && python -m pytest tests/gpu/test_codec_exllamav3.py -q
 With RECORD_FIXTURES=DIR it also writes the small safetensors fixtures (one per case, < 2 MiB in all)
-that tests/test_codec_fixtures.py re-checks on CPU; they belong in tests/fixtures/codec/ (on the device
+that tests/test_codec_decode_exllamav3.py re-checks on CPU; they belong in tests/fixtures/codec/ (on the device
 tool: RECORD_FIXTURES=$OUT/codec, then copy the files back there).
 """
 
