@@ -221,7 +221,7 @@ def test_cold_experts_make_more_bits_fit_within_their_routing_share(real_v41):
     tokens = routed_tokens(summary)
     plan = uniform_plan(real_v41, 1.8, loader=EXLLAMAV3_V41, head_bits=None, overlay=Overlay(DEFAULT_OVERLAY))
     stored = pack_spec(real_v41, plan).tensors
-    s = Scenario(1, 524_288, 1, V41_ENGINE)
+    s = Scenario(sparks=1, context=524_288, engine=V41_ENGINE)
     hot = min(r.free_gib for r in evaluate(real_v41, stored, s, hw))
     assert hot < 0  # 1.8 bits do not fit one Spark with every expert copied
     placed, launch = place_cold_experts(real_v41, stored, s, hw, tokens, share=0.10)

@@ -87,13 +87,10 @@ class FitReport:
 
 
 @dataclass(frozen=True)
-class Scenario:
-    """Everything but the weights: topology, engine, context and placement choices."""
+class FitOptions:
+    """How the pack is placed on the target (the `fit` command's flags); the defaults are what the
+    engines do out of the box."""
 
-    sparks: int
-    context: int
-    streams: int
-    engine: str
     split: str = "tp"
     engram: str = "nvme"
     drafter: str = "split"
@@ -103,9 +100,18 @@ class Scenario:
     copy_pattern: str | None = None  # an engine serving from the mapped file: what it copies (None: its default)
     fp8_lazy: bool = False  # such an engine keeps source-form FP8/FP4 linears compact (EXL3_FP8_LAZY=1)
 
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario(FitOptions):
+    """Everything but the weights: topology, engine, context and the placement options."""
+
+    sparks: int
+    context: int
+    streams: int = 1
+    engine: str
+
     def options(self) -> Options:
         return Options(self.sparks, self.split, self.engram, self.drafter, self.vision)
-
 
 
 @dataclass(frozen=True)
@@ -124,25 +130,11 @@ class FitTarget:
                 f"stream{'s' if self.streams > 1 else ''}")
 
     def scenario(self, hw: Hardware, drafter: bool = True) -> Scenario:
-        s = Scenario(self.sparks, self.context, self.streams, self.engine or hw.default_engine,
-                     drafter="split" if drafter else "off")
+        s = Scenario(sparks=self.sparks, context=self.context, streams=self.streams,
+                     engine=self.engine or hw.default_engine, drafter="split" if drafter else "off")
         check_topology(hw, s.engine, s.sparks)
         return s
 
-
-@dataclass(frozen=True)
-class FitOptions:
-    """How the pack is placed on the target (the `fit` command's flags); the defaults are what the
-    engines do out of the box."""
-
-    split: str = "tp"
-    engram: str = "nvme"
-    drafter: str = "split"
-    vision: str = "rank0"
-    guard_gib: float | None = None
-    kv_bits: float | None = None
-    copy_pattern: str | None = None
-    fp8_lazy: bool = False
 
 def _check(s: Scenario, hw: Hardware) -> None:
     for value, allowed, flag in ((s.split, SPLITS, "--split"), (s.engram, ENGRAM_MODES, "--engram"),
@@ -256,8 +248,8 @@ def fit(
     `stored_at_bpw`, a function that builds the pack at another bpw, from `lowest_bpw` up) the highest
     bpw that fits here."""
     hw = hardware or load_hardware()
-    s = Scenario(target.sparks, target.context, target.streams, target.engine or hw.default_engine,
-                 **dataclasses.asdict(options))
+    s = Scenario(sparks=target.sparks, context=target.context, streams=target.streams,
+                 engine=target.engine or hw.default_engine, **dataclasses.asdict(options))
     _check(s, hw)
     _check_context(cfg, target.context)
     ranks, kvb = _terms(cfg, stored, s, hw)
@@ -408,7 +400,8 @@ def fit_table(
         for name in names:
             if n not in hw.engine(name).sparks:
                 continue
-            s = Scenario(n, context, streams, name, split, engram, drafter, vision, copy_pattern=copy_pattern)
+            s = Scenario(sparks=n, context=context, streams=streams, engine=name, split=split, engram=engram,
+                         drafter=drafter, vision=vision, copy_pattern=copy_pattern)
             _check(s, hw)
             ranks, _ = _terms(cfg, stored, s, hw)
             row[name] = {
