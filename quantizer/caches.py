@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 from collections import OrderedDict
 from typing import Callable, TypeVar
 
@@ -62,9 +61,18 @@ class ProcessStore(OrderedDict):
 
 
 def value_hash(obj) -> int:
-    """A frozen dataclass's hash from its field values, dicts and lists included (a dataclass's own hash
-    refuses them), so equal objects hash equal and may key a process cache."""
-    return hash(json.dumps(dataclasses.asdict(obj), sort_keys=True, default=repr))
+    """A frozen dataclass's hash from the fields its equality compares (a ModelConfig's `raw` is not one),
+    dicts and lists included (a dataclass's own hash refuses them), so equal objects hash equal and may
+    key a process cache. Cheap, as every call of a cached function hashes its key."""
+    return hash(tuple(_hashable(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.compare))
+
+
+def _hashable(value):
+    if isinstance(value, dict):
+        return frozenset((k, _hashable(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    return value
 
 
 def on_reset(fn: Callable[[], None]) -> Callable[[], None]:

@@ -115,8 +115,10 @@ def test_configs_and_profiles_key_caches_by_value():
     cfg = ModelConfig.from_file(model_config_path("tiny-v41.json"))
     same = dataclasses.replace(cfg, rope_scaling=dict(reversed(list(cfg.rope_scaling.items()))))
     other = dataclasses.replace(cfg, num_layers=cfg.num_layers + 1)
+    annotated = dataclasses.replace(cfg, raw={**cfg.raw, "_name_or_path": "elsewhere"})  # raw is not compared
     assert same == cfg and hash(same) == hash(cfg) and hash(other) != hash(cfg)
-    assert targets(same) is targets(cfg)  # one cached index for equal configs
+    assert annotated == cfg and hash(annotated) == hash(cfg)
+    assert targets(same) is targets(cfg) is targets(annotated)  # one cached index for equal configs
     profiles = [load_profile(name) for name in LOADERS]
     caches.reset()
     assert [load_profile(name) for name in LOADERS] == profiles
