@@ -54,15 +54,19 @@ def layout_fingerprint(ck: Checkpoint) -> str:
 def files_fingerprint(root: Path, shards: list[Path], cache: Path | None = None, borrow: Path | None = None) -> str:
     known, borrowed = _load(cache), _load(borrow)
     keys = {s.name: (str(s.resolve()), *_stat_key(s)) for s in shards}  # taken before any read
-    for s in shards:  # what the caches vouch for also serves later calls in this process
-        digest = _cached(known, s.name, keys[s.name][1:]) or _cached(borrowed, s.name, keys[s.name][1:])
+    digests = {}  # this call's own: the process cache is bounded and may drop an entry while it runs
+    for s in shards:
+        key = keys[s.name]
+        digest = _HASHED.get(key) or _cached(known, s.name, key[1:]) or _cached(borrowed, s.name, key[1:])
         if digest:
-            _HASHED.setdefault(keys[s.name], digest)
-    _hash_all([(s, keys[s.name]) for s in shards if keys[s.name] not in _HASHED])
+            digests[key] = digest
+    digests.update(_hash_all([(s, keys[s.name]) for s in shards if keys[s.name] not in digests]))
+    for key, digest in digests.items():  # what the caches vouch for also serves later calls in this process
+        _HASHED[key] = digest
     record = {}
     for s in shards:
         size, mtime, dev, ino = keys[s.name][1:]
-        record[s.name] = {"size": size, "mtime_ns": mtime, "dev": dev, "inode": ino, "sha256": _HASHED[keys[s.name]]}
+        record[s.name] = {"size": size, "mtime_ns": mtime, "dev": dev, "inode": ino, "sha256": digests[keys[s.name]]}
     if cache is not None and record != known:
         write_json_atomic(cache, record)
     h = hashlib.sha256()
@@ -95,15 +99,14 @@ def _cached(known: dict, name: str, key: tuple[int, int, int, int]) -> str | Non
     return None
 
 
-def _hash_all(todo: list[tuple[Path, tuple]]) -> None:
+def _hash_all(todo: list[tuple[Path, tuple]]) -> dict[tuple, str]:
     """Hash shards in parallel; each digest is filed under the stat key taken before it was read, so a
     shard written meanwhile no longer matches and is hashed again next time."""
     if not todo:
-        return
+        return {}
     with tqdm(total=sum(key[1] for _, key in todo), unit="B", unit_scale=True, desc="fingerprint") as bar, \
             ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1)) as pool:
-        for (_, key), digest in zip(todo, pool.map(lambda item: sha256_file(item[0], bar.update), todo)):
-            _HASHED[key] = digest
+        return {key: digest for (_, key), digest in zip(todo, pool.map(lambda item: sha256_file(item[0], bar.update), todo))}
 
 
 def sha256_file(path: Path, progress=None) -> str:
