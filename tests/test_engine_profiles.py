@@ -211,3 +211,34 @@ def test_the_engram_directory_is_owned_like_the_pack_and_publish_uploads_the_pac
     assert "FAULT tensorfold-Engram/extra.safetensors: a symbolic link" in out and out.count("FAULT") == 2
     assert main(["publish", str(pack), "--repo", "example-org/tiny-tensorfold", "--dry-run"]) == 2
     assert "verify finds 2 fault(s)" in capsys.readouterr().err
+
+
+def test_the_tensorfold_pack_is_measured_with_the_engram_tables_beside_it(source, packs, tmp_path, capsys,
+                                                                          monkeypatch):
+    """ppl --record and eval read the tables from <pack>-Engram/, as TensorFold does; without that
+    directory, both name it before any forward pass."""
+    pack = shutil.copytree(packs / "tensorfold", tmp_path / "tensorfold")  # --record writes into the pack
+    shutil.copytree(packs / "tensorfold-Engram", tmp_path / "tensorfold-Engram")
+    assert not [n for n in Checkpoint.open(pack).tensors if classify(n).cls == ENGRAM_TABLE]
+    rows = ["--text", "heldout", "--rows", "2", "--cols", "64"]
+    assert main(["ppl", str(pack), "--against", str(source), *rows, "--record", "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    recorded = Manifest.load(pack).measurement
+    assert recorded is not None and recorded.kl == pytest.approx(measured["kl"]) and measured["kl"] > 0
+
+    pytest.importorskip("lm_eval")
+    from test_eval import TASK, write_task
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tasks = write_task(tmp_path / "tasks")
+    assert main(["eval", str(pack), "--against", str(source), "--tasks", TASK, "--include-path", str(tasks),
+                 "--limit", "4"]) == 0
+    assert TASK in capsys.readouterr().out
+
+    shutil.rmtree(tmp_path / "tensorfold-Engram")
+    for argv in (["ppl", str(pack), *rows], ["eval", str(pack), "--tasks", TASK, "--include-path", str(tasks)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "tensorfold-Engram, which is missing" in err and "Traceback" not in err
+

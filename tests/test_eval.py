@@ -49,14 +49,18 @@ def built(tmp_path_factory):
     cfg = Checkpoint.open(src).config
     make_plan(cfg, {t.key: (2.0 if t.key.startswith(QUANTIZED) else None) for t in targets(cfg)}).save(root / "plan.json")
     assert main(["build", str(src), "--plan", str(root / "plan.json"), "--out", str(root / "pack"), "--no-calibrate"]) == 0
-    tasks = root / "tasks"
+    return {"src": src, "pack": root / "pack", "tasks": write_task(root / "tasks")}
+
+
+def write_task(tasks: Path) -> Path:
+    """A directory holding the local multiple-choice task TASK (12 documents of tests/fixtures/eval/)."""
     tasks.mkdir()
     (tasks / f"{TASK}.yaml").write_text(
         f"task: {TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {json.dumps(str(DATA))}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\n"
         "doc_to_target: label\ntarget_delimiter: ''\nmetric_list:\n  - metric: acc\n    aggregation: mean\n"
         "    higher_is_better: true\n")
-    return {"src": src, "pack": root / "pack", "tasks": tasks}
+    return tasks
 
 
 @pytest.fixture(autouse=True)

@@ -234,7 +234,7 @@ def check_request(req: BuildRequest) -> None:
     if req.target is not None:
         req.allocation.profile.check_sparks(req.target.sparks)
         check_share(req.target.cold_share)
-        if req.target.cold_share and (req.method != OURS or req.plan is not None or req.calibration_rows is None):
+        if req.target.cold_share and (req.method != OURS or req.calibration_rows is None):
             raise UserError("--cold-share picks cold experts by the calibration's routing: use --method ours with "
                             "calibration")
     if req.tune is not None and req.calibration_rows is None:

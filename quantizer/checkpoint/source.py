@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -80,6 +80,25 @@ class Checkpoint:
             tensors = {n: e for n, e in tensors.items() if not is_engram_table(n)}
         _check_scales(tensors)
         return cls(root, config, tensors, shards, include_engram)
+
+    def with_tables_from(self, directory: Path) -> "Checkpoint":
+        """This checkpoint with the tensors another directory's index names added: a pack whose engine
+        reads the Engram tables from a directory beside it (the tensorfold profile) is measured with them."""
+        index = directory / INDEX_NAME
+        if not index.is_file():
+            raise UserError(f"{directory}: no {INDEX_NAME}; {self.root}'s Engram tables are kept there: copy that "
+                            "directory beside the pack as the build wrote it")
+        weight_map = _read_index(index)
+        tensors = dict(self.tensors)
+        for file in sorted(set(weight_map.values())):
+            if not (directory / file).is_file():
+                raise UserError(f"{directory / file}: missing; {index} names it (copy the directory again)")
+            header = read_header(directory / file)
+            tensors.update({n: e for n, e in header.tensors.items() if weight_map.get(n) == file})
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise UserError(f"{index} names {missing[0]}, which its shards do not hold; copy the directory again")
+        return replace(self, tensors=tensors)
 
     # ---- access ------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from quantizer.exl3 import check_bpw
 from quantizer.fit.memory import pack_fit_table
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.ppl.compare import Comparison, compare
-from quantizer.ppl.measure import streamer
+from quantizer.ppl.measure import open_model, streamer
 from quantizer.ppl.perplexity import row_predictions
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.results import measured_encodings
@@ -169,7 +169,7 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
     native_nll = torch.cat([r.nll() for r in reference])
     out = []
     for (size, method, _), result in built.items():
-        c = compare(reference, row_predictions(streamer(Checkpoint.open(result.out), quiet=True), held))
+        c = compare(reference, row_predictions(streamer(open_model(result.out), quiet=True), held))
         out.append(_row(size, method, result.plan, result.manifest, result.out, c, not result.verify.faults))
     rows_sorted = sorted(out, key=lambda r: (r.bpw, KNOWN_METHODS.index(r.method), LOADERS.index(r.loader)))
     return DemoResult(rows_sorted, float(native_nll.mean().exp()), native_nll.numel(), time.monotonic() - start,

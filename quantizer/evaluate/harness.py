@@ -25,11 +25,10 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from quantizer.caches import process_cache
-from quantizer.checkpoint.source import Checkpoint
 from quantizer.errors import UserError
 from quantizer.hub import LOGIN, hub_failures
 from quantizer.model.streaming import LayerStreamer, WeightSource
-from quantizer.ppl.measure import forward_dtype, weight_source
+from quantizer.ppl.measure import forward_dtype, open_model, weight_source
 from quantizer.textdata.tokenizer import load_tokenizer
 
 MODEL_NAME = "quantizer"
@@ -62,7 +61,7 @@ class KeptWeights:
 class ForwardLM(LM):
     def __init__(self, model: str, device: str = "cpu", max_length: int = DEFAULT_MAX_LENGTH, batch_rows: int = 64):
         super().__init__()
-        ck = Checkpoint.open(model)
+        ck = open_model(model)
         source = weight_source(ck)
         if sum(e.nbytes for e in ck.tensors.values()) <= KEEP_WEIGHTS_BYTES:
             source = KeptWeights(source)

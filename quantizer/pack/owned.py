@@ -20,6 +20,7 @@ from quantizer.pack.card import CARD_NAME
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
 
 SYMLINK = "a symbolic link"
+ENGRAM_SUFFIX = "-Engram"  # TensorFold also finds a folder beside the model whose name holds "Engram"
 
 
 def owned_files(manifest: Manifest) -> list[str]:
@@ -31,6 +32,23 @@ def engram_files(manifest: Manifest) -> list[str]:
     """The names of the files the sibling Engram directory owns (none where the profile has no such directory)."""
     sibling = manifest.plan.get("engram_dir")
     return sorted([*sibling["shards"], INDEX_NAME]) if sibling else []
+
+
+def engram_dir_of(out: Path) -> Path:
+    """The sibling directory of a pack that holds the original Engram shards (profiles with
+    engram_tables "sibling": TensorFold reads them with --engram DIR / TF_DS_ENGRAM)."""
+    return out.with_name(out.name + ENGRAM_SUFFIX)
+
+
+def engram_dir(pack: Path, manifest: Manifest) -> Path | None:
+    """The pack's sibling Engram directory, where its manifest records one (None where it does not)."""
+    info = manifest.plan.get("engram_dir")
+    if not info:
+        return None
+    where = pack.parent / info.get("dir", pack.name + ENGRAM_SUFFIX)
+    if not where.is_dir():  # a pack checked before it is published: its sibling still has the partial's name
+        where = engram_dir_of(pack)
+    return where
 
 
 def strays(directory: Path, owned: list[str]) -> dict[str, str]:

@@ -68,6 +68,7 @@ from quantizer.pack.exl3_config import (
     tensor_storage,
 )
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, FileRecord, Manifest, ShardRecord, TensorRecord, sha256_file
+from quantizer.pack.owned import engram_dir_of
 from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, link_or_copy, reusable_sources, write_shards
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.results import ResultStore
@@ -76,7 +77,6 @@ from quantizer.workdir import require_free_space, write_json_atomic
 
 DEFAULT_SHARD_SIZE = 8 << 30
 CONVERTED_FILE = "converted.scratch"  # plain tensors in the engine's dtypes, copied into shards, then removed
-ENGRAM_SUFFIX = "-Engram"  # TensorFold also finds a folder beside the model whose name holds "Engram"
 # The source's files a loader reads beside the weights (tokenizer, chat template, generation defaults)
 # and its licence terms; nothing else of the source folder (notes, scripts, its README) goes in a pack.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
@@ -342,12 +342,6 @@ def engine_quantization_config(profile, qcfg: dict, source_config: dict, cfg, li
     values = profile_values(qcfg["bits"], qcfg["bpw"], qcfg["codebook"], head, by_group[DRAFT], routed,
                             source_config, cfg.fp8_block, cfg.num_layers, profile.config_bits_range)
     return fill_template(profile.quantization_config, values)
-
-
-def engram_dir_of(out: Path) -> Path:
-    """The sibling directory of a pack that holds the original Engram shards (profiles with
-    engram_tables "sibling": TensorFold reads them with --engram DIR / TF_DS_ENGRAM)."""
-    return out.with_name(out.name + ENGRAM_SUFFIX)
 
 
 def _write_engram_dir(ck: Checkpoint, spec: PackSpec, where: Path) -> dict | None:

@@ -40,8 +40,8 @@ from quantizer.model.tensor_classes import ENGRAM_TABLE as ENGRAM_TABLE_CLASS
 from quantizer.pack.card import CARD_NAME, render_card, without_fit
 from quantizer.pack.exl3_config import EXLLAMAV3_FORM
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, sha256_file
-from quantizer.pack.owned import SYMLINK, engram_files, owned_files, strays
-from quantizer.pack.writer import ENGRAM_SUFFIX, engine_quantization_config
+from quantizer.pack.owned import ENGRAM_SUFFIX, SYMLINK, engram_dir, engram_files, owned_files, strays
+from quantizer.pack.writer import engine_quantization_config
 
 EXL3_SCALES = ("suh", "svh")
 EXL3_LEAVES = (".trellis", ".suh", ".svh", ".mul1", ".mcg")
@@ -147,7 +147,7 @@ def _check_files(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
     records besides the shards as it was written. A loader reads every *.safetensors in the folder, so a
     stray one changes the model; any other stray would be published beside the pack."""
     found = {pack: strays(pack, owned_files(manifest))}
-    sibling = _engram_dir(pack, manifest)
+    sibling = engram_dir(pack, manifest)
     if sibling is not None and sibling.is_dir():
         found[sibling] = strays(sibling, engram_files(manifest))
     for where, entries in found.items():
@@ -470,7 +470,7 @@ def _check_engram_dir(pack: Path, cfg: ModelConfig, manifest: Manifest, held: di
     inside = [t.name for t in tables if t.name in held]
     for name in inside[:10]:
         fault(name, "engram_tables", "Engram table inside the model directory; the engine reads it from its own directory")
-    where = _engram_dir(pack, manifest) or pack.with_name(pack.name + ENGRAM_SUFFIX)
+    where = engram_dir(pack, manifest) or pack.with_name(pack.name + ENGRAM_SUFFIX)
     try:
         weight_map = json.loads((where / INDEX_NAME).read_text())["weight_map"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
@@ -487,16 +487,6 @@ def _check_engram_dir(pack: Path, cfg: ModelConfig, manifest: Manifest, held: di
     if not wrong and not inside:
         report.ok("engram", f"{len(tables)} Engram table tensors in {where.name}/ (point the engine at it), none in the pack")
 
-
-def _engram_dir(pack: Path, manifest: Manifest) -> Path | None:
-    """The pack's sibling Engram directory, where its manifest records one (None where it does not)."""
-    info = manifest.plan.get("engram_dir")
-    if not info:
-        return None
-    where = pack.parent / info.get("dir", pack.name + ENGRAM_SUFFIX)
-    if not where.is_dir():  # a pack checked before it is published: its sibling still has the partial's name
-        where = pack.with_name(pack.name + ENGRAM_SUFFIX)
-    return where
 
 
 def _model_config(pack: Path, manifest: Manifest, report: VerifyReport) -> ModelConfig | None:
