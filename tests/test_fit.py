@@ -173,6 +173,21 @@ def test_fit_suggests_what_plan_sparks_finds():
     assert report.fits and best == math.floor(plan.target_bpw * 100) / 100
 
 
+def test_a_fit_inside_the_margin_says_so_and_the_largest_plan_keeps_it():
+    tiny, small = _tiny_spark()
+    plan_at = lambda b: uniform_plan(tiny, b)  # noqa: E731
+    target = FitTarget(1, 64, 1, "native")
+    most = largest_fitting_plan(tiny, plan_at, 1.0, 5.0, target, small)
+    free = most.report.ranks[most.report.worst_rank].free_gib
+    assert most.report.fits and "margin" not in most.report.verdict
+    margin = free + 2 / 1024  # two MiB more than the plan with the most bits leaves
+    inside = fit(tiny, pack_spec(tiny, most.plan).tensors, replace(target, margin_gib=margin), hardware=small)
+    assert inside.fits and f"less than the {margin:g} GiB margin" in inside.verdict
+    kept = largest_fitting_plan(tiny, plan_at, 1.0, 5.0, replace(target, margin_gib=margin), small)
+    assert kept.report.ranks[kept.report.worst_rank].free_gib >= margin
+    assert kept.plan.target_bpw < most.plan.target_bpw
+
+
 def test_report_json_and_bad_inputs(v41, pack):
     r = fit(v41, pack(2.9), FitTarget(4, 1_048_576, 2, "vllm"))
     data = json.loads(r.to_json())

@@ -7,17 +7,18 @@ import json
 import shutil
 
 import pytest
+from one_line import one_line
 from safetensors_check import assert_safetensors_agree
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PlannedTensor, read_header, write_safetensors
-from quantizer.cli import main
+from quantizer.cli import build_parser, main
 from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import leaf_layout
 from quantizer.fit import fit_table, pack_fit_table
-from quantizer.fit.memory import FitTarget, fit
+from quantizer.fit.memory import MARGIN_GIB, FitTarget, fit
 from quantizer.fit.stored import stored_from_pack
 from quantizer.model.targets import classified_layout, stored_parts, target_map
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
@@ -176,3 +177,26 @@ def test_the_manifest_holds_no_fit_verdict_and_old_ones_are_ignored(tiny_v41, fp
     assert pack_fit_table(pack) == fit_table(cfg, stored, context=cfg.max_position_embeddings)
     data["fit"] = {"topologies": {"1": {"vllm": {"fits": True}}}}  # what an older version wrote
     assert Manifest.from_dict(data, "old manifest").shards == Manifest.load(pack).shards
+
+
+@pytest.mark.parametrize("command", [["fit", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.9"],
+                                     ["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "2"],
+                                     ["build", "SRC", "--sparks", "2", "--out", "PACK"]])
+def test_the_margin_is_gib_at_least_zero_on_every_command_that_fits(command, capsys):
+    for value in ("-1", "a lot"):
+        with pytest.raises(SystemExit) as stop:
+            build_parser().parse_args(command + ["--margin", value])
+        assert stop.value.code == 2
+        one_line(capsys.readouterr().err, f"argument --margin: {value!r}: GiB as a number >= 0")
+    assert build_parser().parse_args(command).margin == MARGIN_GIB == 1.0
+
+
+def test_fit_json_states_the_margin_and_the_verdict_names_it_inside(capsys):
+    args = ["fit", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.5", "--sparks", "2", "--loader", "vllm-exl3",
+            "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    free = min(r["free_gib"] for r in report["ranks"])
+    assert report["margin_gib"] == 1.0 and report["fits"] and free > 1.0 and "margin" not in report["verdict"]
+    assert main(args + ["--margin", f"{free + 0.5:.3f}"]) == 0
+    assert f"less than the {free + 0.5:.3f}".rstrip("0") in json.loads(capsys.readouterr().out)["verdict"]

@@ -19,6 +19,7 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.contract.loader_profiles import DEFAULT_OVERLAY, OVERLAY, LoaderProfile, Overlay, check_overlay, parse_overlay
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
+from quantizer.fit.memory import MARGIN_GIB
 from quantizer.hub import branch_problem, repo_id_problem
 from quantizer.model.targets import DRAFT
 from quantizer.shipped import model_config_path
@@ -118,6 +119,22 @@ def add_expert_hessians(p: argparse.ArgumentParser) -> None:
                         "weighted by g^2, g or 1, plus the all-token prior; shared: gate/up read the layer's "
                         "all-token MoE input (exllamav3's; a fifth of gate2's Hessian disk), down the g^2-weighted "
                         "routed tokens")
+
+
+def add_margin_argument(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--margin", type=_gib, default=MARGIN_GIB, metavar="GIB",
+                   help=f"free memory every rank keeps beyond the model's count (default {MARGIN_GIB:g}; 0: none): "
+                        f"{what}")
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: GiB as a number >= 0, such as 1 or 0.5")
+    return value
 
 
 def _bits(text: str) -> float | None:

@@ -19,6 +19,7 @@ from quantizer.calibrate.rows import calibration_rows
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.commands.arguments import (
+    add_margin_argument,
     add_expert_hessians,
     add_one_spark_arguments,
     count,
@@ -52,6 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     rate.add_argument("--plan", type=Path, help="a plan file written by `quantizer plan`")
     p.add_argument("--context", type=tokens, help="with --sparks: tokens per stream (default: the model's max positions)")
     p.add_argument("--streams", type=count, default=1, help="with --sparks: concurrent streams (default 1)")
+    add_margin_argument(p, "with --sparks, the pack keeps it")
     p.add_argument("--engine", help="with --sparks: engine profile (default: the hardware file's default_engine)")
     p.add_argument("--method", choices=METHODS, default=OURS,
                    help="ours: the allocator on the calibration (default); uniform; exl3: exllamav3's own allocator")
@@ -138,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     target = None
     if args.sparks:
         context = ck.config.max_position_embeddings if args.context is None else args.context
-        target = FitTarget(args.sparks, context, args.streams, args.engine or profile.fit_engine, args.cold_share)
+        target = FitTarget(args.sparks, context, args.streams, args.engine or profile.fit_engine, args.cold_share,
+                           args.margin)
     rows = None if args.no_calibrate else calibration_rows(ck, args.text, args.tokens, args.calib_rows, args.calib_cols)
     req = BuildRequest(
         src=args.src, out=args.out, bpw=args.bpw, plan=plan, target=target, method=args.method,

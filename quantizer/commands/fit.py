@@ -13,6 +13,7 @@ import functools
 from pathlib import Path
 
 from quantizer.commands.arguments import (
+    add_margin_argument,
     add_model_arguments,
     add_one_spark_arguments,
     add_plan_arguments,
@@ -70,6 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vision", choices=VISION_MODES, default="rank0")
     p.add_argument("--guard", type=float, help="guard floor in GiB (default from the hardware file)")
     p.add_argument("--kv-bits", type=float, help="K of exllamav3's packed DSA pool (fp16 pools otherwise)")
+    add_margin_argument(p, "a fit that leaves less says so next to its verdict")
     p.add_argument("--hardware", help="a hardware profile JSON (default: the shipped GB10 profile)")
     p.add_argument("--explain", action="store_true", help="show every term with its source")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             drafter = "off"
         stored = pack_spec(cfg, plan).tensors
     target = FitTarget(args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
-                       args.streams, engine)
+                       args.streams, engine, margin_gib=args.margin)
     options = FitOptions(args.split, args.engram, drafter or "split", args.vision, args.guard, args.kv_bits, copy,
                          args.fp8_lazy)
     report = fit(cfg, stored, target, options, hardware=hw, source=source, stored_at_bpw=stored_at_bpw, bpw=args.bpw,

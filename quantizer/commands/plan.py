@@ -21,6 +21,7 @@ from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE, read_summ
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.commands.arguments import (
+    add_margin_argument,
     add_model_arguments,
     add_one_spark_arguments,
     add_plan_arguments,
@@ -35,7 +36,7 @@ from quantizer.contract.rules import TOTAL_RESIDENT, check_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw, rate_grid
 from quantizer.fit.cold_experts import check_share, routed_tokens
-from quantizer.fit.memory import TOPOLOGIES
+from quantizer.fit.memory import MARGIN_GIB, TOPOLOGIES
 from quantizer.fit.render import render as render_fit
 from quantizer.fit.target import fit_plan, largest_fitting_plan
 from quantizer.fit.memory import FitTarget
@@ -60,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="DGX Sparks to fit; without --bpw, plan the most bits that fit them")
     p.add_argument("--context", type=tokens, help="tokens per stream for the fit (default: the model's max positions)")
     p.add_argument("--streams", type=count, default=1, help="concurrent streams, each holding --context tokens")
+    add_margin_argument(p, "with --sparks alone the plan keeps it; a fit that leaves less says so")
     p.add_argument("--engine", help="engine profile for the fit (default: the hardware file's default_engine)")
     calib = p.add_mutually_exclusive_group()
     calib.add_argument("--calibration", help=f"a calibrate work directory (its {CALIBRATION_DIR}/{SUMMARY_FILE}), "
@@ -119,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
                         "(or --synthetic)")
     plan_at, lo = _planner(cfg, args, method, summary, overlay_of(args, profile, args.codebook))
     target = FitTarget(args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
-                       args.streams, args.engine or profile.fit_engine, args.cold_share) if args.sparks else None
+                       args.streams, args.engine or profile.fit_engine, args.cold_share, args.margin) if args.sparks else None
     tokens = routed_tokens(summary) if summary else None
     fitted = None
     if args.bpw is not None:
@@ -201,6 +203,7 @@ def _fit_flags(target: FitTarget) -> str:
     flags = f"--sparks {target.sparks} --context {target.context}"
     flags += f" --streams {target.streams}" if target.streams != 1 else ""
     flags += f" --cold-share {target.cold_share:g}" if target.cold_share else ""
+    flags += f" --margin {target.margin_gib:g}" if target.margin_gib != MARGIN_GIB else ""
     return flags + (f" --engine {target.engine}" if target.engine else "")
 
 

@@ -26,6 +26,10 @@ from quantizer.model.targets import targets
 
 TOPOLOGIES = (1, 2, 4)
 
+# What a rank should keep free beyond the model's count: the terms are measured to within 25% (bench/), and
+# a driver update or a second process on the Spark takes memory no term counts. A plan searched for the most
+# bits keeps it; a fit that leaves less says so next to its verdict (`--margin` sets it, 0 turns it off).
+MARGIN_GIB = 1.0
 
 @dataclass
 class RankMemory:
@@ -78,6 +82,7 @@ class FitReport:
     verdict: str
     terms: list[Explained]
     mapped: bool = False  # the engine serves weights from the mapped file (RankMemory.mapped_gib)
+    margin_gib: float = 0.0  # what the worst rank should keep free (MARGIN_GIB); less is said in the verdict
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,13 +122,15 @@ class Scenario(FitOptions):
 @dataclass(frozen=True)
 class FitTarget:
     """What a pack must fit: Sparks, tokens per stream, streams and engine (None: the hardware file's
-    default); `cold_share` is the routed tokens cold experts may take where the engine maps weights."""
+    default); `cold_share` is the routed tokens cold experts may take where the engine maps weights;
+    `margin_gib` the free memory a rank keeps (the commands default to MARGIN_GIB)."""
 
     sparks: int
     context: int
     streams: int = 1
     engine: str | None = None
     cold_share: float = 0.0
+    margin_gib: float = 0.0  # free memory every rank keeps: the search for the most bits leaves it
 
     def describe(self) -> str:
         return (f"{self.sparks} Spark{'s' if self.sparks > 1 else ''} at {self.context:,} tokens x {self.streams} "
@@ -261,13 +268,14 @@ def fit(
     if not fits:
         would["smallest_sparks"] = _smallest_topology(cfg, stored, s, hw)
         if stored_at_bpw is not None and bpw is not None:
-            would["highest_bpw"] = _highest_bpw(cfg, s, hw, stored_at_bpw, lowest_bpw, bpw)
+            would["highest_bpw"] = _highest_bpw(cfg, s, hw, stored_at_bpw, lowest_bpw, bpw, target.margin_gib)
     report = FitReport(
         source=source, arch=cfg.arch, sparks=s.sparks, engine=s.engine, split=s.split, engram=s.engram,
         drafter=s.drafter, vision=s.vision, context=s.context, streams=s.streams, kv_bytes_per_token=kvb,
         ranks=ranks, fits=fits, short_gib=max(0.0, -worst.free_gib), worst_rank=worst.rank,
         max_context=max_context, max_context_capped=raw_max > cfg.max_position_embeddings,
         would_fit=would, verdict="", terms=explain_terms(cfg, s, hw), mapped=hw.engine(s.engine).mapped is not None,
+        margin_gib=target.margin_gib,
     )
     report.verdict = verdict(report)
     return report
@@ -304,8 +312,9 @@ class Boundary:
 
 def highest_fitting_bpw(cfg: ModelConfig, stored_at: Callable[[float], list[StoredTensor]], lo: float, hi: float,
                         s: Scenario, hw: Hardware,
-                        scenario_at: Callable[[float], Scenario] | None = None) -> Boundary:
-    """The largest bpw in [lo, hi] (to FIT_TOLERANCE_BPW) whose pack `stored_at(bpw)` fits `s`.
+                        scenario_at: Callable[[float], Scenario] | None = None, margin_gib: float = 0.0) -> Boundary:
+    """The largest bpw in [lo, hi] (to FIT_TOLERANCE_BPW) whose pack `stored_at(bpw)` fits `s` with
+    `margin_gib` left free on every rank (the Boundary's free memory is counted beyond the margin).
 
     The worst rank's free memory falls almost linearly with bpw, by about the budgeted weights'
     bytes per bpw over the ranks (tensor-parallel split), so Newton steps from the lowest rate,
@@ -315,7 +324,8 @@ def highest_fitting_bpw(cfg: ModelConfig, stored_at: Callable[[float], list[Stor
     accepts (UserError when none in [lo, hi] is). `scenario_at` gives the scenario of a probe where it
     depends on the plan (the drafter and cold experts of an engine that maps weights, target.py)."""
     def free(bpw: float) -> float:
-        return min(r.free_gib for r in evaluate(cfg, stored_at(bpw), scenario_at(bpw) if scenario_at else s, hw))
+        return min(r.free_gib for r in evaluate(cfg, stored_at(bpw), scenario_at(bpw) if scenario_at else s, hw)) \
+            - margin_gib
 
     lowest = lowest_accepted(stored_at, lo, hi)
     fit_bpw, fit_free = lowest, free(lowest)
@@ -362,11 +372,12 @@ def lowest_accepted(build_at: Callable[[float], object], lo: float, hi: float) -
     return hi
 
 
-def _highest_bpw(cfg, s: Scenario, hw: Hardware, stored_at_bpw, lowest_bpw: float, bpw: float) -> float | None:
-    """The most bits that fit below `bpw`, rounded down to 0.01 so it can be typed (kept exact when
-    that would fall below the lowest bpw a plan takes); None when not even the lowest fits."""
+def _highest_bpw(cfg, s: Scenario, hw: Hardware, stored_at_bpw, lowest_bpw: float, bpw: float,
+                 margin_gib: float) -> float | None:
+    """The most bits that fit below `bpw` keeping the margin, rounded down to 0.01 so it can be typed
+    (kept exact when that would fall below the lowest bpw a plan takes); None when not even the lowest fits."""
     try:
-        b = highest_fitting_bpw(cfg, stored_at_bpw, lowest_bpw, bpw, s, hw)
+        b = highest_fitting_bpw(cfg, stored_at_bpw, lowest_bpw, bpw, s, hw, margin_gib=margin_gib)
     except UserError:
         return None
     if not b.fits:
@@ -432,7 +443,10 @@ def verdict(r: FitReport) -> str:
     cap = " (the model's limit)" if r.max_context_capped else ""
     if r.fits:
         free = r.ranks[r.worst_rank].free_gib
-        return (f"fits {where} at {ctx}; worst rank {r.worst_rank} keeps {free:.2f} GiB free; "
+        margin = (f" (less than the {r.margin_gib:g} GiB margin: memory the model does not count, a driver or a "
+                  "second process, could tip it over; fewer bits or a shorter context keep the margin)"
+                  if free < r.margin_gib else "")
+        return (f"fits {where} at {ctx}; worst rank {r.worst_rank} keeps {free:.2f} GiB free{margin}; "
                 f"largest context {r.max_context:,} tokens per stream{cap}{_page_cache(r)}")
     parts = [f"does not fit {where} at {ctx}: rank {r.worst_rank} is short by {r.short_gib:.2f} GiB"]
     if r.max_context > 0:

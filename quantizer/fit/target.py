@@ -82,9 +82,11 @@ def largest_fitting_plan(cfg: ModelConfig, plan_at: Callable[[float], Plan], lo:
         return place_cold_experts(cfg, stored_at(bpw), s, hw, tokens or {}, target.cold_share, fill=True)[0]
 
     scenario = target.scenario(hw)
-    found = highest_fitting_bpw(cfg, stored_at, lowest_accepted(plan, lo, hi), hi, scenario, hw, placed)
+    found = highest_fitting_bpw(cfg, stored_at, lowest_accepted(plan, lo, hi), hi, scenario, hw, placed,
+                                target.margin_gib)
     if not found.fits:
+        margin = f" (keeping the {target.margin_gib:g} GiB margin, --margin)" if target.margin_gib else ""
         raise UserError(f"does not fit {target.describe()} ({scenario.engine}) even at the lowest rates "
                         f"({plans[found.bpw].achieved_bpw:.3f} bpw): the worst rank is short by "
-                        f"{-found.free_gib:.2f} GiB; use more Sparks, a shorter --context or fewer --streams")
+                        f"{-found.free_gib:.2f} GiB{margin}; use more Sparks, a shorter --context or fewer --streams")
     return fit_plan(cfg, plans[found.bpw], target, tokens, hw)
