@@ -1,0 +1,123 @@
+"""The project's own CUDA Viterbi tile encoder (issue 39; docs/encoder.md, "Our tile kernel").
+
+`trellis_encode.cu` is compiled with torch.utils.cpp_extension on first use and cached by torch in its
+extensions folder ($TORCH_EXTENSIONS_DIR, else torch's default under the user's cache); the module name
+carries a hash of the source, so an edited kernel is a new build, never a stale one. It encodes 16x16 tiles
+at integer K 1-6 with the 3INST, mcg or mul1 codebook and returns the same codes as exllamav3 1.6.5's
+`quantize_tiles` (checked by tests/gpu/test_encoder_kernel.py).
+
+`quantize_tiles(tiles, quant_args)` takes exllamav3's arguments and returns its outputs (reconstructed
+tiles, int16 states); where our kernel cannot run (no CUDA, no compiler, a half-integer K, K above 6) it
+says why in one line, once per reason, and calls exllamav3's own function.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+
+from quantizer.caches import process_cache
+
+SOURCE = Path(__file__).with_name("trellis_encode.cu")
+KS = (1, 2, 3, 4, 5, 6)
+TILE = 256
+CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}
+
+_said: set[str] = set()
+
+
+class KernelUnavailable(RuntimeError):
+    """Our kernel cannot be built or run here; the message says why in one line."""
+
+
+def _module_name() -> str:
+    return "quantizer_trellis_" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
+@process_cache(maxsize=1)
+def _extension():
+    """The compiled extension (built on the first call of a process, then loaded from torch's cache)."""
+    if not torch.cuda.is_available():
+        raise KernelUnavailable("no CUDA device")
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None:
+        raise KernelUnavailable("no CUDA toolkit (nvcc) to build it")
+    try:
+        return cpp_extension.load(name=_module_name(), sources=[str(SOURCE)],
+                                  extra_cuda_cflags=["-O3", "-std=c++17"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure becomes the one-line reason for the fallback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise KernelUnavailable(f"building {SOURCE.name} failed: {type(e).__name__}: {first}") from e
+
+
+def unavailable_reason() -> str | None:
+    """Why our kernel cannot run in this process (None: it can)."""
+    try:
+        _extension()
+    except KernelUnavailable as e:
+        return str(e)
+    return None
+
+
+def codebook_index(quant_args: dict) -> int:
+    """exllamav3's codebook switch from its quant_args: mul1, else mcg, else 3INST."""
+    return CODEBOOKS["mul1"] if quant_args.get("mul1") else CODEBOOKS["mcg"] if quant_args.get("mcg") else CODEBOOKS["3inst"]
+
+
+def encode_tiles(tiles: torch.Tensor, K: int, codebook: int, *, max_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our kernel on (N, 256) float32 CUDA tiles: (reconstructed values float32, states int16), each (N, 256).
+    `max_blocks` > 0 caps the blocks per launch (the history scratch is 128 KiB x 2^(16-K) per block)."""
+    if K not in KS:
+        raise ValueError(f"encode_tiles: K {K!r}; our kernel does integer K {KS[0]}-{KS[-1]}")
+    if codebook not in CODEBOOKS.values():
+        raise ValueError(f"encode_tiles: codebook {codebook!r}; 0 (3INST), 1 (mcg) or 2 (mul1)")
+    if tiles.dim() != 2 or tiles.shape[1] != TILE:
+        raise ValueError(f"encode_tiles: tiles must be (N, {TILE}), got {tuple(tiles.shape)}")
+    if not torch.isfinite(tiles).all():
+        raise ValueError("tiles contain NaN or inf")
+    tiles = tiles.to(torch.float32).contiguous()
+    values, states = _extension().encode_tiles(tiles, int(K), int(codebook), int(max_blocks))
+    return values, states
+
+
+def _say_once(reason: str) -> None:
+    if reason not in _said:
+        _said.add(reason)
+        print(f"encoder kernel: {reason}; using exllamav3's quantize_tiles", file=sys.stderr)
+
+
+def fallback_reason(tiles: torch.Tensor, quant_args: dict) -> str | None:
+    """Why these tiles go to exllamav3's encoder instead of ours (None: ours runs)."""
+    K = quant_args["K"]
+    if not float(K).is_integer():
+        return f"K {K:g} is half-integer (our kernel does integer K only)"
+    if int(K) not in KS:
+        return f"K {K:g} is outside our kernel's K {KS[0]}-{KS[-1]}"
+    if tiles.dim() != 2 or tiles.shape[1] != TILE:
+        return f"tiles of length {tiles.shape[-1]} (our kernel does {TILE})"
+    if tiles.device.type != "cuda":
+        return "tiles are not on a CUDA device"
+    return unavailable_reason()
+
+
+def quantize_tiles(tiles: torch.Tensor, quant_args: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """exllamav3's `quantize_tiles(tiles, quant_args)` with our kernel where it can run (see the module
+    docstring); the outputs have exllamav3's dtypes and shapes."""
+    if (why := fallback_reason(tiles, quant_args)) is None:
+        with torch.cuda.device(tiles.device):
+            return encode_tiles(tiles, int(quant_args["K"]), codebook_index(quant_args))
+    _say_once(why)
+    from exllamav3.modules.quant.exl3_lib.quantize import quantize_tiles as theirs
+
+    return theirs(tiles, quant_args)
+
+
+def history_bytes(K: int, blocks: int) -> int:
+    """The scratch one launch allocates: fp16 minima for every step and edge, per block."""
+    return blocks * TILE * (65536 >> K) * 2
+
+

@@ -1,0 +1,353 @@
+// The project's own Viterbi tile encoder for EXL3 (issue 39; docs/encoder.md, "Our tile kernel").
+//
+// One 16x16 tile is a tail-biting ring of L = 256 positions. The state after position p is 16 bits; each
+// step shifts K new bits in at the bottom, so the cost of a state depends only on its low 16 - K bits
+// ("edge" e), and its 2^K predecessors are the states whose top K bits are any k: state s = (k << (16-K)) | e,
+// predecessor edge s >> K. The search runs twice, as exllamav3 1.6.5 does (docs/exl3-format.md, encoder):
+// pass 1 starts at the ring's middle without constraint and traces back to position 0 to find a boundary
+// edge; pass 2 starts at position 0 from that edge and ends in it.
+//
+// What differs from exllamav3's generic kernel, and why the codes stay the same:
+// - every thread owns a fixed run of edges, so the decoded codebook values of its 2^16 / NT states are
+//   computed once per kernel launch and kept in registers;
+// - the forward pass keeps only the minimum cost per edge (half2 sub, fma, min per pair of edges and
+//   candidate), no argmin index; each step's minima go to a global history;
+// - the traceback recomputes, for the edge on the path, the 2^K candidate costs with the same fp16 operations
+//   (sub, then fma with the stored predecessor cost; a plain square at step 0) and takes the smallest cost,
+//   lowest k first: the same value and the same first-index tie rule as a running strict-less argmin.
+// The final-edge choice after pass 1 uses exllamav3's tie order over equal costs (bit-reversed warp, then
+// bit-reversed lane, then 1024-state stripe), written out below as `edge_rank`.
+
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+namespace {
+
+constexpr int L = 256;          // positions per tile (ring)
+constexpr int NT = 512;         // threads per block; all run the forward pass, warp 0 also traces back
+constexpr unsigned FULL = 0xffffffffu;
+
+// Codebooks (docs/exl3-format.md, decode step 4): 0 = 3INST, 1 = mcg, 2 = mul1
+template <int CB>
+__device__ __forceinline__ half decode_state(uint32_t s)
+{
+    if constexpr (CB == 2)
+    {
+        const uint32_t x = s * 0x83DCD12Du;
+        const uint32_t bytes = (x & 0xffu) + ((x >> 8) & 0xffu) + ((x >> 16) & 0xffu) + (x >> 24);
+        // 0x6400 + c is the fp16 bit pattern of 1024 + c (c <= 1020); one fused rounding
+        const half h = __ushort_as_half((unsigned short) (0x6400u + bytes));
+        return __hfma(h, __ushort_as_half(0x1eee), __ushort_as_half(0xc931));
+    }
+    else
+    {
+        uint32_t x = CB == 1 ? s * 0xCBAC1FEDu : s * 89226354u + 64248484u;
+        x = (x & 0x8fff8fffu) ^ 0x3b603b60u;
+        return __hadd(__ushort_as_half((unsigned short) (x & 0xffffu)), __ushort_as_half((unsigned short) (x >> 16)));
+    }
+}
+
+// N consecutive halves between shared/global memory and registers, in the widest aligned pieces
+template <int N>
+__device__ __forceinline__ void load_halves(half (&dst)[N], const half* src)
+{
+    if constexpr (N % 8 == 0)
+    {
+        #pragma unroll
+        for (int i = 0; i < N / 8; ++i)
+        {
+            const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+            *reinterpret_cast<uint4*>(&dst[8 * i]) = v;
+        }
+    }
+    else if constexpr (N % 4 == 0)
+    {
+        #pragma unroll
+        for (int i = 0; i < N / 4; ++i)
+            *reinterpret_cast<uint2*>(&dst[4 * i]) = reinterpret_cast<const uint2*>(src)[i];
+    }
+    else if constexpr (N % 2 == 0)
+    {
+        #pragma unroll
+        for (int i = 0; i < N / 2; ++i)
+            *reinterpret_cast<uint32_t*>(&dst[2 * i]) = reinterpret_cast<const uint32_t*>(src)[i];
+    }
+    else
+    {
+        #pragma unroll
+        for (int i = 0; i < N; ++i) dst[i] = src[i];
+    }
+}
+
+template <int P>
+__device__ __forceinline__ void store_pairs(half* dst, const half2 (&src)[P])
+{
+    if constexpr (P % 4 == 0)
+    {
+        #pragma unroll
+        for (int i = 0; i < P / 4; ++i)
+            reinterpret_cast<uint4*>(dst)[i] = *reinterpret_cast<const uint4*>(&src[4 * i]);
+    }
+    else if constexpr (P % 2 == 0)
+    {
+        #pragma unroll
+        for (int i = 0; i < P / 2; ++i)
+            reinterpret_cast<uint2*>(dst)[i] = *reinterpret_cast<const uint2*>(&src[2 * i]);
+    }
+    else
+    {
+        #pragma unroll
+        for (int i = 0; i < P; ++i) reinterpret_cast<half2*>(dst)[i] = src[i];
+    }
+}
+
+__device__ __forceinline__ uint32_t rev5(uint32_t x) { return __brev(x) >> 27; }
+
+// The tie order over equal final costs: an edge's rank (unique, 16 bits), and back
+__device__ __forceinline__ uint32_t edge_rank(uint32_t e)
+{
+    const uint32_t low = e & 1023u;
+    return (rev5(low >> 5) << 10) | (rev5(low & 31u) << 5) | (e >> 10);
+}
+__device__ __forceinline__ uint32_t rank_edge(uint32_t r)
+{
+    return ((r & 31u) << 10) | (rev5(r >> 10) << 5) | rev5((r >> 5) & 31u);
+}
+
+template <int K, int CB>
+__global__ void __launch_bounds__(NT, 1)
+trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_values,
+                      int16_t* __restrict__ out_states, half* __restrict__ history, int num_tiles)
+{
+    constexpr int EDGES = 65536 >> K;       // cost entries per step
+    constexpr int E = EDGES / NT;           // edges per forward thread, a contiguous run
+    constexpr int P = E / 2;                // edge pairs (one half2 each)
+    constexpr int Q = 1 << K;               // predecessors per edge
+    constexpr int KSHIFT = 16 - 2 * K;      // where k sits in a predecessor edge
+    constexpr int G = (E >> K) > 0 ? (E >> K) : 1;  // distinct predecessor groups (e >> K) per thread
+    static_assert(E >= 2 && (E % 2) == 0, "K too large for this thread layout");
+    static_assert(KSHIFT >= 0, "K too large");
+
+    extern __shared__ __align__(16) uint8_t smem[];
+    half* costs0 = reinterpret_cast<half*>(smem);
+    half* costs1 = costs0 + EDGES;
+    half* sh_w = costs1 + EDGES;                                // the tile in fp16
+    uint32_t* sh_red = reinterpret_cast<uint32_t*>(sh_w + L);   // one word per forward warp
+    volatile int* sh_edge = reinterpret_cast<volatile int*>(sh_red + NT / 32);
+
+    const int t = threadIdx.x;
+    const bool tracer = t < 32;
+    const int lane = t & 31;
+    half* hist = history + (size_t) blockIdx.x * L * EDGES;
+
+    // Decoded values of this thread's states, kept for every step of every tile
+    const int e0 = t * E;
+    half2 dec[Q][P];
+    #pragma unroll
+    for (int k = 0; k < Q; ++k)
+    {
+        #pragma unroll
+        for (int j = 0; j < P; ++j)
+        {
+            const uint32_t s = ((uint32_t) k << (16 - K)) | (uint32_t) (e0 + 2 * j);
+            dec[k][j] = __halves2half2(decode_state<CB>(s), decode_state<CB>(s + 1));
+        }
+    }
+
+    // One step of the forward pass at position index i (ring position ri): this thread's minima
+    auto forward_step = [&](int ri, const half* prev, half* next, half* hrow, int pre)
+    {
+        const half2 w2 = __half2half2(sh_w[ri]);
+        half2 m[P];
+        #pragma unroll
+        for (int k = 0; k < Q; ++k)
+        {
+            half c[G];
+            if (prev) load_halves<G>(c, prev + ((k << KSHIFT) | (e0 >> K)));
+            #pragma unroll
+            for (int j = 0; j < P; ++j)
+            {
+                const half2 d = __hsub2(dec[k][j], w2);
+                half2 v;
+                if (prev)
+                {
+                    v = __hfma2(d, d, __half2half2(c[(2 * j) >> K]));
+                }
+                else
+                {
+                    v = __hmul2(d, d);
+                    if (pre >= 0 && ((k << KSHIFT) | ((e0 + 2 * j) >> K)) != pre)
+                        v = __half2half2(__ushort_as_half(0x7c00));
+                }
+                m[j] = k == 0 ? v : __hmin2(m[j], v);
+            }
+        }
+        store_pairs<P>(next + e0, m);
+        if (hrow) store_pairs<P>(hrow + e0, m);
+    };
+
+    // Forward pass over all L steps (ring rolled by `roll`), constrained to start from edge `pre` if >= 0;
+    // the minima of steps keep_from .. L - 2 go to the history (the traceback reads step i - 1 at step i).
+    // Leaves the last step's minima in costs1 (L is even)
+    auto forward = [&](int roll, int pre, int keep_from)
+    {
+        for (int i = 0; i < L; ++i)
+        {
+            int ri = i + roll;
+            if (ri >= L) ri -= L;
+            half* next = (i & 1) ? costs1 : costs0;
+            const half* prev = i == 0 ? nullptr : ((i & 1) ? costs0 : costs1);
+            half* hrow = (i >= keep_from && i <= L - 2) ? hist + (size_t) i * EDGES : nullptr;
+            forward_step(ri, prev, next, hrow, pre);
+            __syncthreads();
+        }
+    };
+
+    // Traceback by the tracer warp, from edge `e` at the last step. Pass 1 (write false) stops at ring
+    // position 0 and returns the edge before it; pass 2 writes states and values for every position
+    auto traceback = [&](int roll, int pre, int e, bool write, float* vals, int16_t* states)
+    {
+        for (int i = L - 1; i >= 0; --i)
+        {
+            int ri = i + roll;
+            if (ri >= L) ri -= L;
+            const half w = sh_w[ri];
+            uint32_t best = 0xffffffffu;
+            #pragma unroll
+            for (int r = 0; r < (Q + 31) / 32; ++r)
+            {
+                const int k = lane + 32 * r;
+                if (k < Q)
+                {
+                    const uint32_t s = ((uint32_t) k << (16 - K)) | (uint32_t) e;
+                    const uint32_t in = s >> K;
+                    const half d = __hsub(decode_state<CB>(s), w);
+                    half v;
+                    if (i == 0)
+                    {
+                        v = __hmul(d, d);
+                        if (pre >= 0 && (int) in != pre) v = __ushort_as_half(0x7c00);
+                    }
+                    else
+                    {
+                        v = __hfma(d, d, hist[(size_t) (i - 1) * EDGES + in]);
+                    }
+                    best = min(best, ((uint32_t) __half_as_ushort(v) << 16) | (uint32_t) k);
+                }
+            }
+            best = __reduce_min_sync(FULL, best);
+            const uint32_t s = ((best & 0xffffu) << (16 - K)) | (uint32_t) e;
+            if (write && lane == 0)
+            {
+                states[ri] = (int16_t) (uint16_t) s;
+                vals[ri] = __half2float(decode_state<CB>(s));
+            }
+            e = (int) (s >> K);
+            if (!write && ri == 0) break;
+        }
+        return e;
+    };
+
+    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x)
+    {
+        const float* in = tiles + (size_t) tile * L;
+        for (int i = t; i < L; i += NT) sh_w[i] = __float2half_rn(in[i]);
+        __syncthreads();
+
+        // Pass 1: from the ring's middle, unconstrained; then the final edge of least cost
+        {
+            forward(L / 2, -1, L / 2 - 1);
+            uint32_t best = 0xffffffffu;
+            #pragma unroll
+            for (int j = 0; j < E; ++j)
+            {
+                const uint32_t e = (uint32_t) (e0 + j);
+                best = min(best, ((uint32_t) __half_as_ushort(costs1[e]) << 16) | edge_rank(e));
+            }
+            best = __reduce_min_sync(FULL, best);
+            if (lane == 0) sh_red[t >> 5] = best;
+        }
+        __syncthreads();
+        if (tracer)
+        {
+            uint32_t best = lane < NT / 32 ? sh_red[lane] : 0xffffffffu;
+            best = __reduce_min_sync(FULL, best);
+            // every cost infinite: start from edge 0, as exllamav3 does
+            const int last = best >= 0x7c000000u ? 0 : (int) rank_edge(best & 0xffffu);
+            const int boundary = traceback(L / 2, -1, last, false, nullptr, nullptr);
+            if (lane == 0) *sh_edge = boundary;
+        }
+        __syncthreads();
+        const int boundary = *sh_edge;
+
+        // Pass 2: from position 0, starting and ending in the boundary edge
+        forward(0, boundary, 0);
+        __syncthreads();
+        if (tracer)
+            traceback(0, boundary, boundary, true, out_values + (size_t) tile * L,
+                      out_states + (size_t) tile * L);
+        __syncthreads();
+    }
+}
+
+template <int K, int CB>
+void launch(const torch::Tensor& tiles, torch::Tensor& values, torch::Tensor& states, int64_t max_blocks)
+{
+    constexpr int EDGES = 65536 >> K;
+    const int num_tiles = (int) tiles.size(0);
+    if (num_tiles == 0) return;
+    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    int blocks = std::min(num_tiles, sms);
+    if (max_blocks > 0) blocks = std::min<int64_t>(blocks, max_blocks);
+    auto history = torch::empty({(int64_t) blocks * L * EDGES}, tiles.options().dtype(torch::kHalf));
+    const size_t shmem = (2 * EDGES + L) * sizeof(half) + (NT / 32 + 4) * sizeof(uint32_t);
+    auto kernel = trellis_encode_kernel<K, CB>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) shmem));
+    kernel<<<blocks, NT, shmem, at::cuda::getCurrentCUDAStream()>>>(
+        tiles.data_ptr<float>(), values.data_ptr<float>(), states.data_ptr<int16_t>(),
+        reinterpret_cast<half*>(history.data_ptr<at::Half>()), num_tiles);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int K>
+void launch_cb(int64_t cb, const torch::Tensor& tiles, torch::Tensor& values, torch::Tensor& states, int64_t mb)
+{
+    switch (cb)
+    {
+        case 0: launch<K, 0>(tiles, values, states, mb); break;
+        case 1: launch<K, 1>(tiles, values, states, mb); break;
+        case 2: launch<K, 2>(tiles, values, states, mb); break;
+        default: TORCH_CHECK(false, "trellis_encode: codebook must be 0 (3INST), 1 (mcg) or 2 (mul1), got ", cb);
+    }
+}
+
+}  // namespace
+
+// tiles: (N, 256) float32, contiguous, on a CUDA device. Returns (values float32 (N, 256), states int16 (N, 256)).
+std::vector<torch::Tensor> encode_tiles(torch::Tensor tiles, int64_t K, int64_t cb, int64_t max_blocks)
+{
+    TORCH_CHECK(tiles.is_cuda() && tiles.scalar_type() == torch::kFloat && tiles.dim() == 2 && tiles.size(1) == L
+                && tiles.is_contiguous(), "trellis_encode: tiles must be a contiguous CUDA float32 (N, 256) tensor");
+    const c10::cuda::CUDAGuard guard(tiles.device());
+    auto values = torch::empty_like(tiles);
+    auto states = torch::empty(tiles.sizes(), tiles.options().dtype(torch::kShort));
+    switch (K)
+    {
+        case 1: launch_cb<1>(cb, tiles, values, states, max_blocks); break;
+        case 2: launch_cb<2>(cb, tiles, values, states, max_blocks); break;
+        case 3: launch_cb<3>(cb, tiles, values, states, max_blocks); break;
+        case 4: launch_cb<4>(cb, tiles, values, states, max_blocks); break;
+        case 5: launch_cb<5>(cb, tiles, values, states, max_blocks); break;
+        case 6: launch_cb<6>(cb, tiles, values, states, max_blocks); break;
+        default: TORCH_CHECK(false, "trellis_encode: K must be 1..6, got ", K);
+    }
+    return {values, states};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+    m.def("encode_tiles", &encode_tiles, "Viterbi encode of 16x16 EXL3 tiles (docs/encoder.md)");
+}
