@@ -2,9 +2,10 @@
 
 For every integer K and codebook the kernel does, the states and the reconstructed values must be
 torch.equal to exllamav3's `quantize_tiles` on the same tiles: random N(0,1) tiles (more tiles than the
-GPU has SMs, so blocks take several tiles each), scaled tiles, all-zero tiles, constant tiles, and tiles
-made of codebook values (exllamav3's own reconstruction fed back), where many paths tie at equal cost and
-only the same tie rule gives the same codes. Non-finite input is refused in one line.
+GPU has SMs, so blocks take several tiles each), scaled tiles (up to costs that overflow to inf), all-zero
+tiles, constant tiles, "coarse" tiles (|w| about 13, where fp16 path costs are so coarse that many candidates
+tie exactly and only the same first-index rule gives the same codes), and tiles made of codebook values
+(exllamav3's own reconstruction fed back). Non-finite input is refused in one line.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ def tile_set(seed: int) -> torch.Tensor:
     random = torch.randn(2 * sms + 7, 256, generator=g)
     scaled = torch.randn(8, 256, generator=g) * torch.tensor([0.01, 0.1, 3.0, 10.0, 100.0, 1e3, 3e3, 1e4])[:, None]
     constant = torch.tensor([0.0, 0.0, 1.0, -1.5, 0.25, 7.0])[:, None].expand(6, 256)
-    return torch.cat([random, scaled, constant]).cuda()
+    # |w| about 13: path costs where an fp16 step is 16-32, so many candidates tie exactly (the first-index rule)
+    signs = torch.randint(0, 2, (8, 256), generator=g) * 2.0 - 1.0
+    coarse = (13.0 + 0.5 * torch.randn(8, 256, generator=g)) * signs
+    return torch.cat([random, scaled, constant, coarse]).cuda()
 
 
 @pytest.fixture(scope="module")

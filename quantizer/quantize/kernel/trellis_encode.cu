@@ -18,21 +18,44 @@
 // The final-edge choice after pass 1 uses exllamav3's tie order over equal costs (bit-reversed warp, then
 // bit-reversed lane, then 1024-state stripe), written out below as `edge_rank`.
 
+//
+// The per-thread work (decode, one forward step, the final-edge key, one traceback candidate) is written as
+// plain functions and the kernel only orders them between barriers. Built with TRELLIS_HOST defined (and a
+// host definition of the fp16 types and intrinsics, tests/encoder_kernel_host.cpp), the same functions run
+// on a CPU, one simulated thread after another, so the search can be checked without a GPU.
+
+#ifdef TRELLIS_HOST
+#define TE_FN inline
+#else
 #include <torch/extension.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_fp16.h>
+#define TE_FN __device__ __forceinline__
+#endif
 #include <cstdint>
 
-namespace {
+namespace trellis {
 
 constexpr int L = 256;          // positions per tile (ring)
 constexpr int NT = 512;         // threads per block; all run the forward pass, warp 0 also traces back
-constexpr unsigned FULL = 0xffffffffu;
+constexpr uint32_t NO_KEY = 0xffffffffu;
+
+template <int K>
+struct Geometry
+{
+    static constexpr int EDGES = 65536 >> K;                  // cost entries per step
+    static constexpr int E = EDGES / NT;                      // edges per thread, a contiguous run
+    static constexpr int P = E / 2;                           // edge pairs (one half2 each)
+    static constexpr int Q = 1 << K;                          // predecessors per edge
+    static constexpr int KSHIFT = 16 - 2 * K;                 // where k sits in a predecessor edge
+    static constexpr int G = (E >> K) > 0 ? (E >> K) : 1;     // distinct predecessor groups (e >> K) per thread
+    static_assert(E >= 2 && (E % 2) == 0 && KSHIFT >= 0, "K outside this thread layout");
+};
 
 // Codebooks (docs/exl3-format.md, decode step 4): 0 = 3INST, 1 = mcg, 2 = mul1
 template <int CB>
-__device__ __forceinline__ half decode_state(uint32_t s)
+TE_FN half decode_state(uint32_t s)
 {
     if constexpr (CB == 2)
     {
@@ -50,18 +73,20 @@ __device__ __forceinline__ half decode_state(uint32_t s)
     }
 }
 
-// N consecutive halves between shared/global memory and registers, in the widest aligned pieces
+TE_FN half inf_half() { return __ushort_as_half(0x7c00); }
+
+// N consecutive halves from shared memory into registers, in the widest aligned pieces
 template <int N>
-__device__ __forceinline__ void load_halves(half (&dst)[N], const half* src)
+TE_FN void load_halves(half (&dst)[N], const half* src)
 {
+#ifdef TRELLIS_HOST
+    for (int i = 0; i < N; ++i) dst[i] = src[i];
+#else
     if constexpr (N % 8 == 0)
     {
         #pragma unroll
         for (int i = 0; i < N / 8; ++i)
-        {
-            const uint4 v = reinterpret_cast<const uint4*>(src)[i];
-            *reinterpret_cast<uint4*>(&dst[8 * i]) = v;
-        }
+            *reinterpret_cast<uint4*>(&dst[8 * i]) = reinterpret_cast<const uint4*>(src)[i];
     }
     else if constexpr (N % 4 == 0)
     {
@@ -80,11 +105,15 @@ __device__ __forceinline__ void load_halves(half (&dst)[N], const half* src)
         #pragma unroll
         for (int i = 0; i < N; ++i) dst[i] = src[i];
     }
+#endif
 }
 
 template <int P>
-__device__ __forceinline__ void store_pairs(half* dst, const half2 (&src)[P])
+TE_FN void store_pairs(half* dst, const half2 (&src)[P])
 {
+#ifdef TRELLIS_HOST
+    for (int i = 0; i < P; ++i) { dst[2 * i] = __low2half(src[i]); dst[2 * i + 1] = __high2half(src[i]); }
+#else
     if constexpr (P % 4 == 0)
     {
         #pragma unroll
@@ -102,151 +131,196 @@ __device__ __forceinline__ void store_pairs(half* dst, const half2 (&src)[P])
         #pragma unroll
         for (int i = 0; i < P; ++i) reinterpret_cast<half2*>(dst)[i] = src[i];
     }
+#endif
 }
 
-__device__ __forceinline__ uint32_t rev5(uint32_t x) { return __brev(x) >> 27; }
+TE_FN uint32_t rev5(uint32_t x)
+{
+#ifdef TRELLIS_HOST
+    uint32_t r = 0;
+    for (int b = 0; b < 5; ++b) r |= ((x >> b) & 1u) << (4 - b);
+    return r;
+#else
+    return __brev(x) >> 27;
+#endif
+}
 
 // The tie order over equal final costs: an edge's rank (unique, 16 bits), and back
-__device__ __forceinline__ uint32_t edge_rank(uint32_t e)
+TE_FN uint32_t edge_rank(uint32_t e)
 {
     const uint32_t low = e & 1023u;
     return (rev5(low >> 5) << 10) | (rev5(low & 31u) << 5) | (e >> 10);
 }
-__device__ __forceinline__ uint32_t rank_edge(uint32_t r)
+TE_FN uint32_t rank_edge(uint32_t r)
 {
     return ((r & 31u) << 10) | (rev5(r >> 10) << 5) | rev5((r >> 5) & 31u);
 }
+
+// Thread t's decoded values: dec[k][j] holds the states (k << (16-K)) | e for its edge pair j
+template <int K, int CB>
+TE_FN void decode_thread(int t, half2 (&dec)[Geometry<K>::Q][Geometry<K>::P])
+{
+    using Gm = Geometry<K>;
+    const int e0 = t * Gm::E;
+    #pragma unroll
+    for (int k = 0; k < Gm::Q; ++k)
+    {
+        #pragma unroll
+        for (int j = 0; j < Gm::P; ++j)
+        {
+            const uint32_t s = ((uint32_t) k << (16 - K)) | (uint32_t) (e0 + 2 * j);
+            dec[k][j] = __halves2half2(decode_state<CB>(s), decode_state<CB>(s + 1));
+        }
+    }
+}
+
+// One forward step for thread t: the minimum over the 2^K predecessors of every edge it owns, into `next`
+// (and `hrow` when not null). prev null: the first step, a plain square, and only from edge `pre` if >= 0
+template <int K>
+TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<K>::Q][Geometry<K>::P], half w, const half* prev,
+                          half* next, half* hrow, int pre)
+{
+    using Gm = Geometry<K>;
+    const int e0 = t * Gm::E;
+    const half2 w2 = __half2half2(w);
+    half2 m[Gm::P];
+    #pragma unroll
+    for (int k = 0; k < Gm::Q; ++k)
+    {
+        half c[Gm::G];
+        if (prev) load_halves<Gm::G>(c, prev + ((k << Gm::KSHIFT) | (e0 >> K)));
+        #pragma unroll
+        for (int j = 0; j < Gm::P; ++j)
+        {
+            const half2 d = __hsub2(dec[k][j], w2);
+            half2 v;
+            if (prev)
+            {
+                v = __hfma2(d, d, __half2half2(c[(2 * j) >> K]));
+            }
+            else
+            {
+                v = __hmul2(d, d);
+                if (pre >= 0 && ((k << Gm::KSHIFT) | ((e0 + 2 * j) >> K)) != pre) v = __half2half2(inf_half());
+            }
+            m[j] = k == 0 ? v : __hmin2(m[j], v);
+        }
+    }
+    store_pairs<Gm::P>(next + e0, m);
+    if (hrow) store_pairs<Gm::P>(hrow + e0, m);
+}
+
+// Thread t's smallest (cost bits << 16 | rank) over its edges of the final step
+template <int K>
+TE_FN uint32_t final_key_thread(int t, const half* costs)
+{
+    using Gm = Geometry<K>;
+    const int e0 = t * Gm::E;
+    uint32_t best = NO_KEY;
+    #pragma unroll
+    for (int j = 0; j < Gm::E; ++j)
+    {
+        const uint32_t e = (uint32_t) (e0 + j);
+        const uint32_t key = ((uint32_t) __half_as_ushort(costs[e]) << 16) | edge_rank(e);
+        best = key < best ? key : best;
+    }
+    return best;
+}
+
+// The final edge from the block's smallest key; every cost infinite: edge 0, as exllamav3 does
+TE_FN int final_edge(uint32_t best) { return best >= 0x7c000000u ? 0 : (int) rank_edge(best & 0xffffu); }
+
+// Traceback, candidate k of edge e at position index i: (cost bits << 16 | k), recomputed with the forward
+// pass's operations from the history row of step i - 1 (`hist_prev`; unused at i = 0)
+template <int K, int CB>
+TE_FN uint32_t candidate_key(int k, uint32_t e, half w, int i, int pre, const half* hist_prev)
+{
+    const uint32_t s = ((uint32_t) k << (16 - K)) | e;
+    const uint32_t in = s >> K;
+    const half d = __hsub(decode_state<CB>(s), w);
+    half v;
+    if (i == 0)
+    {
+        v = __hmul(d, d);
+        if (pre >= 0 && (int) in != pre) v = inf_half();
+    }
+    else
+    {
+        v = __hfma(d, d, hist_prev[in]);
+    }
+    return ((uint32_t) __half_as_ushort(v) << 16) | (uint32_t) k;
+}
+
+TE_FN uint32_t state_of(uint32_t best, uint32_t e, int K) { return ((best & 0xffffu) << (16 - K)) | e; }
+
+TE_FN int ring(int i, int roll) { return i + roll >= L ? i + roll - L : i + roll; }
+
+// Which steps' minima the traceback reads: pass 1 (roll L/2) traces back to ring position 0, index L/2,
+// and reads steps L/2 - 1 .. L - 2; pass 2 reads steps 0 .. L - 2
+TE_FN bool keep_step(int i, int keep_from) { return i >= keep_from && i <= L - 2; }
+
+#ifndef TRELLIS_HOST
 
 template <int K, int CB>
 __global__ void __launch_bounds__(NT, 1)
 trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_values,
                       int16_t* __restrict__ out_states, half* __restrict__ history, int num_tiles)
 {
-    constexpr int EDGES = 65536 >> K;       // cost entries per step
-    constexpr int E = EDGES / NT;           // edges per forward thread, a contiguous run
-    constexpr int P = E / 2;                // edge pairs (one half2 each)
-    constexpr int Q = 1 << K;               // predecessors per edge
-    constexpr int KSHIFT = 16 - 2 * K;      // where k sits in a predecessor edge
-    constexpr int G = (E >> K) > 0 ? (E >> K) : 1;  // distinct predecessor groups (e >> K) per thread
-    static_assert(E >= 2 && (E % 2) == 0, "K too large for this thread layout");
-    static_assert(KSHIFT >= 0, "K too large");
-
+    using Gm = Geometry<K>;
     extern __shared__ __align__(16) uint8_t smem[];
     half* costs0 = reinterpret_cast<half*>(smem);
-    half* costs1 = costs0 + EDGES;
-    half* sh_w = costs1 + EDGES;                                // the tile in fp16
-    uint32_t* sh_red = reinterpret_cast<uint32_t*>(sh_w + L);   // one word per forward warp
+    half* costs1 = costs0 + Gm::EDGES;
+    half* sh_w = costs1 + Gm::EDGES;                            // the tile in fp16
+    uint32_t* sh_red = reinterpret_cast<uint32_t*>(sh_w + L);   // one word per warp
     volatile int* sh_edge = reinterpret_cast<volatile int*>(sh_red + NT / 32);
 
     const int t = threadIdx.x;
-    const bool tracer = t < 32;
     const int lane = t & 31;
-    half* hist = history + (size_t) blockIdx.x * L * EDGES;
+    half* hist = history + (size_t) blockIdx.x * L * Gm::EDGES;
 
     // Decoded values of this thread's states, kept for every step of every tile
-    const int e0 = t * E;
-    half2 dec[Q][P];
-    #pragma unroll
-    for (int k = 0; k < Q; ++k)
-    {
-        #pragma unroll
-        for (int j = 0; j < P; ++j)
-        {
-            const uint32_t s = ((uint32_t) k << (16 - K)) | (uint32_t) (e0 + 2 * j);
-            dec[k][j] = __halves2half2(decode_state<CB>(s), decode_state<CB>(s + 1));
-        }
-    }
+    half2 dec[Gm::Q][Gm::P];
+    decode_thread<K, CB>(t, dec);
 
-    // One step of the forward pass at position index i (ring position ri): this thread's minima
-    auto forward_step = [&](int ri, const half* prev, half* next, half* hrow, int pre)
-    {
-        const half2 w2 = __half2half2(sh_w[ri]);
-        half2 m[P];
-        #pragma unroll
-        for (int k = 0; k < Q; ++k)
-        {
-            half c[G];
-            if (prev) load_halves<G>(c, prev + ((k << KSHIFT) | (e0 >> K)));
-            #pragma unroll
-            for (int j = 0; j < P; ++j)
-            {
-                const half2 d = __hsub2(dec[k][j], w2);
-                half2 v;
-                if (prev)
-                {
-                    v = __hfma2(d, d, __half2half2(c[(2 * j) >> K]));
-                }
-                else
-                {
-                    v = __hmul2(d, d);
-                    if (pre >= 0 && ((k << KSHIFT) | ((e0 + 2 * j) >> K)) != pre)
-                        v = __half2half2(__ushort_as_half(0x7c00));
-                }
-                m[j] = k == 0 ? v : __hmin2(m[j], v);
-            }
-        }
-        store_pairs<P>(next + e0, m);
-        if (hrow) store_pairs<P>(hrow + e0, m);
-    };
-
-    // Forward pass over all L steps (ring rolled by `roll`), constrained to start from edge `pre` if >= 0;
-    // the minima of steps keep_from .. L - 2 go to the history (the traceback reads step i - 1 at step i).
-    // Leaves the last step's minima in costs1 (L is even)
+    // Forward pass over all L steps (ring rolled by `roll`), from edge `pre` if >= 0; the last step's
+    // minima end in costs1 (L is even)
     auto forward = [&](int roll, int pre, int keep_from)
     {
         for (int i = 0; i < L; ++i)
         {
-            int ri = i + roll;
-            if (ri >= L) ri -= L;
             half* next = (i & 1) ? costs1 : costs0;
             const half* prev = i == 0 ? nullptr : ((i & 1) ? costs0 : costs1);
-            half* hrow = (i >= keep_from && i <= L - 2) ? hist + (size_t) i * EDGES : nullptr;
-            forward_step(ri, prev, next, hrow, pre);
+            half* hrow = keep_step(i, keep_from) ? hist + (size_t) i * Gm::EDGES : nullptr;
+            forward_thread<K>(t, dec, sh_w[ring(i, roll)], prev, next, hrow, pre);
             __syncthreads();
         }
     };
 
-    // Traceback by the tracer warp, from edge `e` at the last step. Pass 1 (write false) stops at ring
-    // position 0 and returns the edge before it; pass 2 writes states and values for every position
-    auto traceback = [&](int roll, int pre, int e, bool write, float* vals, int16_t* states)
+    // Traceback by warp 0 from edge `e` at the last step (lane = candidate). Pass 1 (states null) stops at
+    // ring position 0 and returns the edge before it; pass 2 writes states and values for every position
+    auto traceback = [&](int roll, int pre, int e, float* vals, int16_t* states)
     {
         for (int i = L - 1; i >= 0; --i)
         {
-            int ri = i + roll;
-            if (ri >= L) ri -= L;
+            const int ri = ring(i, roll);
             const half w = sh_w[ri];
-            uint32_t best = 0xffffffffu;
+            const half* hist_prev = hist + (size_t) (i > 0 ? i - 1 : 0) * Gm::EDGES;
+            uint32_t best = NO_KEY;
             #pragma unroll
-            for (int r = 0; r < (Q + 31) / 32; ++r)
+            for (int r = 0; r < (Gm::Q + 31) / 32; ++r)
             {
                 const int k = lane + 32 * r;
-                if (k < Q)
-                {
-                    const uint32_t s = ((uint32_t) k << (16 - K)) | (uint32_t) e;
-                    const uint32_t in = s >> K;
-                    const half d = __hsub(decode_state<CB>(s), w);
-                    half v;
-                    if (i == 0)
-                    {
-                        v = __hmul(d, d);
-                        if (pre >= 0 && (int) in != pre) v = __ushort_as_half(0x7c00);
-                    }
-                    else
-                    {
-                        v = __hfma(d, d, hist[(size_t) (i - 1) * EDGES + in]);
-                    }
-                    best = min(best, ((uint32_t) __half_as_ushort(v) << 16) | (uint32_t) k);
-                }
+                if (k < Gm::Q) best = min(best, candidate_key<K, CB>(k, (uint32_t) e, w, i, pre, hist_prev));
             }
-            best = __reduce_min_sync(FULL, best);
-            const uint32_t s = ((best & 0xffffu) << (16 - K)) | (uint32_t) e;
-            if (write && lane == 0)
+            best = __reduce_min_sync(0xffffffffu, best);
+            const uint32_t s = state_of(best, (uint32_t) e, K);
+            if (states && lane == 0)
             {
                 states[ri] = (int16_t) (uint16_t) s;
                 vals[ri] = __half2float(decode_state<CB>(s));
             }
             e = (int) (s >> K);
-            if (!write && ri == 0) break;
+            if (!states && ri == 0) break;
         }
         return e;
     };
@@ -258,26 +332,14 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
         __syncthreads();
 
         // Pass 1: from the ring's middle, unconstrained; then the final edge of least cost
-        {
-            forward(L / 2, -1, L / 2 - 1);
-            uint32_t best = 0xffffffffu;
-            #pragma unroll
-            for (int j = 0; j < E; ++j)
-            {
-                const uint32_t e = (uint32_t) (e0 + j);
-                best = min(best, ((uint32_t) __half_as_ushort(costs1[e]) << 16) | edge_rank(e));
-            }
-            best = __reduce_min_sync(FULL, best);
-            if (lane == 0) sh_red[t >> 5] = best;
-        }
+        forward(L / 2, -1, L / 2 - 1);
+        uint32_t best = __reduce_min_sync(0xffffffffu, final_key_thread<K>(t, costs1));
+        if (lane == 0) sh_red[t >> 5] = best;
         __syncthreads();
-        if (tracer)
+        if (t < 32)
         {
-            uint32_t best = lane < NT / 32 ? sh_red[lane] : 0xffffffffu;
-            best = __reduce_min_sync(FULL, best);
-            // every cost infinite: start from edge 0, as exllamav3 does
-            const int last = best >= 0x7c000000u ? 0 : (int) rank_edge(best & 0xffffu);
-            const int boundary = traceback(L / 2, -1, last, false, nullptr, nullptr);
+            best = __reduce_min_sync(0xffffffffu, lane < NT / 32 ? sh_red[lane] : NO_KEY);
+            const int boundary = traceback(L / 2, -1, final_edge(best), nullptr, nullptr);
             if (lane == 0) *sh_edge = boundary;
         }
         __syncthreads();
@@ -285,23 +347,28 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
 
         // Pass 2: from position 0, starting and ending in the boundary edge
         forward(0, boundary, 0);
-        __syncthreads();
-        if (tracer)
-            traceback(0, boundary, boundary, true, out_values + (size_t) tile * L,
-                      out_states + (size_t) tile * L);
+        if (t < 32) traceback(0, boundary, boundary, out_values + (size_t) tile * L, out_states + (size_t) tile * L);
         __syncthreads();
     }
 }
 
+#endif  // !TRELLIS_HOST
+}  // namespace trellis
+
+#ifndef TRELLIS_HOST
+namespace {
+
+using namespace trellis;
+
 template <int K, int CB>
 void launch(const torch::Tensor& tiles, torch::Tensor& values, torch::Tensor& states, int64_t max_blocks)
 {
-    constexpr int EDGES = 65536 >> K;
+    constexpr int EDGES = Geometry<K>::EDGES;
     const int num_tiles = (int) tiles.size(0);
     if (num_tiles == 0) return;
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     int blocks = std::min(num_tiles, sms);
-    if (max_blocks > 0) blocks = std::min<int64_t>(blocks, max_blocks);
+    if (max_blocks > 0) blocks = (int) std::min<int64_t>(blocks, max_blocks);
     auto history = torch::empty({(int64_t) blocks * L * EDGES}, tiles.options().dtype(torch::kHalf));
     const size_t shmem = (2 * EDGES + L) * sizeof(half) + (NT / 32 + 4) * sizeof(uint32_t);
     auto kernel = trellis_encode_kernel<K, CB>;
@@ -351,3 +418,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
     m.def("encode_tiles", &encode_tiles, "Viterbi encode of 16x16 EXL3 tiles (docs/encoder.md)");
 }
+#endif  // !TRELLIS_HOST

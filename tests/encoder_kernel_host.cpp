@@ -1,0 +1,175 @@
+// Runs the per-thread functions of quantizer/quantize/kernel/trellis_encode.cu on a CPU (docs/encoder.md,
+// "Our tile kernel"), one simulated thread after another between the kernel's barriers, so the search can be
+// checked without a GPU (tests/test_encoder_kernel_host.py).
+//
+// The fp16 type and the intrinsics the kernel uses are defined here with IEEE round-to-nearest-even on every
+// operation (GCC's _Float16 conversion from double rounds correctly): sums, differences and products of two
+// fp16 values are exact in double and rounded once; a fused multiply-add rounds the exact a*b + c once (its
+// double sum plus the exact rounding error of that sum decide a tie).
+//
+// stdin: int32 n, K, codebook (0 3INST, 1 mcg, 2 mul1), then n x 256 float32 tiles.
+// stdout: n x 256 int16 states, then n x 256 float32 reconstructed values.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+struct half { uint16_t x; };
+struct half2 { half a, b; };
+
+static inline double half_value(half h)
+{
+    _Float16 f;
+    std::memcpy(&f, &h.x, 2);
+    return (double) f;
+}
+
+// Round v to fp16 (the conversion is correctly rounded); a nonzero err (the exact value is v + err, err far
+// below one step of v) moves v one double step towards the exact value first, which decides a tie at a
+// midpoint and changes nothing else: no fp16 value or midpoint lies strictly between two adjacent doubles
+static inline half round_half(double v, double err = 0.0)
+{
+    if (err != 0.0) v = std::nextafter(v, err > 0.0 ? INFINITY : -INFINITY);
+    const _Float16 f = (_Float16) v;
+    half h;
+    std::memcpy(&h.x, &f, 2);
+    return h;
+}
+
+static inline half __ushort_as_half(unsigned short u) { return {u}; }
+static inline unsigned short __half_as_ushort(half h) { return h.x; }
+static inline float __half2float(half h) { return (float) half_value(h); }
+static inline half __float2half_rn(float f) { return round_half((double) f); }
+static inline half __hadd(half a, half b) { return round_half(half_value(a) + half_value(b)); }
+static inline half __hsub(half a, half b) { return round_half(half_value(a) - half_value(b)); }
+static inline half __hmul(half a, half b) { return round_half(half_value(a) * half_value(b)); }
+static inline half __hfma(half a, half b, half c)
+{
+    const double p = half_value(a) * half_value(b), cv = half_value(c), s = p + cv;
+    if (!std::isfinite(s)) return round_half(s);
+    const double bb = s - p, err = (p - (s - bb)) + (cv - bb);  // s + err == p + cv exactly
+    return round_half(s, err);
+}
+static inline half hmin(half a, half b) { return half_value(b) < half_value(a) ? b : a; }
+static inline half2 __half2half2(half h) { return {h, h}; }
+static inline half2 __halves2half2(half a, half b) { return {a, b}; }
+static inline half __low2half(half2 h) { return h.a; }
+static inline half __high2half(half2 h) { return h.b; }
+static inline half2 __hsub2(half2 a, half2 b) { return {__hsub(a.a, b.a), __hsub(a.b, b.b)}; }
+static inline half2 __hmul2(half2 a, half2 b) { return {__hmul(a.a, b.a), __hmul(a.b, b.b)}; }
+static inline half2 __hfma2(half2 a, half2 b, half2 c) { return {__hfma(a.a, b.a, c.a), __hfma(a.b, b.b, c.b)}; }
+static inline half2 __hmin2(half2 a, half2 b) { return {hmin(a.a, b.a), hmin(a.b, b.b)}; }
+
+#define TRELLIS_HOST 1
+#include "trellis_encode.cu"
+
+using namespace trellis;
+
+// The kernel's tile loop body, with its threads run in turn between barriers and warp 0's lanes in turn
+template <int K, int CB>
+static void encode_tile(const float* tile, float* vals, int16_t* states)
+{
+    using Gm = Geometry<K>;
+    using Dec = half2[Gm::Q][Gm::P];
+    static std::unique_ptr<Dec[]> dec;
+    if (!dec)
+    {
+        dec.reset(new Dec[NT]);
+        for (int t = 0; t < NT; ++t) decode_thread<K, CB>(t, dec[t]);
+    }
+    std::vector<half> costs0(Gm::EDGES), costs1(Gm::EDGES), hist((size_t) L * Gm::EDGES), w(L);
+    for (int i = 0; i < L; ++i) w[i] = __float2half_rn(tile[i]);
+
+    auto forward = [&](int roll, int pre, int keep_from)
+    {
+        for (int i = 0; i < L; ++i)
+        {
+            half* next = (i & 1) ? costs1.data() : costs0.data();
+            const half* prev = i == 0 ? nullptr : ((i & 1) ? costs0.data() : costs1.data());
+            half* hrow = keep_step(i, keep_from) ? hist.data() + (size_t) i * Gm::EDGES : nullptr;
+            for (int t = 0; t < NT; ++t) forward_thread<K>(t, dec[t], w[ring(i, roll)], prev, next, hrow, pre);
+        }
+    };
+    auto traceback = [&](int roll, int pre, int e, float* out_vals, int16_t* out_states)
+    {
+        for (int i = L - 1; i >= 0; --i)
+        {
+            const int ri = ring(i, roll);
+            const half* hist_prev = hist.data() + (size_t) (i > 0 ? i - 1 : 0) * Gm::EDGES;
+            uint32_t best = NO_KEY;
+            for (int k = 0; k < Gm::Q; ++k)
+            {
+                const uint32_t key = candidate_key<K, CB>(k, (uint32_t) e, w[ri], i, pre, hist_prev);
+                best = key < best ? key : best;
+            }
+            const uint32_t s = state_of(best, (uint32_t) e, K);
+            if (out_states)
+            {
+                out_states[ri] = (int16_t) (uint16_t) s;
+                out_vals[ri] = __half2float(decode_state<CB>(s));
+            }
+            e = (int) (s >> K);
+            if (!out_states && ri == 0) break;
+        }
+        return e;
+    };
+
+    forward(L / 2, -1, L / 2 - 1);
+    uint32_t best = NO_KEY;
+    for (int t = 0; t < NT; ++t)
+    {
+        const uint32_t key = final_key_thread<K>(t, costs1.data());
+        best = key < best ? key : best;
+    }
+    const int boundary = traceback(L / 2, -1, final_edge(best), nullptr, nullptr);
+    forward(0, boundary, 0);
+    traceback(0, boundary, boundary, vals, states);
+}
+
+template <int K>
+static bool run_cb(int cb, const float* tile, float* vals, int16_t* states)
+{
+    switch (cb)
+    {
+        case 0: encode_tile<K, 0>(tile, vals, states); return true;
+        case 1: encode_tile<K, 1>(tile, vals, states); return true;
+        case 2: encode_tile<K, 2>(tile, vals, states); return true;
+        default: return false;
+    }
+}
+
+static bool run(int K, int cb, const float* tile, float* vals, int16_t* states)
+{
+    switch (K)
+    {
+        case 1: return run_cb<1>(cb, tile, vals, states);
+        case 2: return run_cb<2>(cb, tile, vals, states);
+        case 3: return run_cb<3>(cb, tile, vals, states);
+        case 4: return run_cb<4>(cb, tile, vals, states);
+        case 5: return run_cb<5>(cb, tile, vals, states);
+        case 6: return run_cb<6>(cb, tile, vals, states);
+        default: return false;
+    }
+}
+
+int main()
+{
+    int32_t hdr[3];
+    if (std::fread(hdr, sizeof(int32_t), 3, stdin) != 3) { std::fprintf(stderr, "no header\n"); return 2; }
+    const int n = hdr[0], K = hdr[1], cb = hdr[2];
+    std::vector<float> tiles((size_t) n * L), vals((size_t) n * L);
+    std::vector<int16_t> states((size_t) n * L);
+    if (std::fread(tiles.data(), sizeof(float), tiles.size(), stdin) != tiles.size()) { std::fprintf(stderr, "short input\n"); return 2; }
+    for (int i = 0; i < n; ++i)
+        if (!run(K, cb, &tiles[(size_t) i * L], &vals[(size_t) i * L], &states[(size_t) i * L]))
+        {
+            std::fprintf(stderr, "K %d codebook %d not built\n", K, cb);
+            return 2;
+        }
+    std::fwrite(states.data(), sizeof(int16_t), states.size(), stdout);
+    std::fwrite(vals.data(), sizeof(float), vals.size(), stdout);
+    return 0;
+}
