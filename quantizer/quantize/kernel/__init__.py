@@ -48,7 +48,7 @@ def _extension():
         raise KernelUnavailable("no CUDA toolkit (nvcc) to build it")
     try:
         return cpp_extension.load(name=_module_name(), sources=[str(SOURCE)],
-                                  extra_cuda_cflags=["-O3", "-std=c++17"], verbose=False)
+                                  extra_cuda_cflags=["-O3"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure becomes the one-line reason for the fallback
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise KernelUnavailable(f"building {SOURCE.name} failed: {type(e).__name__}: {first}") from e

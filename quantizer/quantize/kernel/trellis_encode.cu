@@ -183,11 +183,11 @@ TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<K>::Q][Geometry<K>:
     using Gm = Geometry<K>;
     const int e0 = t * Gm::E;
     const half2 w2 = __half2half2(w);
-    half2 m[Gm::P];
+    alignas(16) half2 m[Gm::P];  // aligned for the vector stores of store_pairs
     #pragma unroll
     for (int k = 0; k < Gm::Q; ++k)
     {
-        half c[Gm::G];
+        alignas(16) half c[Gm::G];  // aligned for the vector loads of load_halves
         if (prev) load_halves<Gm::G>(c, prev + ((k << Gm::KSHIFT) | (e0 >> K)));
         #pragma unroll
         for (int j = 0; j < Gm::P; ++j)
