@@ -14,6 +14,7 @@ computes the same on a device is tests/gpu/test_encoder_kernel.py's question.
 
 from __future__ import annotations
 
+import os
 import shutil
 import struct
 import subprocess
@@ -29,6 +30,7 @@ HOST = Path(__file__).with_name("encoder_kernel_host.cpp")
 KERNEL_DIR = ROOT / "quantizer" / "quantize" / "kernel"
 CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}
 L = 256
+FULL_GRID = "QUANTIZER_KERNEL_GRID"  # CI runs K 2 mul1; the grid is run where the kernel changes
 
 
 def rank(e: np.ndarray) -> np.ndarray:
@@ -141,6 +143,8 @@ def test_mul1_k2_matches_reference(host_kernel):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get(FULL_GRID), reason=f"the whole K and codebook grid takes about 6 minutes on "
+                    f"2 cores; {FULL_GRID}=1 runs it (docs/encoder.md)")
 @pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
 @pytest.mark.parametrize("K", [1, 2, 3, 4, 5, 6])
 def test_every_k_and_codebook_matches_reference(host_kernel, K, codebook):
