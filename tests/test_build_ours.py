@@ -15,8 +15,6 @@ from quantizer.contract.plan import Plan
 from quantizer.pack.manifest import MANIFEST_NAME
 from quantizer.shipped import shipped
 
-pytestmark = pytest.mark.slow  # builds packs of the bundled model: `make test-fast` skips it
-
 SMALL = str(shipped("small_model"))
 
 
@@ -63,6 +61,7 @@ def test_inputs_that_cannot_make_a_plan_exit_2(tmp_path, capsys, extra, message)
     assert not (tmp_path / "pack").exists() and not (tmp_path / "pack.work" / "calibration").exists()
 
 
+@pytest.mark.slow  # a whole build (the tests of `built` are slow through tests/conftest.py)
 def test_sparks_builds_the_most_bits_that_fit(tmp_path, capsys):
     args = ["build", SMALL, "--sparks", "1", "--context", "64K", "--method", "uniform", "--no-calibrate",
             "--out", str(tmp_path / "pack")]
@@ -73,6 +72,7 @@ def test_sparks_builds_the_most_bits_that_fit(tmp_path, capsys):
     assert plan.achieved_bpw == pytest.approx(8.0)  # a 6.5M-parameter model fits at the highest rate
 
 
+@pytest.mark.slow  # allocates at the real V4.1-Flash shape (18 s on 2 busy cores)
 def test_a_target_nothing_fits_is_refused_before_calibration(full_v41, tmp_path, capsys):
     out, ids = tmp_path / "pack", tmp_path / "ids.npy"
     np.save(ids, np.random.default_rng(0).integers(3, 1000, size=(2, 64)))

@@ -24,8 +24,7 @@ from quantizer.quantize.results import RESULTS_DIR
 from quantizer.shipped import shipped
 from quantizer.textdata import shipped_text_path
 
-pytestmark = pytest.mark.slow  # builds packs of the bundled model: `make test-fast` skips it
-
+# The tests of the demo run are slow (it builds packs); its refusals and the V4 model's shape run in test-fast.
 KEYS = {"bpw", "method", "achieved_bpw", "bytes", "ppl", "kl", "kl_stderr", "top1", "top1_stderr", "nll_delta",
         "nll_delta_stderr", "loader", "verified", "fits_1_spark", "weights_gib"}
 
@@ -54,6 +53,7 @@ def rows(run):
     return {r["method"]: r for r in run[0]}
 
 
+@pytest.mark.slow
 def test_rows_name_every_method_with_size_fit_and_quality(rows):
     assert set(rows) == {"uniform", "ours"}
     for r in rows.values():
@@ -62,12 +62,14 @@ def test_rows_name_every_method_with_size_fit_and_quality(rows):
         assert r["achieved_bpw"] <= 2.5 + 1e-9
 
 
+@pytest.mark.slow
 def test_ours_costs_less_kl_than_uniform_at_equal_bytes(rows):
     ours, uniform = rows["ours"], rows["uniform"]
     assert abs(ours["bytes"] - uniform["bytes"]) <= 0.01 * uniform["bytes"]
     assert ours["kl"] < uniform["kl"]
 
 
+@pytest.mark.slow
 def test_plot_draws_kl_and_top1_with_error_bars_per_method(run):
     json_rows, (fig,), png = run
     with Image.open(png) as img:
@@ -83,6 +85,7 @@ def test_plot_draws_kl_and_top1_with_error_bars_per_method(run):
             assert high - low == pytest.approx(2 * scale * r[key + "_stderr"]) and r[key + "_stderr"] > 0
 
 
+@pytest.mark.slow
 def test_a_demo_row_is_what_quantizer_build_writes(run, rows, tmp_path, capfd, monkeypatch):
     """The demo's packs rebuilt by `quantizer build` in the demo's order (uniform, then ours allocating
     on the errors measured so far), in a work directory holding what the demo's held before its first
@@ -134,6 +137,7 @@ def _encodings_of(pack: Path, results: Path) -> set[str]:
     return found
 
 
+@pytest.mark.slow
 def test_a_rerun_in_the_same_work_directory_encodes_nothing_and_prints_the_same_rows(run, capfd):
     capfd.readouterr()
     assert _demo(run[2].parent) == run[0]
@@ -141,6 +145,7 @@ def test_a_rerun_in_the_same_work_directory_encodes_nothing_and_prints_the_same_
     assert encoded and set(encoded) == {"0"}  # every build found all its units in the cache
 
 
+@pytest.mark.slow
 def test_eval_text_measures_the_same_packs_on_another_text(run, rows, capfd):
     """`--eval-text heldout-tests` in the same work directory: the same packs (nothing encoded, the same
     bytes), measured on the second held-out set, as `quantizer ppl --text heldout-tests` measures them."""
