@@ -204,6 +204,7 @@ def test_out_energy_is_trace_of_w_h_wt(ck, default_run, forward):
     assert result.summary.tensors[key].out_energy == pytest.approx(expected, rel=1e-4)
 
 
+@pytest.mark.slow  # a calibration of its own, without all experts (31-40 s on 2 busy cores)
 def test_without_all_experts_routed_downs_use_routed_tokens_only_at_prior_zero(ck, rows, default_run, forward,
                                                                               tmp_path):
     _, default_store = default_run
@@ -222,6 +223,7 @@ def test_without_all_experts_routed_downs_use_routed_tokens_only_at_prior_zero(c
     assert [s.expert_tokens for s in result.summary.layers] == [s.expert_tokens for s in default_run[0].summary.layers]
 
 
+@pytest.mark.slow  # a calibration of its own, without all experts (31-40 s on 2 busy cores)
 def test_without_all_experts_a_sampled_prior_keeps_a_dead_expert_usable(ck, rows, tmp_path):
     _, store = _run(ck, rows, tmp_path, all_experts=False)
     h, count = store.hessian(f"layers.{DEAD_LAYER}.ffn.experts.{DEAD_EXPERT}.w2")

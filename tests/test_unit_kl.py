@@ -64,6 +64,7 @@ def test_probe_matches_a_whole_forward_and_is_zero_without_change(model, rows):
         probe.kl({"head.weight": w})
 
 
+@pytest.mark.slow  # `measured`: a calibration with every unit's KL probed (99 s on 2 busy cores)
 def test_kl_grows_with_the_noise_level(model, rows, measured):
     _, store = measured
     key = "layers.1.attn.wkv"
@@ -76,6 +77,7 @@ def test_kl_grows_with_the_noise_level(model, rows, measured):
     assert 0 < kls[0] < kls[1] < kls[2]
 
 
+@pytest.mark.slow  # `measured`: a calibration with every unit's KL probed (99 s on 2 busy cores)
 def test_calibrate_records_every_layers_units(ck, measured):
     summary, _ = measured
     assert summary.gains == MEASURED_KL and summary.kl_relative_error > 0
@@ -94,6 +96,7 @@ def test_measurement_can_be_turned_off(ck, rows, tmp_path):
         CalibrationSettings(kl_rows=0)
 
 
+@pytest.mark.slow  # `measured`: a calibration with every unit's KL probed (99 s on 2 busy cores)
 def test_modelled_unit_cost_at_the_probe_noise_is_the_measured_kl(ck, measured):
     summary, _ = measured
     sens = sensitivity(ck.config, summary)
