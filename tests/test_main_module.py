@@ -39,8 +39,11 @@ def test_ctrl_c_while_torch_is_imported_is_one_line_and_exit_130(how, tmp_path):
     """Ctrl-C in the first second of any command, while `import torch` runs (before the command began),
     is the one line a Ctrl-C always gives, not a traceback. The signal is sent once torch's shared
     libraries are mapped into the process: it is then inside `import torch`, which takes most of a second."""
+    # As a shell starts it: SIGINT at its default. A child inherits an ignored SIGINT, and a library that
+    # ran earlier in this test process may have left it ignored (Python then keeps it ignored in the child).
     proc = subprocess.Popen([sys.executable, *how, "verify", str(tmp_path / "nothing")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while "libtorch" not in _maps(proc.pid):
         assert proc.poll() is None, proc.communicate()
