@@ -276,3 +276,18 @@ def test_a_repo_without_an_index_is_read_as_one_file_but_a_refused_index_is_not(
                         lambda *a, **k: download(*a, **k, index_error=lambda: _hub_error(403, "GatedRepo")))
     assert main(["inspect", "someone/some-model"]) == 2
     one_line(capsys.readouterr().err, "a gated repository")
+
+
+def test_tables_from_a_directory_without_its_index_or_a_shard_are_one_line(tiny_v41, tmp_path):
+    """What `ppl` and `eval` meet when a tensorfold pack's Engram directory was copied only in part."""
+    ck = Checkpoint.open(tiny_v41)
+    sibling = tmp_path / "pack-Engram"
+    sibling.mkdir()
+    with pytest.raises(UserError, match=r"pack-Engram: no model.safetensors.index.json; .* Engram tables are kept there"):
+        ck.with_tables_from(sibling)
+    (sibling / INDEX_NAME).write_text(json.dumps({"weight_map": {"layers.1.engram.embed.weight": "gone.safetensors"}}))
+    with pytest.raises(UserError, match=r"gone.safetensors: missing; .* names it"):
+        ck.with_tables_from(sibling)
+    write_safetensors(sibling / "gone.safetensors", [planned("something.else", torch.zeros(2))])
+    with pytest.raises(UserError, match="which its shards do not hold"):
+        ck.with_tables_from(sibling)

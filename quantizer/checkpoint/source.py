@@ -89,16 +89,16 @@ class Checkpoint:
             raise UserError(f"{directory}: no {INDEX_NAME}; {self.root}'s Engram tables are kept there: copy that "
                             "directory beside the pack as the build wrote it")
         weight_map = _read_index(index)
-        tensors = dict(self.tensors)
+        found = {}
         for file in sorted(set(weight_map.values())):
             if not (directory / file).is_file():
                 raise UserError(f"{directory / file}: missing; {index} names it (copy the directory again)")
             header = read_header(directory / file)
-            tensors.update({n: e for n, e in header.tensors.items() if weight_map.get(n) == file})
-        missing = sorted(set(weight_map) - set(tensors))
+            found.update({n: e for n, e in header.tensors.items() if weight_map.get(n) == file})
+        missing = sorted(set(weight_map) - set(found))
         if missing:
             raise UserError(f"{index} names {missing[0]}, which its shards do not hold; copy the directory again")
-        return replace(self, tensors=tensors)
+        return replace(self, tensors={**self.tensors, **found})
 
     # ---- access ------------------------------------------------------------------------------
 
