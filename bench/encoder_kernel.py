@@ -4,7 +4,7 @@ For each K of --ks and codebook of --codebooks: --tiles i.i.d. N(0,1) 16x16 tile
 near that after the Hadamard rotations), encoded by exllamav3 1.6.5's generic kernel (what sm_90 runs by
 default), by its optimized kernel (EXL3_QT_OPTIMIZED=1, switched in-process as bench/encoder_variants.py
 does: the variable is read per launch, the scratch-buffer cache is cleared) and by ours
-(quantizer/quantize/kernel). Each is warmed up once, then timed --repeat times (torch.cuda.synchronize
+(quantizer/codec/kernel). Each is warmed up once, then timed --repeat times (torch.cuda.synchronize
 and perf_counter around the call; the best is kept), in weights per second; the ratio ours / generic and
 ours / optimized; and whether our states and values are torch.equal to each of theirs.
 
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quantizer.quantize import kernel
+from quantizer.codec import kernel
 from quantizer.report import table
 
 ENV = "EXL3_QT_OPTIMIZED"

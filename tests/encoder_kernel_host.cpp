@@ -1,4 +1,4 @@
-// Runs the per-thread functions of quantizer/quantize/kernel/trellis_encode.cu on a CPU (docs/encoder.md,
+// Runs the per-thread functions of quantizer/codec/kernel/trellis_encode.cu on a CPU (docs/encoder.md,
 // "Our tile kernel"), one simulated thread after another between the kernel's barriers, so the search can be
 // checked without a GPU (tests/test_encoder_kernel_host.py).
 //
@@ -61,6 +61,7 @@ static inline half __high2half(half2 h) { return h.b; }
 static inline half2 __hsub2(half2 a, half2 b) { return {__hsub(a.a, b.a), __hsub(a.b, b.b)}; }
 static inline half2 __hmul2(half2 a, half2 b) { return {__hmul(a.a, b.a), __hmul(a.b, b.b)}; }
 static inline half2 __hfma2(half2 a, half2 b, half2 c) { return {__hfma(a.a, b.a, c.a), __hfma(a.b, b.b, c.b)}; }
+static inline half __hmin(half a, half b) { return hmin(a, b); }
 static inline half2 __hmin2(half2 a, half2 b) { return {hmin(a.a, b.a), hmin(a.b, b.b)}; }
 
 #define TRELLIS_HOST 1
@@ -80,7 +81,7 @@ static void encode_tile(const float* tile, float* vals, int16_t* states)
         dec.reset(new Dec[NT]);
         for (int t = 0; t < NT; ++t) decode_thread<K, CB>(t, dec[t]);
     }
-    std::vector<half> costs0(Gm::EDGES), costs1(Gm::EDGES), hist((size_t) L * Gm::EDGES), w(L);
+    std::vector<half> costs0(Gm::EDGES), costs1(Gm::EDGES), hist((size_t) Gm::ROWS * Gm::EDGES), w(L);
     for (int i = 0; i < L; ++i) w[i] = __float2half_rn(tile[i]);
 
     auto forward = [&](int roll, int pre, int keep_from)
@@ -89,7 +90,7 @@ static void encode_tile(const float* tile, float* vals, int16_t* states)
         {
             half* next = (i & 1) ? costs1.data() : costs0.data();
             const half* prev = i == 0 ? nullptr : ((i & 1) ? costs0.data() : costs1.data());
-            half* hrow = keep_step(i, keep_from) ? hist.data() + (size_t) i * Gm::EDGES : nullptr;
+            half* hrow = kept_row<K>(hist.data(), i, keep_from);
             for (int t = 0; t < NT; ++t) forward_thread<K>(t, dec[t], w[ring(i, roll)], prev, next, hrow, pre);
         }
     };
@@ -98,11 +99,11 @@ static void encode_tile(const float* tile, float* vals, int16_t* states)
         for (int i = L - 1; i >= 0; --i)
         {
             const int ri = ring(i, roll);
-            const half* hist_prev = hist.data() + (size_t) (i > 0 ? i - 1 : 0) * Gm::EDGES;
+            const half w_prev = w[ring(i > 0 ? i - 1 : 0, roll)];
             uint32_t best = NO_KEY;
             for (int k = 0; k < Gm::Q; ++k)
             {
-                const uint32_t key = candidate_key<K, CB>(k, (uint32_t) e, w[ri], i, pre, hist_prev);
+                const uint32_t key = candidate_key<K, CB>(k, (uint32_t) e, w[ri], i, pre, hist.data(), w_prev);
                 best = key < best ? key : best;
             }
             const uint32_t s = state_of(best, (uint32_t) e, K);

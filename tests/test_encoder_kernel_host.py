@@ -1,6 +1,6 @@
 """Our tile kernel's search, run on a CPU, against exllamav3's search written out in numpy.
 
-tests/encoder_kernel_host.cpp compiles the per-thread functions of quantizer/quantize/kernel/trellis_encode.cu
+tests/encoder_kernel_host.cpp compiles the per-thread functions of quantizer/codec/kernel/trellis_encode.cu
 for the host and runs them thread by thread between the kernel's barriers. `reference_encode` below is the
 search exllamav3 1.6.5's generic kernel does (docs/encoder.md, "Our tile kernel"; docs/exl3-format.md,
 encoder): every step records the first predecessor of least cost for every edge, the traceback follows those

@@ -14,7 +14,10 @@
 //   candidate), no argmin index; each step's minima go to a global history;
 // - the traceback recomputes, for the edge on the path, the 2^K candidate costs with the same fp16 operations
 //   (sub, then fma with the stored predecessor cost; a plain square at step 0) and takes the smallest cost,
-//   lowest k first: the same value and the same first-index tie rule as a running strict-less argmin.
+//   lowest k first: the same value and the same first-index tie rule as a running strict-less argmin;
+// - at K 1 and 2, where a step's minima are 64 and 32 KiB and writing them bounds the search, the history
+//   keeps every other step's only; the traceback recomputes a skipped step's minimum from the step before
+//   it with the forward pass's operations (a minimum of the same values in any order is the same value).
 // The final-edge choice after pass 1 uses exllamav3's tie order over equal costs (bit-reversed warp, then
 // bit-reversed lane, then 1024-state stripe), written out below as `edge_rank`.
 
@@ -50,6 +53,8 @@ struct Geometry
     static constexpr int Q = 1 << K;                          // predecessors per edge
     static constexpr int KSHIFT = 16 - 2 * K;                 // where k sits in a predecessor edge
     static constexpr int G = (E >> K) > 0 ? (E >> K) : 1;     // distinct predecessor groups (e >> K) per thread
+    static constexpr int STRIDE = K <= 2 ? 2 : 1;             // the history keeps every STRIDE-th step's minima
+    static constexpr int ROWS = L / STRIDE;                   // history rows per block
     static_assert(E >= 2 && (E % 2) == 0 && KSHIFT >= 0, "K outside this thread layout");
 };
 
@@ -230,10 +235,42 @@ TE_FN uint32_t final_key_thread(int t, const half* costs)
 // The final edge from the block's smallest key; every cost infinite: edge 0, as exllamav3 does
 TE_FN int final_edge(uint32_t best) { return best >= 0x7c000000u ? 0 : (int) rank_edge(best & 0xffffu); }
 
-// Traceback, candidate k of edge e at position index i: (cost bits << 16 | k), recomputed with the forward
-// pass's operations from the history row of step i - 1 (`hist_prev`; unused at i = 0)
+// The history row that keeps step i's minima, or -1 for a step it skips (STRIDE 2: the even ones)
+template <int K>
+TE_FN int history_row(int i) { return Geometry<K>::STRIDE == 1 ? i : ((i & 1) ? (i >> 1) : -1); }
+
+// The minimum cost of edge x after step r as the forward pass computed it: from the history, or for a step
+// the history skips, recomputed over x's 2^K predecessors from step r - 1's row (a plain square at step 0)
 template <int K, int CB>
-TE_FN uint32_t candidate_key(int k, uint32_t e, half w, int i, int pre, const half* hist_prev)
+TE_FN half step_cost(uint32_t x, int r, half w_r, int pre, const half* hist)
+{
+    using Gm = Geometry<K>;
+    if (history_row<K>(r) >= 0) return hist[(size_t) history_row<K>(r) * Gm::EDGES + x];
+    half m = inf_half();
+    #pragma unroll
+    for (int k = 0; k < Gm::Q; ++k)
+    {
+        const uint32_t s = ((uint32_t) k << (16 - K)) | x;
+        const half d = __hsub(decode_state<CB>(s), w_r);
+        half v;
+        if (r == 0)
+        {
+            v = __hmul(d, d);
+            if (pre >= 0 && (int) (s >> K) != pre) v = inf_half();
+        }
+        else
+        {
+            v = __hfma(d, d, hist[(size_t) history_row<K>(r - 1) * Gm::EDGES + (s >> K)]);
+        }
+        m = k == 0 ? v : __hmin(m, v);
+    }
+    return m;
+}
+
+// Traceback, candidate k of edge e at position index i: (cost bits << 16 | k), recomputed with the forward
+// pass's operations from step i - 1's minima (`w_prev`: that step's weight; unused at i = 0)
+template <int K, int CB>
+TE_FN uint32_t candidate_key(int k, uint32_t e, half w, int i, int pre, const half* hist, half w_prev)
 {
     const uint32_t s = ((uint32_t) k << (16 - K)) | e;
     const uint32_t in = s >> K;
@@ -246,7 +283,7 @@ TE_FN uint32_t candidate_key(int k, uint32_t e, half w, int i, int pre, const ha
     }
     else
     {
-        v = __hfma(d, d, hist_prev[in]);
+        v = __hfma(d, d, step_cost<K, CB>(in, i - 1, w_prev, pre, hist));
     }
     return ((uint32_t) __half_as_ushort(v) << 16) | (uint32_t) k;
 }
@@ -256,8 +293,14 @@ TE_FN uint32_t state_of(uint32_t best, uint32_t e, int K) { return ((best & 0xff
 TE_FN int ring(int i, int roll) { return i + roll >= L ? i + roll - L : i + roll; }
 
 // Which steps' minima the traceback reads: pass 1 (roll L/2) traces back to ring position 0, index L/2,
-// and reads steps L/2 - 1 .. L - 2; pass 2 reads steps 0 .. L - 2
-TE_FN bool keep_step(int i, int keep_from) { return i >= keep_from && i <= L - 2; }
+// and reads steps L/2 - 1 .. L - 2; pass 2 reads steps 0 .. L - 2. The history keeps those of them that
+// history_row gives a row (L/2 - 1 is odd, so pass 1's first read step is kept at either stride)
+template <int K>
+TE_FN half* kept_row(half* hist, int i, int keep_from)
+{
+    return i >= keep_from && i <= L - 2 && history_row<K>(i) >= 0
+        ? hist + (size_t) history_row<K>(i) * Geometry<K>::EDGES : nullptr;
+}
 
 #ifndef TRELLIS_HOST
 
@@ -276,7 +319,7 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
 
     const int t = threadIdx.x;
     const int lane = t & 31;
-    half* hist = history + (size_t) blockIdx.x * L * Gm::EDGES;
+    half* hist = history + (size_t) blockIdx.x * Gm::ROWS * Gm::EDGES;
 
     // Decoded values of this thread's states, kept for every step of every tile
     half2 dec[Gm::Q][Gm::P];
@@ -290,8 +333,7 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
         {
             half* next = (i & 1) ? costs1 : costs0;
             const half* prev = i == 0 ? nullptr : ((i & 1) ? costs0 : costs1);
-            half* hrow = keep_step(i, keep_from) ? hist + (size_t) i * Gm::EDGES : nullptr;
-            forward_thread<K>(t, dec, sh_w[ring(i, roll)], prev, next, hrow, pre);
+            forward_thread<K>(t, dec, sh_w[ring(i, roll)], prev, next, kept_row<K>(hist, i, keep_from), pre);
             __syncthreads();
         }
     };
@@ -304,13 +346,13 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
         {
             const int ri = ring(i, roll);
             const half w = sh_w[ri];
-            const half* hist_prev = hist + (size_t) (i > 0 ? i - 1 : 0) * Gm::EDGES;
+            const half w_prev = sh_w[ring(i > 0 ? i - 1 : 0, roll)];
             uint32_t best = NO_KEY;
             #pragma unroll
             for (int r = 0; r < (Gm::Q + 31) / 32; ++r)
             {
                 const int k = lane + 32 * r;
-                if (k < Gm::Q) best = min(best, candidate_key<K, CB>(k, (uint32_t) e, w, i, pre, hist_prev));
+                if (k < Gm::Q) best = min(best, candidate_key<K, CB>(k, (uint32_t) e, w, i, pre, hist, w_prev));
             }
             best = __reduce_min_sync(0xffffffffu, best);
             const uint32_t s = state_of(best, (uint32_t) e, K);
@@ -364,12 +406,13 @@ template <int K, int CB>
 void launch(const torch::Tensor& tiles, torch::Tensor& values, torch::Tensor& states, int64_t max_blocks)
 {
     constexpr int EDGES = Geometry<K>::EDGES;
+    constexpr int ROWS = Geometry<K>::ROWS;  // a plain constant: a dependent one would make `history` a dependent type
     const int num_tiles = (int) tiles.size(0);
     if (num_tiles == 0) return;
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     int blocks = std::min(num_tiles, sms);
     if (max_blocks > 0) blocks = (int) std::min<int64_t>(blocks, max_blocks);
-    auto history = torch::empty({(int64_t) blocks * L * EDGES}, tiles.options().dtype(torch::kHalf));
+    auto history = torch::empty({(int64_t) blocks * ROWS * EDGES}, tiles.options().dtype(torch::kHalf));
     const size_t shmem = (2 * EDGES + L) * sizeof(half) + (NT / 32 + 4) * sizeof(uint32_t);
     auto kernel = trellis_encode_kernel<K, CB>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) shmem));

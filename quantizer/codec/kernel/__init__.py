@@ -8,12 +8,18 @@ at integer K 1-6 with the 3INST, mcg or mul1 codebook and returns the same codes
 
 `quantize_tiles(tiles, quant_args)` takes exllamav3's arguments and returns its outputs (reconstructed
 tiles, int16 states); where our kernel cannot run (no CUDA, no compiler, a half-integer K, K above 6) it
-says why in one line, once per reason, and calls exllamav3's own function.
+says why in one line, once per reason, and calls exllamav3's own function. `in_exllamav3()` puts it in
+place of exllamav3's for the length of a `with` block, so exllamav3's whole conversion (scale search,
+LDLQ, packing) runs unchanged around our tile search: one GPU's calls of `quantize_tiles` go through that
+module's global, and half-integer K takes exllamav3's own fractional path before it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import importlib
 import sys
 from pathlib import Path
 
@@ -22,6 +28,7 @@ import torch
 from quantizer.caches import process_cache
 
 SOURCE = Path(__file__).with_name("trellis_encode.cu")
+EXLLAMAV3_ENCODER = "exllamav3.modules.quant.exl3_lib.quantize"  # the module whose quantize_tiles we stand in for
 KS = (1, 2, 3, 4, 5, 6)
 TILE = 256
 CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}
@@ -50,8 +57,15 @@ def _extension():
         return cpp_extension.load(name=_module_name(), sources=[str(SOURCE)],
                                   extra_cuda_cflags=["-O3"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure becomes the one-line reason for the fallback
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise KernelUnavailable(f"building {SOURCE.name} failed: {type(e).__name__}: {first}") from e
+        raise KernelUnavailable(f"building {SOURCE.name} failed: {type(e).__name__}: {_build_error(str(e))}") from e
+
+
+def _build_error(text: str) -> str:
+    """The compiler's first error line of a failed build's output (ninja's first line says only which command
+    failed), else that first line."""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    return next((line for line in lines if "error" in line.lower() and "Error building extension" not in line),
+                lines[0] if lines else "")
 
 
 def unavailable_reason() -> str | None:
@@ -70,7 +84,8 @@ def codebook_index(quant_args: dict) -> int:
 
 def encode_tiles(tiles: torch.Tensor, K: int, codebook: int, *, max_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Our kernel on (N, 256) float32 CUDA tiles: (reconstructed values float32, states int16), each (N, 256).
-    `max_blocks` > 0 caps the blocks per launch (the history scratch is 128 KiB x 2^(16-K) per block)."""
+    `max_blocks` > 0 caps the blocks per launch (each block's history scratch holds 256 x 2^(16-K)
+    fp16 minima, 4 MiB at K 3; at K 1 and 2 half as many rows, 8 and 4 MiB)."""
     if K not in KS:
         raise ValueError(f"encode_tiles: K {K!r}; our kernel does integer K {KS[0]}-{KS[-1]}")
     if codebook not in CODEBOOKS.values():
@@ -104,20 +119,24 @@ def fallback_reason(tiles: torch.Tensor, quant_args: dict) -> str | None:
     return unavailable_reason()
 
 
-def quantize_tiles(tiles: torch.Tensor, quant_args: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tiles(tiles: torch.Tensor, quant_args: dict, theirs=None) -> tuple[torch.Tensor, torch.Tensor]:
     """exllamav3's `quantize_tiles(tiles, quant_args)` with our kernel where it can run (see the module
-    docstring); the outputs have exllamav3's dtypes and shapes."""
+    docstring); the outputs have exllamav3's dtypes and shapes. `theirs`: exllamav3's function to fall back
+    on (default: its module's current one)."""
     if (why := fallback_reason(tiles, quant_args)) is None:
         with torch.cuda.device(tiles.device):
             return encode_tiles(tiles, int(quant_args["K"]), codebook_index(quant_args))
     _say_once(why)
-    from exllamav3.modules.quant.exl3_lib.quantize import quantize_tiles as theirs
-
-    return theirs(tiles, quant_args)
+    return (theirs or importlib.import_module(EXLLAMAV3_ENCODER).quantize_tiles)(tiles, quant_args)
 
 
-def history_bytes(K: int, blocks: int) -> int:
-    """The scratch one launch allocates: fp16 minima for every step and edge, per block."""
-    return blocks * TILE * (65536 >> K) * 2
-
-
+@contextlib.contextmanager
+def in_exllamav3():
+    """Within the block exllamav3's conversion calls our `quantize_tiles` for its tile searches."""
+    module = importlib.import_module(EXLLAMAV3_ENCODER)
+    original = module.quantize_tiles
+    module.quantize_tiles = functools.partial(quantize_tiles, theirs=original)
+    try:
+        yield
+    finally:
+        module.quantize_tiles = original
