@@ -1,11 +1,17 @@
-"""The tile kernel's loader says in one line why it falls back to exllamav3, and refuses bad input."""
+"""The tile kernel's loader says in one line why it falls back to exllamav3, and refuses bad input; the
+quantize stage's --encoder picks it on cuda."""
 
 from __future__ import annotations
+
+import sys
+import types
 
 import pytest
 import torch
 
-from quantizer.quantize import kernel
+from quantizer.codec import kernel
+from quantizer.errors import UserError
+from quantizer.quantize.settings import QuantizeSettings
 
 
 def test_fallback_reasons_one_line_each():
@@ -45,3 +51,44 @@ def test_non_finite_refused_before_any_build(bad):
 def test_source_hash_names_the_build():
     name = kernel._module_name()
     assert name.startswith("quantizer_trellis_") and len(name) == len("quantizer_trellis_") + 12
+
+
+def test_in_exllamav3_routes_tile_searches_through_ours_and_restores_theirs(monkeypatch):
+    """exllamav3's conversion looks its quantize_tiles up in its module at each call: inside the block that
+    name is ours (falling back to theirs where ours cannot run), after it theirs again, on error too."""
+    calls = []
+
+    def theirs(tiles, quant_args):
+        calls.append(quant_args["K"])
+        return tiles, torch.zeros(tiles.shape, dtype=torch.int16)
+
+    module = types.ModuleType(kernel.EXLLAMAV3_ENCODER)
+    module.quantize_tiles = theirs
+    monkeypatch.setitem(sys.modules, kernel.EXLLAMAV3_ENCODER, module)
+    monkeypatch.setattr(kernel, "_said", set())
+    with kernel.in_exllamav3():
+        assert module.quantize_tiles is not theirs
+        module.quantize_tiles(torch.zeros(3, 256), {"K": 2.5, "mul1": True})  # half-integer: theirs
+    assert module.quantize_tiles is theirs and calls == [2.5]
+    with pytest.raises(RuntimeError, match="boom"), kernel.in_exllamav3():
+        raise RuntimeError("boom")
+    assert module.quantize_tiles is theirs
+
+
+def test_each_device_has_its_encoders_and_a_cuda_job_pins_exllamav3_codes():
+    assert QuantizeSettings().encoder == "fast"
+    assert QuantizeSettings(device="cuda").encoder == "exllamav3"
+    assert QuantizeSettings(device="cuda", encoder="ours").record()["encoder"] == "exllamav3"  # same codes
+    assert QuantizeSettings(device="cuda").record()["encoder"] == "exllamav3"  # so caches resume either way
+    with pytest.raises(UserError, match=r"^--encoder fast is not an encoder of --device cuda; choose exllamav3 or ours$"):
+        QuantizeSettings(device="cuda", encoder="fast")
+    with pytest.raises(UserError, match=r"^--encoder ours is not an encoder of --device cpu; choose fast or exact$"):
+        QuantizeSettings(encoder="ours")
+
+
+def test_a_failed_build_names_the_compilers_error():
+    ninja = ("Error building extension 'quantizer_trellis_0': [1/2] /usr/local/cuda/bin/nvcc -c trellis_encode.cu\n"
+             "FAILED: trellis_encode.cuda.o\n"
+             "trellis_encode.cu(212): error: identifier \"__hmin\" is undefined\n1 error detected")
+    assert kernel._build_error(ninja) == 'trellis_encode.cu(212): error: identifier "__hmin" is undefined'
+    assert kernel._build_error("linker said no") == "linker said no"

@@ -7,6 +7,7 @@ exllamav3 compiles its CUDA extension when imported, so every import here happen
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Sequence
 
@@ -32,6 +33,17 @@ def _own_rng(device: torch.device):
     run it on a fork of the CPU's and the device's generators, so a caller's random stream is the
     same whether or not something was quantized in between (docs/exl3-format.md, encoder)."""
     return torch.random.fork_rng(devices=[device.index])
+
+
+def _tile_search(which: str):
+    """Where exllamav3's conversion runs its trellis searches for the length of a `with` block."""
+    if which == "exllamav3":
+        return contextlib.nullcontext()
+    if which != "ours":
+        raise ValueError(f"tile_search {which!r}; ours or exllamav3")
+    from quantizer.codec.kernel import in_exllamav3
+
+    return in_exllamav3()
 
 
 def _quant_args(K: float, codebook: Codebook, seed: int, device: torch.device,
@@ -111,9 +123,12 @@ def quantize_batch(
     seed: int = 0,
     device: torch.device | str = "cuda",
     apply_out_scales: bool | None = None,
+    tile_search: str = "exllamav3",
 ) -> list[EXL3Linear]:
     """exllamav3's quantize_exl3_batch: same-shape HF weights at one K, sharing one Hessian (a single tensor,
-    e.g. gate/up of every expert) or each with its own (a sequence, e.g. every expert's down)."""
+    e.g. gate/up of every expert) or each with its own (a sequence, e.g. every expert's down). Its tile
+    searches run in our kernel (`tile_search` "ours", the same codes: quantizer/codec/kernel) or in its own
+    ("exllamav3")."""
     from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3_batch
 
     cb = parse_codebook(codebook)
@@ -135,7 +150,7 @@ def quantize_batch(
         h_datas = [_h_data(in_features, h, c, device, f"weight.{i}") for i, (h, c) in enumerate(zip(per_h, per_count))]
     qas = [_quant_args(k, cb, seed + i, device, apply_out_scales) for i in range(len(weights))]
     ws = [w.detach().to(dtype=torch.float32).T.contiguous() for w in weights]
-    with _own_rng(device):
+    with _own_rng(device), _tile_search(tile_search):
         results = quantize_exl3_batch(ws, h_datas, qas)
     return [_to_linear(out, cb, k, proxy_err) for proxy_err, out in results]
 

@@ -1,4 +1,5 @@
-"""Encoding one work unit: K 16 linears are cast to fp16, the rest go to our CPU codec or to exllamav3.
+"""Encoding one work unit: K 16 linears are cast to fp16, the rest go to our CPU codec or to exllamav3
+(with our tile-search kernel by default).
 
 Both encoders get deterministic seeds (CPU: per stored key; GPU: per unit, offset by the member's index
 as exllamav3's batch takes them) and each linear's Hessian when the caller has one (uncalibrated
@@ -37,7 +38,7 @@ def encode_unit(
         (s,), (w,) = members, weights
         return EncodedUnit({f"{s.key}.weight": w.to(device="cpu", dtype=torch.float16)}, {s.key: None})
     if settings.device == "cuda":
-        linears = _encode_cuda(name, members, weights, hessians, codebook, settings.seed)
+        linears = _encode_cuda(name, members, weights, hessians, codebook, settings)
     else:
         linears = [
             quantize_linear(w, s.K, *_hessian_args(h), codebook=codebook, mode=settings.encoder,
@@ -54,9 +55,9 @@ def _hessian_args(h) -> tuple:
     return (None,) if h is None else (h[0], h[1])
 
 
-def _encode_cuda(name, members, weights, hessians, codebook, seed) -> list[EXL3Linear]:
-    """One exllamav3 batch; a Hessian the provider returned as one object for every member is shared
-    (exllamav3 then runs a single LDLQ over the concatenated weights)."""
+def _encode_cuda(name, members, weights, hessians, codebook, settings: QuantizeSettings) -> list[EXL3Linear]:
+    """One exllamav3 batch, its tile search by `settings.encoder`; a Hessian the provider returned as one
+    object for every member is shared (exllamav3 then runs a single LDLQ over the concatenated weights)."""
     from quantizer.codec.exllamav3_adapter import quantize_batch
 
     if all(h is None for h in hessians):
@@ -67,4 +68,5 @@ def _encode_cuda(name, members, weights, hessians, codebook, seed) -> list[EXL3L
         hs = [None if h is None else h[0] for h in hessians]
         counts = [0 if h is None else h[1] for h in hessians]
     return quantize_batch(weights, members[0].K, hs, counts=counts, codebook=codebook,
-                          seed=tensor_seed(seed, name), device=weights[0].device)
+                          seed=tensor_seed(settings.seed, name), device=weights[0].device,
+                          tile_search=settings.encoder)

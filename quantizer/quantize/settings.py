@@ -8,25 +8,33 @@ from quantizer import __version__
 from quantizer.errors import UserError
 
 DEVICES = ("cpu", "cuda")
-ENCODERS = ("fast", "exact")
+# Per device, its encoders, the default first. cpu: our codec's Viterbi first pass, fast or exact. cuda:
+# exllamav3's conversion with its tile search done by its own kernel or by ours (quantizer/codec/kernel; the
+# same codes). Ours becomes the default once the encode-rate table the GPU-hour estimates read is measured
+# with it on an H200 (docs/encoder.md, "In the quantize stage").
+ENCODERS = {"cpu": ("fast", "exact"), "cuda": ("exllamav3", "ours")}
 
 
 @dataclass(frozen=True)
 class QuantizeSettings:
     seed: int = 0
     device: str = "cpu"  # cpu: our codec; cuda: exllamav3
-    encoder: str = "fast"  # CPU encoder: fast or exact Viterbi first pass
+    encoder: str | None = None  # one of ENCODERS[device]; None: the device's default
     calibration: dict | None = None  # {"fingerprint", "rows", "cols"} of the Hessians; None: uncalibrated
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise UserError(f"--device {self.device!r}; choose {' or '.join(DEVICES)}")
-        if self.encoder not in ENCODERS:
-            raise UserError(f"--encoder {self.encoder!r}; choose {' or '.join(ENCODERS)}")
+        if self.encoder is None:
+            object.__setattr__(self, "encoder", ENCODERS[self.device][0])
+        if self.encoder not in ENCODERS[self.device]:
+            raise UserError(f"--encoder {self.encoder} is not an encoder of --device {self.device}; choose "
+                            f"{' or '.join(ENCODERS[self.device])}")
 
     def record(self) -> dict:
-        """What job.json pins: a resume with any other value is refused."""
+        """What job.json pins: a resume with any other value is refused. On cuda both encoders write
+        exllamav3's codes bit for bit (tests/gpu/test_encoder_kernel.py), so either resumes the other's cache."""
         rec = asdict(self)
         if self.device == "cuda":
-            rec["encoder"] = "exllamav3"  # the CPU encoder mode does not apply
+            rec["encoder"] = "exllamav3"
         return {**rec, "quantizer_version": __version__}

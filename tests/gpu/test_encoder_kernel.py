@@ -1,11 +1,12 @@
-"""Our CUDA tile encoder (quantizer/quantize/kernel) writes exactly exllamav3 1.6.5's codes.
+"""Our CUDA tile encoder (quantizer/codec/kernel) writes exactly exllamav3 1.6.5's codes.
 
 For every integer K and codebook the kernel does, the states and the reconstructed values must be
 torch.equal to exllamav3's `quantize_tiles` on the same tiles: random N(0,1) tiles (more tiles than the
 GPU has SMs, so blocks take several tiles each), scaled tiles (up to costs that overflow to inf), all-zero
 tiles, constant tiles, "coarse" tiles (|w| about 13, where fp16 path costs are so coarse that many candidates
 tie exactly and only the same first-index rule gives the same codes), and tiles made of codebook values
-(exllamav3's own reconstruction fed back). Non-finite input is refused in one line.
+(exllamav3's own reconstruction fed back). Non-finite input is refused in one line. And the conversion the
+quantize stage runs stores the same tensors with our kernel in place of exllamav3's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU with exllamav3 1.6.5", allow_module_level=True)
 pytest.importorskip("exllamav3")
 
-from quantizer.quantize import kernel  # noqa: E402
+from quantizer.codec import kernel  # noqa: E402
 
 CODEBOOKS = {"3inst": {}, "mcg": {"mcg": True}, "mul1": {"mul1": True}}
 
@@ -90,3 +91,22 @@ def test_wrong_shape_or_k_refused(built):
         kernel.encode_tiles(torch.zeros(1, 256, device="cuda"), 7, 2)
     with pytest.raises(ValueError, match=r"\(N, 256\)"):
         kernel.encode_tiles(torch.zeros(1, 160, device="cuda"), 2, 2)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 2.5])
+def test_exllamav3_conversion_with_our_kernel_stores_the_same_tensors(built, K):
+    """What the quantize stage runs (quantize_batch: exllamav3's conversion, LDLQ and scale search
+    included) on two routed-expert w1 of V4.1's shape with a Hessian each: every stored tensor and the proxy
+    error equal with our kernel and with exllamav3's (K 2.5 takes exllamav3's own path either way)."""
+    from quantizer.codec.exllamav3_adapter import quantize_batch
+
+    g = torch.Generator(device="cuda").manual_seed(int(K * 10))
+    weights = [0.02 * torch.randn(2304, 5120, device="cuda", generator=g) for _ in range(2)]
+    rows = [torch.randn(6144, 5120, device="cuda", generator=g) for _ in range(2)]
+    hessians = [x.T @ x for x in rows]
+    out = {how: quantize_batch(weights, K, hessians, counts=[6144, 6144], seed=5, tile_search=how)
+           for how in ("exllamav3", "ours")}
+    for theirs, ours in zip(out["exllamav3"], out["ours"]):
+        assert ours.proxy_err == theirs.proxy_err
+        a, b = theirs.tensors("w"), ours.tensors("w")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
