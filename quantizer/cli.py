@@ -53,7 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMANDS:
         importlib.import_module(module).register(sub)
+    for command in sub.choices.values():
+        command.set_defaults(parser=command)
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, except that an argument the command does not take is refused with that command's usage:
+    argparse leaves a sub-command's leftovers to the top parser, whose usage names no command's flags."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 class Terminated(KeyboardInterrupt):
@@ -90,7 +101,7 @@ def _interrupted(e: KeyboardInterrupt, who: str) -> int:
 def _main(argv: list[str]) -> int:
     from quantizer.distributed import join_from_env, leave
 
-    args = build_parser().parse_args(argv)
+    args = parse(build_parser(), argv)
     args.argv = argv  # the command as given (build records it in the pack's card)
     ranks = join_from_env()  # under torchrun: this process's rank of the job
     who = f" (rank {ranks.rank} of {ranks.world})" if ranks.joined else ""

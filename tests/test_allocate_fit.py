@@ -56,7 +56,7 @@ def test_two_sparks_at_1m_plans_in_few_probes_and_fits(v41, tmp_path, capsys, mo
     monkeypatch.setattr(methods, "sensitivity", counted_sensitivity)
     monkeypatch.setattr(Allocator, "plan", counted_plan)
     code = main(["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "2", "--context", "1M", "--synthetic",
-                 "--loader", "vllm-exl3", "--engine", "vllm", "--out", str(tmp_path / "p.json"), "--recipe-out",
+                 "--loader", "vllm-exl3", "--out", str(tmp_path / "p.json"), "--recipe-out",
                  str(tmp_path / "r.yaml")])
     out = capsys.readouterr().out
     assert code == 0 and "FITS: fits 2 Sparks" in out and "calibration=synthetic" in out
@@ -69,10 +69,10 @@ def test_two_sparks_at_1m_plans_in_few_probes_and_fits(v41, tmp_path, capsys, mo
     assert report.fits and 1.0 <= min(r.free_gib for r in report.ranks) < 1.0 + 0.01 * 550e9 / 8 / 2 / (1 << 30)
     header = (tmp_path / "r.yaml").read_text()
     assert "Budget: the most bits that fit 2 Sparks at 1,048,576 tokens" in header
-    assert "--sparks 2 --context 1048576 --engine vllm --loader vllm-exl3 --synthetic --seed 0" in header
+    assert "--sparks 2 --context 1048576 --loader vllm-exl3 --synthetic --seed 0" in header
     assert plan_from_recipe(v41, read_recipe(tmp_path / "r.yaml"), loader="vllm-exl3").k == plan.k
     assert main(["fit", "--model-config", "deepseek-v4.1-flash", "--plan", str(tmp_path / "p.json"),
-                 "--sparks", "2", "--context", "1M", "--engine", "vllm"]) == 0  # the engine it was planned for
+                 "--sparks", "2", "--context", "1M"]) == 0  # charged to the engine it was planned for
     capsys.readouterr()
 
 

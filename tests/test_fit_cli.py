@@ -17,7 +17,8 @@ from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import leaf_layout
-from quantizer.fit import fit_table, pack_fit_table
+from quantizer.fit import fit_table
+from quantizer.pack.fit_table import pack_fit_table
 from quantizer.fit.memory import MARGIN_GIB, FitTarget, fit
 from quantizer.fit.stored import stored_from_pack
 from quantizer.model.targets import classified_layout, stored_parts, target_map
@@ -103,25 +104,27 @@ def test_cli_on_a_pack_json_and_explain(tiny_pack, capsys):
     data = json.loads(capsys.readouterr().out)
     assert len(data["ranks"]) == 4 and all(r["weights_gib"] > 0 for r in data["ranks"]) and data["fits"]
     assert data["context"] == 65_536
-    assert main(["fit", str(pack), "--sparks", "2", "--engine", "tensorfold", "--explain"]) == 0
+    assert main(["fit", str(pack), "--sparks", "2", "--loader", "tensorfold", "--explain"]) == 0
     out = capsys.readouterr().out
     assert "FITS:" in out and "weights by class" in out and out.count("source:") >= 8
+    assert "engine tensorfold" in out and out.count("native") == 1  # the design floor: under --explain, one line
+    assert "lower bound, not an engine a pack runs in: under DeepSeek's design floor (native" in out
 
 
 @pytest.mark.slow
 def test_cli_does_not_fit_exits_1_with_the_verdict(capsys):
     code = main(["fit", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.9", "--sparks", "1",
-                 "--engine", "vllm", "--context", "1M"])
+                 "--loader", "vllm-exl3", "--context", "1M"])
     out = capsys.readouterr().out
     assert code == 1
     verdict = [line for line in out.splitlines() if line.startswith("DOES NOT FIT")]
     assert len(verdict) == 1 and "short by" in verdict[0] and "fits 4 Sparks" in verdict[0]
-    assert "--bpw 1." in verdict[0]  # the highest bpw that fits one Spark
+    assert "no bpw >= 1.0 fits here" in verdict[0]  # vllm-exl3 keeps all but the routed experts in source form
 
 
 def test_cli_bad_inputs_exit_2(tmp_path, capsys):
-    assert main(["fit", "--model-config", str(TINY), "--bpw", "3", "--sparks", "2", "--engine", "exllamav3"]) == 2
-    assert "engine exllamav3 runs on 1 Spark(s) only" in capsys.readouterr().err
+    assert main(["fit", "--model-config", str(TINY), "--bpw", "3", "--sparks", "2", "--loader", "exllamav3"]) == 2
+    assert "--sparks 2: the exllamav3 engine runs on 1 Spark(s) only" in capsys.readouterr().err
     assert main(["fit", "--model-config", "no-such-model", "--bpw", "3"]) == 2
     assert "no shipped shape" in capsys.readouterr().err
     assert main(["fit", "--model-config", str(TINY)]) == 2
@@ -155,16 +158,17 @@ def test_a_bpw_that_is_no_rate_exits_2_before_any_work(capsys, command, value):
 
 def test_fit_of_a_plan_charges_the_engine_its_loader_profile_runs_in(tmp_path, capsys):
     """A tensorfold plan is fitted against TensorFold's runtime and KV, not the hardware file's default
-    engine (vLLM); --engine still overrides."""
+    engine (vLLM); a --loader (or old --engine) that names another profile is refused in one line."""
     assert main(["plan", "--model-config", str(TINY), "--bpw", "3", "--loader", "tensorfold",
                  "--out", str(tmp_path / "p.json")]) == 0
     capsys.readouterr()
-    engines = []
-    for extra in ([], ["--engine", "vllm"]):
-        assert main(["fit", "--model-config", str(TINY), "--plan", str(tmp_path / "p.json"), "--sparks", "2",
-                     "--json", *extra]) == 0
-        engines.append(json.loads(capsys.readouterr().out)["engine"])
-    assert engines == ["tensorfold", "vllm"]
+    fit_plan = ["fit", "--model-config", str(TINY), "--plan", str(tmp_path / "p.json"), "--sparks", "2", "--json"]
+    assert main(fit_plan) == 0
+    assert json.loads(capsys.readouterr().out)["engine"] == "tensorfold"
+    for other in (["--loader", "vllm-exl3"], ["--engine", "vllm"]):
+        assert main(fit_plan + other) == 2
+        one_line(capsys.readouterr().err,
+                 f"--loader vllm-exl3 conflicts with {tmp_path / 'p.json'}, which is made for the tensorfold loader profile")
 
 
 def test_the_manifest_holds_no_fit_verdict_and_old_ones_are_ignored(tiny_v41, fp16_plan, tmp_path):
@@ -174,7 +178,8 @@ def test_the_manifest_holds_no_fit_verdict_and_old_ones_are_ignored(tiny_v41, fp
     data = json.loads((pack / MANIFEST_NAME).read_text())
     assert "fit" not in data
     cfg, stored = stored_from_pack(pack)
-    assert pack_fit_table(pack) == fit_table(cfg, stored, context=cfg.max_position_embeddings)
+    engine = Plan.load(fp16_plan).profile.fit_engine
+    assert pack_fit_table(pack) == fit_table(cfg, stored, context=cfg.max_position_embeddings, engine=engine)
     data["fit"] = {"topologies": {"1": {"vllm": {"fits": True}}}}  # what an older version wrote
     assert Manifest.from_dict(data, "old manifest").shards == Manifest.load(pack).shards
 

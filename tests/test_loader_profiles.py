@@ -79,12 +79,12 @@ def test_the_budgeted_set_holds_the_compressors_and_the_v41_index_keys(tiny_v41,
     added = [key for key in tmap if ".compressor." in key or key.endswith(".indexer.wk")]
     assert added and all(tmap[key].budgeted and tmap[key].integer_only for key in added)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text('tensors:\n  "layers.*": 4\n  "layers.*.attn.compressor.*": 5\n'
+    recipe.write_text('loader: exllamav3\ntensors:\n  "layers.*": 4\n  "layers.*.attn.compressor.*": 5\n'
                       '  "layers.*.attn.indexer.wk": 6\n')
     plan = plan_from_recipe(cfg, read_recipe(recipe))
     assert {plan.k[key] for key in added if ".compressor." in key} == {5.0}
     assert {plan.k[key] for key in added if key.endswith(".indexer.wk")} == {6.0}
-    recipe.write_text('tensors:\n  "layers.*": 4\n  "layers.*.attn.indexer.wk": 2.5\n')
+    recipe.write_text('loader: exllamav3\ntensors:\n  "layers.*": 4\n  "layers.*.attn.indexer.wk": 2.5\n')
     with pytest.raises(UserError, match="half rate, but DSV4 attention takes integer K only"):
         plan_from_recipe(cfg, read_recipe(recipe))
 

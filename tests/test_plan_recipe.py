@@ -20,7 +20,7 @@ from quantizer.plan.recipe import _KeyPool, plan_from_recipe, read_recipe, recip
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path, shipped
 
-RECIPE_HEAD = 'target_bpw: 3\nhead_bits: 6\ntensors:\n  "layers.*.ffn.experts.*": 3\n' \
+RECIPE_HEAD = 'loader: exllamav3\ntarget_bpw: 3\nhead_bits: 6\ntensors:\n  "layers.*.ffn.experts.*": 3\n' \
               '  "layers.*.ffn.shared_experts.*": 4\n  "layers.*.attn.*": 4\n  "layers.*.engram.*": 4\n'
 
 
@@ -123,12 +123,12 @@ def test_written_recipes_round_trip(v41, tiny, tmp_path, real_v41_uniform):
 def test_shipped_recipes_are_what_uniform_plan_writes(v41, bpw, tmp_path, capsys):
     shipped_path = shipped("configs", "recipes", f"{bpw}.yaml")
     fresh = tmp_path / f"{bpw}.yaml"
-    assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--bpw", bpw, "--loader", "exllamav3",
+    assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--bpw", bpw, "--loader", "vllm-exl3",
                  "--recipe-out", str(fresh)]) == 0
     capsys.readouterr()
     assert fresh.read_text() == shipped_path.read_text(), "regenerate configs/recipes with the command in its header"
     plan = plan_from_recipe(v41, read_recipe(shipped_path))
-    assert plan.achieved_bpw <= float(bpw) and plan.profile.name == "exllamav3"
+    assert plan.achieved_bpw <= float(bpw) and plan.profile.name == "vllm-exl3"
 
 
 def test_a_full_disk_while_writing_a_recipe_leaves_no_temporary_file(tmp_path, capsys, monkeypatch):

@@ -4,7 +4,7 @@ proxy errors, tuning, the fit per Spark count, verify's verdict and how to point
 from __future__ import annotations
 
 from quantizer.build.stages import PLAN_FILE, RECIPE_FILE, BuildResult
-from quantizer.fit.memory import pack_fit_table
+from quantizer.pack.fit_table import pack_fit_table
 from quantizer.fit.render import render as render_fit
 from quantizer.report import gib, table
 
@@ -96,5 +96,5 @@ def _fit_lines(fit: dict) -> str:
             f"{engine} {'fits' if r['fits'] else 'no'}" + ("" if r["fits"] else f" (up to {r['max_context']:,} tokens)")
             for engine, r in engines.items()
         ]
-        lines.append(f"  {sparks} Spark{'s' if sparks != '1' else ''}: " + (", ".join(verdicts) or "no engine runs here"))
+        lines.append(f"  {sparks} Spark{'s' if sparks != '1' else ''}: " + ", ".join(verdicts))
     return "\n".join(lines)

@@ -1,9 +1,9 @@
 """Command-line arguments several commands share: a model shape (a checkpoint or --model-config),
-the plan options (--codebook, --head-bits, --drafter-bits), the one-Spark options (--overlay,
---overlay-bits, --cold-share), the calibration's --expert-hessians, token
-counts such as 1M and counts of at least 1 (a context of 0 tokens or -1 streams is refused while the
-arguments are read), and Hugging Face repository ids and revisions (refused while the arguments are
-read when the hub would refuse them: quantizer/hub.py).
+--loader (with --engine, its deprecated hidden alias), the plan options (--codebook, --head-bits,
+--drafter-bits), the one-Spark options (--overlay, --overlay-bits, --cold-share), the calibration's
+--expert-hessians, token counts such as 1M and counts of at least 1 (a context of 0 tokens or -1
+streams is refused while the arguments are read), and Hugging Face repository ids and revisions
+(refused while the arguments are read when the hub would refuse them: quantizer/hub.py).
 
 Command modules (`<stage>/cli.py`) import this, never each other.
 """
@@ -12,11 +12,22 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 from quantizer.calibrate.settings import EXPERT_HESSIANS, CalibrationSettings
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import DEFAULT_OVERLAY, OVERLAY, LoaderProfile, Overlay, check_overlay, parse_overlay
+from quantizer.contract.loader_profiles import (
+    DEFAULT_OVERLAY,
+    LOADERS,
+    OVERLAY,
+    LoaderProfile,
+    Overlay,
+    check_overlay,
+    loader_for_engine,
+    parse_overlay,
+)
+from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
 from quantizer.fit.memory import MARGIN_GIB
@@ -69,6 +80,26 @@ SRC_HELP = "native checkpoint directory (its config.json is read)"
 def add_model_arguments(p: argparse.ArgumentParser, src_help: str = SRC_HELP) -> None:
     p.add_argument("src", nargs="?", help=src_help)
     p.add_argument("--model-config", help="a config.json, or a shipped shape such as deepseek-v4.1-flash")
+
+
+def add_loader_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """--loader, the one flag that names the engine (docs/loader-profiles.md), and --engine, hidden: the
+    old engine names (vllm, tensorfold, ...) mapped to a profile by `chosen_loader`."""
+    p.add_argument("--loader", choices=LOADERS, help=f"loader profile (docs/loader-profiles.md): {what}")
+    p.add_argument("--engine", help=argparse.SUPPRESS)
+
+
+def chosen_loader(args: argparse.Namespace) -> str | None:
+    """--loader, or the profile the deprecated --engine names (with a one-line note); None where neither."""
+    if args.engine is None:
+        return args.loader
+    loader = loader_for_engine(args.engine)
+    if args.loader and args.loader != loader:
+        raise UserError(f"--engine {args.engine} (loader {loader}) conflicts with --loader {args.loader}; "
+                        "give --loader alone")
+    if current().main:
+        sys.stderr.write(f"note: --engine is deprecated; --engine {args.engine} is --loader {loader}\n")
+    return loader
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:

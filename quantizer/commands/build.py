@@ -1,16 +1,19 @@
-"""`quantizer build SRC (--bpw B | --sparks N [--context C] [--cold-share S] | --plan PLAN.json) --out PACK
+"""`quantizer build SRC (--bpw B | --sparks N [--context C] [--cold-share S] | --plan PLAN.json | --recipe R.yaml) --out PACK
 [--method ours|uniform|exl3] [--loader vllm-exl3|tensorfold|exllamav3|exllamav3-v41] [--overlay [GROUPS]]
 [--text FILE | --tokens FILE | --no-calibrate] ...`
 
 Calibrates (the shipped calibration set by default), plans, quantizes, packs and verifies. Rerun the
 same command after an interruption and it continues where it stopped; a rerun with a different
-source, plan or settings is refused with the difference named.
+source, plan or settings is refused with the difference named. A plan or recipe decides the loader
+profile (a --loader that contradicts it is refused); otherwise --loader, else the default for the model
+and Spark count.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 from quantizer.build.stages import BuildRequest, build
@@ -19,16 +22,18 @@ from quantizer.calibrate.rows import calibration_rows
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.commands.arguments import (
-    add_margin_argument,
     add_expert_hessians,
+    add_loader_argument,
+    add_margin_argument,
     add_one_spark_arguments,
+    chosen_loader,
     count,
     overlay_of,
     repo_id,
     revision,
     tokens,
 )
-from quantizer.contract.loader_profiles import LOADERS, default_loader, load_profile
+from quantizer.contract.loader_profiles import check_loader, default_loader, load_profile
 from quantizer.contract.plan import Plan
 from quantizer.distributed import current
 from quantizer.errors import UserError
@@ -38,6 +43,7 @@ from quantizer.fit.memory import FitTarget
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS
+from quantizer.plan.recipe import default_note, plan_from_recipe, read_recipe, recipe_loader
 from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
 from quantizer.tune.settings import INPUTS, TARGETS, EndToEndSettings, TuneSettings
 
@@ -51,18 +57,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     rate.add_argument("--bpw", type=float, help="bits per weight over the budgeted tensors (exllamav3 accounting)")
     rate.add_argument("--sparks", type=int, choices=TOPOLOGIES, help="the most bits whose pack fits N DGX Sparks")
     rate.add_argument("--plan", type=Path, help="a plan file written by `quantizer plan`")
+    rate.add_argument("--recipe", type=Path, help="an exllamav3 recipe.yaml (`quantizer plan --recipe-out`, or "
+                                                  "hand-written); the loader profile it names decides the engine")
     p.add_argument("--context", type=tokens, help="with --sparks: tokens per stream (default: the model's max positions)")
     p.add_argument("--streams", type=count, default=1, help="with --sparks: concurrent streams (default 1)")
     add_margin_argument(p, "with --sparks, the pack keeps it")
-    p.add_argument("--engine", help="with --sparks: engine profile (default: the hardware file's default_engine)")
     p.add_argument("--method", choices=METHODS, default=OURS,
                    help="ours: the allocator on the calibration (default); uniform; exl3: exllamav3's own allocator")
-    p.add_argument("--loader", choices=LOADERS,
-                   help="engine profile the pack must load in (docs/loader-profiles.md): vllm-exl3 (vLLM + vllm-exl3, "
-                        "routed experts EXL3 with K per expert; default for V4.1), exllamav3-v41 (native ExLlamaV3's "
-                        "V4.1 loader on one Spark: routed K1..K8, the rest source form or --overlay, launch.env; default "
-                        "for V4.1 with --sparks 1), tensorfold (every linear EXL3 mul1, Engram tables in <out>-Engram) or "
-                        "exllamav3 (stock 1.6.5; default for V4); the pack is verified against it")
+    add_loader_argument(p, "the engine the pack must load in: vllm-exl3 (vLLM + vllm-exl3, routed experts EXL3 with "
+                           "K per expert; default for V4.1), exllamav3-v41 (native ExLlamaV3's V4.1 loader on one Spark: "
+                           "routed K1..K8, the rest source form or --overlay, launch.env; default for V4.1 with --sparks "
+                           "1), tensorfold (every linear EXL3 mul1, Engram tables in <out>-Engram) or exllamav3 (stock "
+                           "1.6.5; default for V4); the pack is verified against it. A --plan or --recipe decides it")
     add_one_spark_arguments(p)
     data = p.add_mutually_exclusive_group()
     data.add_argument("--text", help="calibration text (.txt, .jsonl, optionally .zst) or a shipped set's name "
@@ -123,17 +129,23 @@ def parse_size(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     calibration = CalibrationSettings(device=args.device, row_chunk=args.row_chunk, expert_hessians=args.expert_hessians)
+    asked = chosen_loader(args)
     plan = Plan.load(args.plan) if args.plan else None
     if plan and args.codebook and args.codebook != plan.codebook:
         raise UserError(f"--codebook {args.codebook} conflicts with {args.plan}, which uses {plan.codebook}")
-    if args.sparks is None and (args.context is not None or args.streams != 1 or args.engine or args.cold_share):
-        raise UserError("--context, --streams, --engine and --cold-share size the fit of --sparks N; add --sparks")
+    if args.sparks is None and (args.context is not None or args.streams != 1 or args.cold_share):
+        raise UserError("--context, --streams and --cold-share size the fit of --sparks N; add --sparks")
+    given = args.plan or args.recipe
+    if given and args.overlay is not None:
+        raise UserError(f"--overlay makes a plan; {given} holds its K already")
     ck = Checkpoint.open(args.src, revision=args.revision)
-    loader = plan.profile.name if plan else args.loader or default_loader(ck.config, args.sparks)
-    if plan and args.loader and args.loader != plan.profile.name:
-        raise UserError(f"--loader {args.loader} conflicts with {args.plan}, which is made for {plan.profile.name}")
-    if plan and args.overlay is not None:
-        raise UserError(f"--overlay makes a plan; {args.plan} is one already (its K map decides)")
+    if args.recipe:
+        recipe = read_recipe(args.recipe)
+        loader = recipe_loader(ck.config, recipe, asked=asked)
+        plan = plan_from_recipe(ck.config, recipe, args.codebook or "mul1", loader)
+        if current().main and not recipe.loader:
+            print(f"{args.recipe}{default_note(ck.config, recipe, loader, None)}", file=sys.stderr)
+    loader = check_loader(asked, plan.profile.name, str(given)) if plan else asked or default_loader(ck.config, args.sparks)
     profile = load_profile(loader)
     overlay = overlay_of(args, profile, args.codebook or "mul1")
     if not args.tune and (args.tune_steps, args.tune_inputs, args.tune_target) != (None, None, None):
@@ -143,8 +155,7 @@ def run(args: argparse.Namespace) -> int:
     target = None
     if args.sparks:
         context = ck.config.max_position_embeddings if args.context is None else args.context
-        target = FitTarget(args.sparks, context, args.streams, args.engine or profile.fit_engine, args.cold_share,
-                           args.margin)
+        target = FitTarget(args.sparks, context, args.streams, profile.fit_engine, args.cold_share, args.margin)
     rows = None if args.no_calibrate else calibration_rows(ck, args.text, args.tokens, args.calib_rows, args.calib_cols)
     req = BuildRequest(
         src=args.src, out=args.out, bpw=args.bpw, plan=plan, target=target, method=args.method,
@@ -153,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         calibration=calibration, work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
         measured_from_work=args.measured_errors,
-        plan_file=args.plan,
+        plan_file=given,
         base_model=args.base_model or (None if Path(args.src).expanduser().exists() else args.src),
         command=rebuild_command(args.argv),
         tune=TuneSettings(steps=args.tune_steps or TuneSettings.steps, inputs=args.tune_inputs or TuneSettings.inputs,

@@ -1,4 +1,4 @@
-"""`quantizer plan SRC|--model-config C (--bpw B | --sparks N [--context C] [--streams S] [--engine E])
+"""`quantizer plan SRC|--model-config C (--bpw B | --sparks N [--context C] [--streams S])
 [--calibration WORK_OR_SUMMARY | --synthetic] [--loader vllm-exl3|tensorfold|exllamav3|exllamav3-v41]
 [--method ours|uniform|exl3] [--overlay [GROUPS]] [--cold-share S] [--alias/--no-alias] [--out plan.json]
 [--recipe-out recipe.yaml]`
@@ -21,16 +21,18 @@ from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE, read_summ
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.commands.arguments import (
+    add_loader_argument,
     add_margin_argument,
     add_model_arguments,
     add_one_spark_arguments,
     add_plan_arguments,
+    chosen_loader,
     count,
     load_model_config,
     overlay_of,
     tokens,
 )
-from quantizer.contract.loader_profiles import LOADERS, Overlay, default_loader, load_profile
+from quantizer.contract.loader_profiles import Overlay, default_loader, load_profile
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import TOTAL_RESIDENT, check_plan
 from quantizer.errors import UserError
@@ -62,7 +64,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=tokens, help="tokens per stream for the fit (default: the model's max positions)")
     p.add_argument("--streams", type=count, default=1, help="concurrent streams, each holding --context tokens")
     add_margin_argument(p, "with --sparks alone the plan keeps it; a fit that leaves less says so")
-    p.add_argument("--engine", help="engine profile for the fit (default: the hardware file's default_engine)")
     calib = p.add_mutually_exclusive_group()
     calib.add_argument("--calibration", help=f"a calibrate work directory (its {CALIBRATION_DIR}/{SUMMARY_FILE}), "
                                              "or a summary file")
@@ -71,12 +72,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the --synthetic summary")
     p.add_argument("--method", choices=METHODS,
                    help="allocator (default: ours with --calibration/--synthetic, else uniform)")
-    p.add_argument("--loader", choices=LOADERS,
-                   help="engine profile the plan must load in (docs/loader-profiles.md): vllm-exl3 (routed experts "
-                        "EXL3 with K per expert, the rest in source FP8; default for V4.1), exllamav3-v41 (native "
-                        "ExLlamaV3's V4.1 loader, one Spark: routed K1..K8 per expert, the rest source form or "
-                        "--overlay; default for V4.1 with --sparks 1), tensorfold (every linear EXL3 mul1; two or four "
-                        "Sparks) or exllamav3 (stock 1.6.5: one K per projection per layer, gate = up; default for V4)")
+    add_loader_argument(p, "the engine the plan must load in, and the one its fit charges: vllm-exl3 (routed experts "
+                           "EXL3 with K per expert, the rest in source FP8; default for V4.1), exllamav3-v41 (native "
+                           "ExLlamaV3's V4.1 loader, one Spark: routed K1..K8 per expert, the rest source form or "
+                           "--overlay; default for V4.1 with --sparks 1), tensorfold (every linear EXL3 mul1; two or "
+                           "four Sparks) or exllamav3 (stock 1.6.5: one K per projection per layer, gate = up; default "
+                           "for V4)")
     p.add_argument("--alias", action=argparse.BooleanOptionalAction, default=None,
                    help="alias cold experts to warm ones: refused, no engine profile reads an alias map "
                         "(docs/loader-profiles.md)")
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--plot-against draws into --plot FILE.png: give --plot too")
     plot = plot_path(args.plot) if args.plot else None
     cfg = load_model_config(args.src, args.model_config)
-    args.loader = args.loader or default_loader(cfg, args.sparks)
+    args.loader = chosen_loader(args) or default_loader(cfg, args.sparks)
     profile = load_profile(args.loader)
     if args.sparks:
         profile.check_sparks(args.sparks)
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                         "(or --synthetic)")
     plan_at, lo = _planner(cfg, args, method, summary, overlay_of(args, profile, args.codebook))
     target = FitTarget(args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
-                       args.streams, args.engine or profile.fit_engine, args.cold_share, args.margin) if args.sparks else None
+                       args.streams, profile.fit_engine, args.cold_share, args.margin) if args.sparks else None
     tokens = routed_tokens(summary) if summary else None
     fitted = None
     if args.bpw is not None:
@@ -203,8 +204,7 @@ def _fit_flags(target: FitTarget) -> str:
     flags = f"--sparks {target.sparks} --context {target.context}"
     flags += f" --streams {target.streams}" if target.streams != 1 else ""
     flags += f" --cold-share {target.cold_share:g}" if target.cold_share else ""
-    flags += f" --margin {target.margin_gib:g}" if target.margin_gib != MARGIN_GIB else ""
-    return flags + (f" --engine {target.engine}" if target.engine else "")
+    return flags + (f" --margin {target.margin_gib:g}" if target.margin_gib != MARGIN_GIB else "")
 
 
 def _method_flags(args: argparse.Namespace, method: str) -> str:

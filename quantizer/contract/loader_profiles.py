@@ -263,6 +263,24 @@ def default_loader(cfg: ModelConfig, sparks: int | None = None) -> str:
     return EXLLAMAV3_V41 if sparks == 1 else VLLM_EXL3
 
 
+def loader_for_engine(engine: str) -> str:
+    """The profile the deprecated `--engine` names: an engine of configs/hardware (vllm, tensorfold, ...)
+    maps to the profile whose `fit_engine` it is; the design floor `native` runs no pack, so no profile."""
+    by_engine = {load_profile(name).fit_engine: name for name in LOADERS}
+    if engine in LOADERS or engine in by_engine:
+        return by_engine.get(engine, engine)
+    raise UserError(f"--engine {engine}: not an engine a pack runs in (`native` is DeepSeek's design floor, a lower "
+                    f"bound `fit --explain` shows); use --loader {'|'.join(LOADERS)}")
+
+
+def check_loader(asked: str | None, named: str, where: str) -> str:
+    """`named` (the profile a pack, plan or recipe is made for), or a one-line UserError where --loader
+    asks for another: the file's layout decides the engine, not the flag."""
+    if asked and asked != named:
+        raise UserError(f"--loader {asked} conflicts with {where}, which is made for the {named} loader profile")
+    return named
+
+
 @dataclass(frozen=True)
 class Violation:
     subject: str  # the stored key, or the layer's experts for a grouped rule

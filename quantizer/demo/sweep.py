@@ -43,7 +43,7 @@ from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw
-from quantizer.fit.memory import pack_fit_table
+from quantizer.pack.fit_table import pack_fit_table
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.ppl.compare import Comparison, compare
 from quantizer.ppl.measure import open_model, streamer
@@ -108,8 +108,8 @@ class DemoRow:
     nll_delta: float
     nll_delta_stderr: float
     verified: bool
-    fits_1_spark: bool  # every engine's fit on one Spark at the model's full context (fit.pack_fit_table)
-    weights_gib: float  # resident weights on that Spark
+    fits_1_spark: bool  # the pack's engine fits it on one Spark at the model's full context (fit.pack_fit_table)
+    weights_gib: float | None  # resident weights on that Spark; None where the engine runs on more Sparks only
 
 
 @dataclass(frozen=True)
@@ -196,11 +196,10 @@ def _available(methods: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _row(size: float, method: str, plan: Plan, manifest, pack: Path, c: Comparison, verified: bool) -> DemoRow:
-    one = pack_fit_table(pack)["topologies"]["1"]  # against today's hardware profile
-    weights = next(iter(one.values()))["weights_gib"][0]
+    one = next(iter(pack_fit_table(pack)["topologies"].get("1", {}).values()), None)  # today's hardware profile
     return DemoRow(size, method, plan.profile.name, plan.achieved_bpw, sum(s.bytes for s in manifest.shards), c.pack.ppl, c.kl,
                    c.kl_stderr, c.top1, c.top1_stderr, c.nll_delta, c.nll_delta_stderr, verified,
-                   all(v["fits"] for v in one.values()), weights)
+                   bool(one and one["fits"]), one["weights_gib"][0] if one else None)
 
 
 def _say(line: str) -> None:

@@ -13,6 +13,7 @@ from quantizer.errors import UserError
 from quantizer.shipped import shipped
 
 GIB = 1 << 30
+DESIGN_FLOOR = "native"  # the engine entry of configs/hardware that is DeepSeek's design floor: a lower bound, runs no pack
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class Hardware:
 
     def engine(self, name: str) -> Engine:
         if name not in self.engines:
-            raise UserError(f"unknown --engine {name!r}; {self.name} profiles: {', '.join(self.engines)}")
+            raise UserError(f"unknown engine {name!r}; {self.name} profiles: {', '.join(self.engines)}")
         return self.engines[name]
 
     def visible(self, rank: int) -> float:

@@ -18,10 +18,9 @@ from typing import Callable
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.fit.hardware import GIB, Hardware, kv_bytes_per_token, load_hardware, swa_ring_bytes
-from quantizer.fit.launch import read_launch
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES, Options, rank_weights
 from quantizer.fit.residency import bytes_by_class, copy_rule, split_mapped
-from quantizer.fit.stored import StoredTensor, stored_from_pack
+from quantizer.fit.stored import StoredTensor
 from quantizer.model.targets import targets
 
 TOPOLOGIES = (1, 2, 4)
@@ -391,8 +390,8 @@ def fit_table(
     stored: list[StoredTensor],
     *,
     context: int,
+    engine: str,
     streams: int = 1,
-    engines: tuple[str, ...] | None = None,
     split: str = "tp",
     engram: str = "nvme",
     drafter: str = "split",
@@ -400,10 +399,11 @@ def fit_table(
     copy_pattern: str | None = None,
     hardware: Hardware | None = None,
 ) -> dict:
-    """Fit on 1, 2 and 4 Sparks for every engine that runs there (JSON-able, for the card and build)."""
+    """Fit on each of 1, 2 and 4 Sparks that `engine` runs on (JSON-able, for the card and build): the
+    engine that loads the pack only, never the design floor `native`, which runs no pack."""
     hw = hardware or load_hardware()
     _check_context(cfg, context)
-    names = engines or tuple(hw.engines)
+    names = (engine,)
     table: dict = {"context": context, "streams": streams, "split": split, "engram": engram,
                    "drafter": drafter, "vision": vision, "hardware": hw.name, "topologies": {}}
     for n in TOPOLOGIES:
@@ -423,18 +423,9 @@ def fit_table(
             }
             if hw.engine(name).mapped:
                 row[name]["mapped_gib"] = [round(r.mapped_gib, 3) for r in ranks]
-        table["topologies"][str(n)] = row
+        if row:
+            table["topologies"][str(n)] = row
     return table
-
-
-def pack_fit_table(pack) -> dict:
-    """fit_table of a built pack at its model's full context, from the shards' headers and today's
-    hardware profile: computed when asked, never stored with the pack (the profile is re-measured)."""
-    cfg, stored = stored_from_pack(pack)
-    launch = read_launch(pack)  # a one-Spark pack's launch.env: what its engine copies, and whether the drafter runs
-    copy, drafter = launch if launch else (None, True)
-    return fit_table(cfg, stored, context=cfg.max_position_embeddings, copy_pattern=copy,
-                     drafter="split" if drafter else "off")
 
 
 def verdict(r: FitReport) -> str:

@@ -6,7 +6,9 @@ from quantizer.fit.memory import FitReport
 from quantizer.report import table
 
 
-def render(r: FitReport, explain: bool = False) -> str:
+def render(r: FitReport, explain: bool = False, floor: FitReport | None = None) -> str:
+    """The table and verdict; with `explain`, every term with its source, and `floor`: the same weights
+    under DeepSeek's design floor (configs/hardware's `native`), a lower bound no engine reaches."""
     guard = "reserve" if any("replaces the guard" in t.name for t in r.terms) else "guard"
     headers = ["rank", "visible", "weights", "KV pool", "SWA rings", "prefill", "runtime", "OS", guard,
                "Engram cache", "free", "max context"]
@@ -34,4 +36,9 @@ def render(r: FitReport, explain: bool = False) -> str:
                   table(["class"] + [f"rank {m.rank}" for m in r.ranks],
                         [[c] + [f"{m.weights_by_class_gib.get(c, 0.0):,.3f}" for m in r.ranks] for c in classes])]
         lines += ["", "terms:"] + [f"  {t.name}: {t.value}\n      source: {t.source}" for t in r.terms]
+        if floor:
+            worst = floor.ranks[floor.worst_rank]
+            lines += ["", f"lower bound, not an engine a pack runs in: under DeepSeek's design floor ({floor.engine}: "
+                          f"{floor.kv_bytes_per_token:,.0f} B/token, no engine overhead) rank {worst.rank} would keep "
+                          f"{worst.free_gib:.2f} GiB free, largest context {floor.max_context:,} tokens per stream"]
     return "\n".join(lines)

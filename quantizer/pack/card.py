@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from quantizer.contract.loader_profiles import load_profile
-from quantizer.fit.memory import pack_fit_table
+from quantizer.pack.fit_table import pack_fit_table
 from quantizer.model.tensor_classes import DRAFTER, ENGRAM_TABLE, VISION, classify
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest
 from quantizer.pack.measurement import Measurement
@@ -83,7 +83,7 @@ FIT_HEADING = "## Fit on DGX Sparks"
 
 
 def render_card(m: Manifest, fit: dict | None) -> str:
-    """The card's text: a function of the manifest and the pack's fit table (fit.pack_fit_table;
+    """The card's text: a function of the manifest and the pack's fit table (pack/fit_table.py;
     verify compares README.md with it)."""
     source_classes = {classify(name).cls for name in m.sources}
     sections = [
@@ -264,7 +264,7 @@ def _fit(f: dict | None) -> str:
         FIT_HEADING, "",
         f"At {f['context']:,} tokens x {f['streams']} stream(s), split {f['split']}, Engram {f['engram']}, "
         f"drafter {f['drafter']}, vision {f['vision']}, hardware profile {f['hardware']} "
-        "(`quantizer fit PACK --sparks N --engine E` prints the same per-rank numbers):", "",
+        "(`quantizer fit PACK --sparks N` prints the same per-rank numbers):", "",
         "```", table(["Sparks", "engine", "fits", "weights GiB per rank", "free GiB per rank", "max context"], rows),
         "```",
     ])

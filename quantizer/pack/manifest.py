@@ -35,7 +35,7 @@ refused with one line saying to rebuild: what they claim about the rest cannot b
 
 No fit verdict: whether a pack fits N Sparks depends on the hardware profile (configs/hardware/gb10.json),
 which is re-measured, so a stored verdict would go stale. The shards' headers are its inputs, and
-`quantizer fit PACK` (or quantizer.fit.pack_fit_table) computes it against today's profile. A `fit`
+`quantizer fit PACK` (or quantizer.pack.fit_table.pack_fit_table) computes it against today's profile. A `fit`
 written by an older version is ignored when read.
 """
 

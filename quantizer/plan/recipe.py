@@ -1,5 +1,6 @@
 """exllamav3's `recipe.yaml` (docs/exl3-format.md, recipes), read into a Plan and written from one.
 
+    loader: vllm-exl3                      # ours: the loader profile the recipe is for
     target_bpw: 2.9
     head_bits: 6
     tensors:                               # exact keys or fnmatch patterns; the LAST match wins
@@ -10,7 +11,10 @@
 Values: 1..8, 1.5/2.5/3.5 (mul1), 16 = unquantized fp16, and ours: `native` (keep the source
 storage). Every budgeted tensor must be covered and every entry must match a tensor. As in
 exllamav3 the entries cover the budgeted tensors only (head via head_bits); ours also lets an entry
-whose pattern starts with `mtp.` set the DSpark drafter, which otherwise stays native.
+whose pattern starts with `mtp.` set the DSpark drafter, which otherwise stays native. `loader`
+names the profile (and so the engine) the plan is for; exllamav3's reader does not read it
+(docs/exl3-format.md, recipes). A recipe without one is for the default profile of the model and
+Spark count (loader_profiles.default_loader).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import EXLLAMAV3
+from quantizer.contract.loader_profiles import LOADERS, check_loader, default_loader
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
@@ -43,6 +47,7 @@ class Recipe:
     head_bits: float | None  # None: native head
     entries: tuple[tuple[str, float | None], ...]  # (pattern, K or None = native), file order
     path: str = "recipe"
+    loader: str | None = None  # the loader profile it names; None: the default for the model and Spark count
 
 
 def read_recipe(path: str | os.PathLike) -> Recipe:
@@ -62,7 +67,26 @@ def read_recipe(path: str | os.PathLike) -> Recipe:
     bpw = data.get("target_bpw", data.get("achieved_bpw"))
     if bpw is not None and not isinstance(bpw, (int, float)):
         raise UserError(f"{path}: target_bpw {bpw!r} is not a number")
-    return Recipe(None if bpw is None else float(bpw), _value(head, f"{path}: head_bits"), entries, str(path))
+    loader = data.get("loader")
+    if loader is not None and loader not in LOADERS:
+        raise UserError(f"{path}: loader {loader!r}; choose one of {', '.join(LOADERS)}")
+    return Recipe(None if bpw is None else float(bpw), _value(head, f"{path}: head_bits"), entries, str(path), loader)
+
+
+def recipe_loader(cfg: ModelConfig, recipe: Recipe, sparks: int | None = None, asked: str | None = None) -> str:
+    """The profile a recipe is for: the one it names (a --loader that contradicts it refused), else
+    --loader, else the default for the model and Spark count."""
+    if recipe.loader:
+        return check_loader(asked, recipe.loader, recipe.path)
+    return asked or default_loader(cfg, sparks)
+
+
+def default_note(cfg: ModelConfig, recipe: Recipe, loader: str, sparks: int | None) -> str:
+    """What the output says of a recipe that names no profile: which one it was taken for."""
+    if recipe.loader:
+        return ""
+    where = f" on {sparks} Spark{'s' if sparks != 1 else ''}" if sparks else ""
+    return f" (names no loader profile: read for {loader}, the default for {cfg.arch}{where})"
 
 
 def _value(v, what: str) -> float | None:
@@ -73,8 +97,10 @@ def _value(v, what: str) -> float | None:
     return float(v)
 
 
-def plan_from_recipe(cfg: ModelConfig, recipe: Recipe, codebook: str = "mul1", loader: str = EXLLAMAV3) -> Plan:
-    """Apply the recipe to the model's targets: last matching entry wins, as in exllamav3."""
+def plan_from_recipe(cfg: ModelConfig, recipe: Recipe, codebook: str = "mul1", loader: str | None = None) -> Plan:
+    """Apply the recipe to the model's targets: last matching entry wins, as in exllamav3. The plan is for
+    recipe_loader's profile (Spark count unknown here: pass `loader` where it matters)."""
+    loader = recipe_loader(cfg, recipe, asked=loader)
     all_targets = targets(cfg)
     budgeted = [t for t in all_targets if t.budgeted]
     drafter = [t for t in all_targets if t.group == DRAFT]
@@ -202,6 +228,7 @@ def write_recipe(cfg: ModelConfig, plan: Plan, path: str | os.PathLike, header: 
     """Write the plan as an exllamav3 recipe (atomically); `header` becomes leading comment lines."""
     path = Path(path)
     lines = [f"# {line}".rstrip() for line in header.splitlines()]
+    lines.append(f"loader: {plan.profile.name}")
     if plan.target_bpw is not None:
         lines.append(f"target_bpw: {plan.target_bpw:g}")
     lines.append(f"head_bits: {_yaml_value(plan.head_bits)}")

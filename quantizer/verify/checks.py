@@ -34,7 +34,7 @@ from quantizer.contract.stored_linear import StoredLinear
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
 from quantizer.fit.launch import read_launch
-from quantizer.fit.memory import pack_fit_table
+from quantizer.pack.fit_table import pack_fit_table
 from quantizer.model.targets import target_map
 from quantizer.model.tensor_classes import ENGRAM_TABLE as ENGRAM_TABLE_CLASS
 from quantizer.pack.card import CARD_NAME, render_card, without_fit
