@@ -271,7 +271,7 @@ def save_plan(cfg: ModelConfig, plan: Plan, work: Path) -> None:
     """The plan as JSON (`quantizer build --plan` takes it) and as an exllamav3 recipe.yaml."""
     work.mkdir(parents=True, exist_ok=True)
     plan.save(work / PLAN_FILE)
-    write_recipe(cfg, plan, work / RECIPE_FILE, f"{plan.made_by}\nAchieved bits (exllamav3 accounting, budgeted "
+    write_recipe(cfg, plan, work / RECIPE_FILE, f"Plan: {plan.made_by}.\nAchieved bits (exllamav3 accounting, budgeted "
                  f"tensors): {plan.achieved_bpw:.4f}; loader {plan.profile.name}")
 
 

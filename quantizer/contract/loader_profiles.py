@@ -189,7 +189,9 @@ def overlay_note(overlay: Overlay | None) -> str:
     """The overlay as a plan's made_by names it."""
     if not overlay:
         return ""
-    return f", overlay={'+'.join(overlay.groups)} K{overlay.bits:g} drafter K{overlay.drafter_bits:g}"
+    side = [g for g in overlay.groups if g != DRAFT]
+    drafter = f"the drafter at {overlay.drafter_bits:g} bits" if DRAFT in overlay.groups else ""
+    return ", an EXL3 overlay: " + " and ".join(filter(None, [side and f"{', '.join(side)} at {overlay.bits:g} bits", drafter]))
 
 
 OVERLAY_SIDE = (ATTN, INDEX, SHARED, ENGRAM)  # requant_attn_exl3.py's targets
