@@ -102,7 +102,8 @@ def test_the_pack_launches_with_every_expert_copied_and_without_its_source_form_
     assert manifest.plan["launch"] == {"file": LAUNCH_FILE, "cold_experts": 0, "cold_share": 0.0, "drafter": False}
     assert read_launch(pack) == (r"^(?!mtp\.)", False)  # the recipe's copy pattern; DRAFT=0
     card = (pack / "README.md").read_text()
-    assert "## Run it on one Spark" in card and "set -a; . ./launch.env; set +a" in card and "`DRAFT=0`" in card
+    assert "## Run it\n" in card and "on one DGX Spark" in card and "`DRAFT=0`" in card
+    assert "set -a; . ./launch.env; set +a" in card and "library_name" not in card.split("\n---\n")[0]
 
 
 def test_fit_ppl_and_card_work_on_the_pack(one_spark_pack, tmp_path, capsys):

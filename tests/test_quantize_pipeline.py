@@ -17,6 +17,8 @@ from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import make_plan
 from quantizer.model.targets import ROUTED, targets
+from quantizer.pack.card import bits_text
+from quantizer.pack.manifest import Manifest
 from quantizer.plan.uniform import uniform_plan
 from quantizer.quantize import QuantizeSettings, quantize
 from quantizer.quantize.encode_hours import EncodeRate, RateTable, estimate, plan_estimate
@@ -144,7 +146,10 @@ def test_a_cpu_build_states_its_plans_encoding_without_a_gpu_figure_before_quant
     args = ["build", str(tiny_v41), "--plan", str(tmp_path / "plan.json"), "--out", str(tmp_path / "pack"),
             "--no-calibrate"]
     assert main(args) == 0
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    m = Manifest.load(tmp_path / "pack")
+    assert f"GiB); {bits_text(m)}; head in source form\n" in out and ", bpw " not in out  # the summary's bits in words
+    assert "plan: the plan file given; saved as" in out
     line = plan_estimate(ck.config, plan).line("cpu")  # a CPU build: no GPU figure, no CPU rate measured
     assert line in err and err.index(line) < err.index("quantize: 1 linears")
     assert line.endswith("weights to encode on the CPU with quantizer's codec; no time estimate (encode rates are "
