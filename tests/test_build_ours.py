@@ -31,7 +31,8 @@ def test_the_pack_is_calibrated_allocated_and_verified(built, capsys):
     manifest = json.loads((built / "pack" / MANIFEST_NAME).read_text())
     assert manifest["settings"]["calibration"]["rows"] == 4
     plan = Plan.load(built / "pack.work" / PLAN_FILE)
-    assert plan.profile.name == "vllm-exl3" and plan.made_by.startswith("allocate(") and "gains=measured-kl" in plan.made_by
+    assert plan.profile.name == "vllm-exl3" and plan.made_by.startswith("our allocator's 2.9 bpw plan (")
+    assert "a measured calibration with measured-kl site gains" in plan.made_by
     assert abs(plan.achieved_bpw - 2.9) < 0.02
     assert manifest["aliases"] == plan.aliases
     assert (built / "pack.work" / RECIPE_FILE).read_text().count("\n") > 10

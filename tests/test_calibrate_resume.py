@@ -5,6 +5,7 @@ is one clear line; the memory and disk it states match what it writes."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,6 +76,17 @@ def test_a_killed_calibration_resumes_to_identical_files(tiny_v41, tokens, finis
     resumed = _files(work)
     assert resumed == _files(finished)
     assert not any(name.startswith(STREAMS_PREFIX) for name in resumed)  # the resume point goes with the summary
+
+
+def test_a_rerun_of_a_finished_calibration_says_it_reuses_it(tiny_v41, tokens, finished, tmp_path, capsys):
+    work = tmp_path / "again"
+    shutil.copytree(finished, work)
+    capsys.readouterr()
+    assert main(["calibrate", str(tiny_v41), "--tokens", str(tokens), "--work", str(work)]) == 0
+    err = capsys.readouterr().err
+    assert f"calibrate: reusing the finished calibration in {work / CALIBRATION_DIR} (same source, tokens and " \
+           "settings)" in err
+    assert "calibrate needs" not in err and _files(work) == _files(finished)
 
 
 def test_a_changed_source_tokens_or_setting_is_refused_naming_the_difference(tiny_v41, tiny_v4, tokens, finished,

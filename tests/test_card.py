@@ -14,9 +14,11 @@ import os
 import re
 import shutil
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
-import yaml
+from huggingface_hub import ModelCard
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import build_parser, main
@@ -25,7 +27,7 @@ from quantizer.contract.rules import make_plan
 from quantizer.pack.fit_table import pack_fit_table
 from quantizer.model.targets import targets
 from quantizer.pack.card import CARD_NAME, render_card, source_license
-from quantizer.pack.manifest import MANIFEST_NAME, Manifest
+from quantizer.pack.manifest import MANIFEST_NAME, Manifest, TensorRecord
 
 ENCODED = "layers.0.attn.wq_b"  # one EXL3 linear (K 2): a second of the CPU codec
 
@@ -47,8 +49,9 @@ def copy(built, tmp_path):
 
 
 def _front_matter(card: str) -> dict:
+    """The metadata as huggingface_hub reads a model card (ModelCard parses the YAML block itself)."""
     assert card.startswith("---\n")
-    return yaml.safe_load(card[4: card.index("\n---\n", 4)])
+    return ModelCard(card).data.to_dict()
 
 
 def _block(card: str, heading: str) -> list[list[str]]:
@@ -63,7 +66,7 @@ def test_build_writes_a_card_whose_front_matter_names_the_source_as_quantized(bu
     card = (built / "pack" / CARD_NAME).read_text()
     meta = _front_matter(card)
     assert meta["base_model"] == "example-org/tiny-v41" and meta["base_model_relation"] == "quantized"
-    assert meta["library_name"] == "exllamav3"
+    assert meta["library_name"] == "exllamav3"  # the pack's profile is stock exllamav3's
     assert {"exl3", "exllamav3"} <= set(meta["tags"])
     manifest = Manifest.load(built / "pack")
     assert manifest.source["fingerprint"] in card and manifest.plan["hash"] in card
@@ -81,6 +84,62 @@ def test_the_cards_bits_per_class_are_the_manifests_totals(built):
         assert (int(tensors.replace(",", "")), int(params.replace(",", ""))) == (t["tensors"], t["params"])
         assert float(bpw) == pytest.approx(t["bpw"], abs=5e-4)
     assert f"K 2: {manifest.quantization['k_histogram']['2']}" in (built / "pack" / CARD_NAME).read_text()
+
+
+def test_the_cards_bits_say_what_the_numbers_count(built):
+    card = (built / "pack" / CARD_NAME).read_text()
+    q = Manifest.load(built / "pack").quantization
+    assert q["bits"] != q["bpw"]  # a pack whose rounded record differs: both numbers are explained
+    assert (f"{q['bpw']:g} bits per weight over the budgeted tensors (routed, shared, attention, indexer, engram); "
+            f"exllamav3's record (quantization_config.json) rounds it to bits {q['bits']}; codebook mul1.") in card
+    assert "EXL3 linears by K, the bits per weight each stores (16 = fp16): K 2: 1." in card
+    assert f"bits {q['bits']}, " not in card
+
+
+def _as_profile(m: Manifest, loader: str, routed_k: tuple[int, ...] = ()) -> Manifest:
+    """The built manifest as a pack of `loader` would record it (its Engram folder or launch settings), with
+    layer 1's routed experts at `routed_k`: the card is a function of the manifest, so each profile's card
+    is rendered without building its pack (tests/test_engine_profiles.py and test_one_spark.py build them)."""
+    extra = {"tensorfold": {"engram_dir": {"dir": "pack-Engram", "shards": ["model-00002-of-00003.safetensors"],
+                                           "tables": 4}},
+             "exllamav3-v41": {"launch": {"file": "launch.env", "cold_experts": 0, "cold_share": 0.0, "drafter": False}}}
+    tensors = dict(m.tensors) | {f"layers.1.ffn.experts.{e}.w1.trellis": TensorRecord("x", k, "routed_expert")
+                                 for e, k in enumerate(routed_k)}
+    return replace(m, plan={**m.plan, "loader": loader, **extra.get(loader, {})}, tensors=tensors)
+
+
+@pytest.mark.parametrize("loader, command", [
+    ("exllamav3", 'model = Model.from_config(Config.from_directory("."))'),
+    ("vllm-exl3", 'vllm serve "$PWD" --quantization exl3 --tokenizer-mode deepseek_v41 --tensor-parallel-size N '
+                  "--enable-expert-parallel\n"),
+    ("tensorfold", 'export TF_DS_ENGRAM="$PWD/../pack-Engram"'),
+    ("exllamav3-v41", "set -a; . ./launch.env; set +a\nMODEL_DIR=$PWD one-spark-tp1/scripts/run_tp1.sh"),
+])
+def test_each_profiles_card_says_how_to_run_it_and_names_only_an_engine_that_loads_it(built, loader, command):
+    card = render_card(_as_profile(Manifest.load(built / "pack"), loader), None)
+    run = card[card.index("## Run it\n"): card.index("## Bits")]
+    assert f"```\n{command}" in run or command in run.split("```")[1]  # inside the fenced command
+    meta = _front_matter(card)
+    assert meta["base_model"] == "example-org/tiny-v41" and meta["pipeline_tag"] == "text-generation"
+    assert loader in meta["tags"] and "exl3" in meta["tags"]
+    if loader == "exllamav3":
+        assert meta["library_name"] == "exllamav3" and "library_name: exllamav3" in card
+    else:  # stock exllamav3 cannot load it: the engine is a tag, no library claims it
+        assert "library_name" not in meta and "library_name:" not in card
+    assert ("vllm" in meta["tags"]) == (loader == "vllm-exl3")
+
+
+def test_the_vllm_card_turns_on_the_per_expert_path_only_for_layers_of_mixed_k(built):
+    m = Manifest.load(built / "pack")
+    uniform = render_card(_as_profile(m, "vllm-exl3", (3, 3)), None)
+    mixed = render_card(_as_profile(m, "vllm-exl3", (2, 3)), None)
+    assert "VLLM_EXL3_TENSOR_MIXED_K=1 vllm serve" not in uniform and "is not needed" in uniform
+    assert ('VLLM_EXL3_TENSOR_MIXED_K=1 vllm serve "$PWD" --quantization exl3 --tokenizer-mode deepseek_v41 '
+            "--tensor-parallel-size N --enable-expert-parallel --enforce-eager\n") in mixed
+    assert "differ in K in 1 layer(s)" in mixed
+    given = replace(m, tool={**m.tool, "command": [*m.tool["command"], "--sparks", "4"]})
+    four = render_card(_as_profile(given, "vllm-exl3"), None)
+    assert "--tensor-parallel-size 4 --enable-expert-parallel" in four and "the build's `--sparks 4`" in four
 
 
 def test_the_cards_fit_table_is_what_quantizer_fit_prints_for_the_pack(built, capsys):
@@ -141,7 +200,9 @@ def test_verify_faults_an_edited_or_missing_card_and_quantizer_card_rewrites_it(
     card = copy / CARD_NAME
     card.write_text(card.read_text().replace("not measured", "KL 0.001"))
     assert main(["verify", str(copy)]) == 1
-    assert f"FAULT {CARD_NAME}: is not the card of this manifest" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"FAULT {CARD_NAME}: is not the card this quantizer writes for this manifest" in out
+    assert f"regenerate it with `quantizer card {copy}`" in out
     card.unlink()
     assert main(["verify", str(copy)]) == 1
     assert f"FAULT {CARD_NAME}: missing" in capsys.readouterr().out

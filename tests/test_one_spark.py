@@ -102,7 +102,8 @@ def test_the_pack_launches_with_every_expert_copied_and_without_its_source_form_
     assert manifest.plan["launch"] == {"file": LAUNCH_FILE, "cold_experts": 0, "cold_share": 0.0, "drafter": False}
     assert read_launch(pack) == (r"^(?!mtp\.)", False)  # the recipe's copy pattern; DRAFT=0
     card = (pack / "README.md").read_text()
-    assert "## Run it on one Spark" in card and "set -a; . ./launch.env; set +a" in card and "`DRAFT=0`" in card
+    assert "## Run it\n" in card and "on one DGX Spark" in card and "`DRAFT=0`" in card
+    assert "set -a; . ./launch.env; set +a" in card and "library_name" not in card.split("\n---\n")[0]
 
 
 def test_fit_ppl_and_card_work_on_the_pack(one_spark_pack, tmp_path, capsys):
@@ -143,7 +144,7 @@ def test_the_launch_file_is_a_file_the_pack_owns_and_publishes(one_spark_pack):
 def test_one_spark_plan_defaults_to_the_v41_loader_and_fits_512k(real_v41, capsys):
     assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "1", "--context", "512K"]) == 0
     out = capsys.readouterr().out
-    m = re.search(r"achieved ([\d.]+) bits over budgeted tensors .* loader exllamav3-v41", out)
+    m = re.search(r"achieved ([\d.]+) bits per weight over the budgeted tensors .* loader profile exllamav3-v41", out)
     assert m and 1.4 <= float(m[1]) <= 1.8, out[:400]  # bits per routed weight: the only budgeted tensors
     assert "FITS: fits 1 Spark (exllamav3-v41" in out
     assert "drafter off" in out  # a source-form drafter would be dequantized into GPU memory: launched without

@@ -77,7 +77,9 @@ def test_a_reusable_engram_shard_is_hard_linked_and_the_pack_matches_a_copied_on
     shards = _engram_shards(linked)
     assert len(shards) == len(sources) == len(ck.config.engram_layer_ids)
     assert {p.stat().st_ino for p in shards} == {p.stat().st_ino for p in sources}  # no byte was copied
-    assert "Engram source shard(s) reused: hard link" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Engram source shard(s) reused: hard link" in err
+    assert "of the source's Engram shards to link into it (copied where the filesystem refuses links)" in err
     assert not verify_pack(linked).faults
 
     def refuse(*args):
@@ -91,7 +93,9 @@ def test_a_reusable_engram_shard_is_hard_linked_and_the_pack_matches_a_copied_on
     assert _files(linked) == _files(copied)
 
 
-def test_a_source_shard_holding_more_than_the_table_is_written_not_linked(tiny_v41, tmp_path):
+def test_a_source_shard_holding_more_than_the_table_is_written_not_linked(tiny_v41, tmp_path, capsys):
     ck, out = _pack(tiny_v41, tmp_path, "as-shipped", wkv_k=16.0)  # tables beside wkv, as DeepSeek ships them
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("pack: ") and "to write" in x)
+    assert line.endswith(" to write") and "link" not in line  # nothing to link: no "0 B ... linked"
     assert not {p.stat().st_ino for p in _engram_shards(out)} & {p.stat().st_ino for p in _engram_files(ck)}
     assert not verify_pack(out).faults

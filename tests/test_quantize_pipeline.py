@@ -17,6 +17,8 @@ from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import make_plan
 from quantizer.model.targets import ROUTED, targets
+from quantizer.pack.card import bits_text
+from quantizer.pack.manifest import Manifest
 from quantizer.plan.uniform import uniform_plan
 from quantizer.quantize import QuantizeSettings, quantize
 from quantizer.quantize.encode_hours import EncodeRate, RateTable, estimate, plan_estimate
@@ -117,6 +119,13 @@ def test_gpu_hours_follow_the_measured_rate_of_each_k(real_v41_uniform_spec):
     assert three.unmeasured == (3.0,) and "K 3 at the nearest measured K's rate" in three.line()
 
 
+def test_a_plan_of_minutes_reads_under_a_tenth_of_a_gpu_hour(real_v41_uniform_spec):
+    table = RateTable("test GPU", (EncodeRate(2.0, 5120, 2304, 20e6),))
+    linears = [s._replace(K=2.0) for s in real_v41_uniform_spec(2.5).encoded if s.target.group == ROUTED][:3]
+    e = estimate(linears, table)
+    assert e.line() == f"quantize: {e.weights:,} weights, under 0.1 GPU-hours on test GPU at measured rates"
+
+
 def test_the_shipped_table_prices_the_real_model_in_gpu_hours(real_v41, real_v41_uniform):
     e = plan_estimate(real_v41, real_v41_uniform(2.9))
     assert e.weights > 543e9 and 5 < e.gpu_hours < 30
@@ -130,13 +139,18 @@ def test_plan_states_the_gpu_hours_of_its_plan(capsys):
                      capsys.readouterr().out, re.M)
 
 
-def test_build_states_the_gpu_hours_of_its_plan_before_quantizing(tiny_v41, tmp_path, capsys):
+def test_a_cpu_build_states_its_plans_encoding_without_a_gpu_figure_before_quantizing(tiny_v41, tmp_path, capsys):
     ck = Checkpoint.open(tiny_v41)
     plan = make_plan(ck.config, {t.key: (16.0 if t.key == "layers.0.attn.wq_a" else None) for t in targets(ck.config)})
     plan.save(tmp_path / "plan.json")
     args = ["build", str(tiny_v41), "--plan", str(tmp_path / "plan.json"), "--out", str(tmp_path / "pack"),
             "--no-calibrate"]
     assert main(args) == 0
-    err = capsys.readouterr().err
-    line = plan_estimate(ck.config, plan).line()
+    out, err = capsys.readouterr()
+    m = Manifest.load(tmp_path / "pack")
+    assert f"GiB); {bits_text(m)}; head in source form\n" in out and ", bpw " not in out  # the summary's bits in words
+    assert "plan: the plan file given; saved as" in out
+    line = plan_estimate(ck.config, plan).line("cpu")  # a CPU build: no GPU figure, no CPU rate measured
     assert line in err and err.index(line) < err.index("quantize: 1 linears")
+    assert line.endswith("weights to encode on the CPU with quantizer's codec; no time estimate (encode rates are "
+                         "measured on H200 GPUs only)") and "GPU-hours" not in err

@@ -214,7 +214,7 @@ def plan_and_state(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSumm
     of a one-Spark target); the GPU time it implies stated (the tune stage's too, with --tune, for a job
     of `ranks` GPUs)."""
     plan, report, launch = (req.plan, None, Launch()) if req.plan else choose_plan(cfg, req, summary)
-    print(plan_estimate(cfg, plan).line(), file=sys.stderr)
+    print(plan_estimate(cfg, plan).line(req.quantize.device), file=sys.stderr)
     if req.tune is not None:
         print(tune_line(cfg, *req.calibration_rows.shape, req.tune, (ranks,)), file=sys.stderr)
     return plan, report, launch
@@ -271,7 +271,7 @@ def save_plan(cfg: ModelConfig, plan: Plan, work: Path) -> None:
     """The plan as JSON (`quantizer build --plan` takes it) and as an exllamav3 recipe.yaml."""
     work.mkdir(parents=True, exist_ok=True)
     plan.save(work / PLAN_FILE)
-    write_recipe(cfg, plan, work / RECIPE_FILE, f"{plan.made_by}\nAchieved bits (exllamav3 accounting, budgeted "
+    write_recipe(cfg, plan, work / RECIPE_FILE, f"Plan: {plan.made_by}.\nAchieved bits (exllamav3 accounting, budgeted "
                  f"tensors): {plan.achieved_bpw:.4f}; loader {plan.profile.name}")
 
 

@@ -4,8 +4,10 @@ proxy errors, tuning, the fit per Spark count, verify's verdict and how to point
 from __future__ import annotations
 
 from quantizer.build.stages import PLAN_FILE, RECIPE_FILE, BuildResult
-from quantizer.pack.fit_table import pack_fit_table
+from quantizer.exl3 import k_words
 from quantizer.fit.render import render as render_fit
+from quantizer.pack.card import bits_text
+from quantizer.pack.fit_table import pack_fit_table
 from quantizer.report import gib, table
 
 
@@ -19,10 +21,9 @@ def build_summary(r: BuildResult) -> str:
     lines = [
         f"built {r.out} in {r.seconds:,.1f} s ({r.quantized.units - r.quantized.resumed_units:,} of "
         f"{r.quantized.units:,} units encoded this run)",
-        f"{len(m.shards)} shards, {pack_bytes:,} bytes ({gib(pack_bytes)} GiB); bits {m.quantization['bits']}, "
-        f"bpw {m.quantization['bpw']}, head_bits {m.plan['head_bits']}, codebook {m.plan['codebook']}",
-        f"plan: {r.plan.made_by}; {r.plan.achieved_bpw:.4f} bits over the budgeted tensors; saved as "
-        f"{r.work / PLAN_FILE} and {r.work / RECIPE_FILE}",
+        f"{len(m.shards)} shards, {pack_bytes:,} bytes ({gib(pack_bytes)} GiB); {bits_text(m)}; "
+        f"head {k_words(r.plan.head_bits)}",
+        f"plan: {r.plan.made_by or 'the plan file given'}; saved as {r.work / PLAN_FILE} and {r.work / RECIPE_FILE}",
         _calibration_line(r),
         f"linears by K (16 = fp16): {hist or 'none'}",
         _proxy_line(r.quantized.proxy_err),

@@ -128,13 +128,16 @@ def calibrate(ck: Checkpoint, rows: torch.Tensor, work: str | Path,
         record = ranks.on_main(lambda: job_record(ck, rows, settings, directory))
         ranks.on_main(lambda: open_job(directory, record, record_differences, "calibration"))
         needs = calibration_needs(ck.config, rows.shape[0], rows.shape[1], settings)
-        if ranks.main:
-            print(needs.describe(settings.device), file=sys.stderr)
-        written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-        ranks.on_main(lambda: require_free_space(directory, needs.disk - written, "the calibration"))
         start = time.monotonic()
         chunks = _chunks(rows, settings)
         resumed = ranks.on_main(lambda: _finished_layers(directory, ck.config.num_layers, len(chunks)))
+        if ranks.main:  # a rerun says what it takes from the work directory rather than what it would need
+            layers = ck.config.num_layers
+            print(f"calibrate: reusing the finished calibration in {directory} (same source, tokens and settings)"
+                  if resumed >= layers else needs.describe(settings.device)
+                  + (f"; resuming at layer {resumed} of {layers}" if resumed else ""), file=sys.stderr)
+        written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+        ranks.on_main(lambda: require_free_space(directory, needs.disk - written, "the calibration"))
         if resumed < ck.config.num_layers:
             _run(ck, chunks, directory, settings, record, progress, resume_every, resumed, ranks)
             ranks.barrier()  # rank 0 has written the summary

@@ -183,7 +183,7 @@ def recipe_header(args: argparse.Namespace, plan: Plan, method: str = UNIFORM, t
         extra += _method_flags(args, method)
     lines = [
         f"exllamav3 recipe for {model} at {plan.target_bpw:g} bpw, for the {plan.profile.name} loader profile.",
-        f"Made by {plan.made_by}.",
+        f"Plan: {plan.made_by}.",
         f"Regenerate: quantizer plan --model-config {model} {budget}{extra} --recipe-out <this file>",
         f"Achieved bits (exllamav3 accounting, budgeted tensors): {plan.achieved_bpw:.4f}; "
         f"expected pack {gib(plan.expected_bytes[TOTAL_RESIDENT])} GiB without the Engram tables.",

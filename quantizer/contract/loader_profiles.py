@@ -36,7 +36,7 @@ from quantizer.checkpoint.config import V4, ModelConfig
 from quantizer.contract.stored_linear import StoredLinear
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED, check_k, drafter_k
-from quantizer.model.targets import ATTN, DRAFT, ENGRAM, GROUPS, HEAD_GROUP, INDEX, ROUTED, SHARED, Target
+from quantizer.model.targets import ATTN, BUDGETED_GROUPS, DRAFT, ENGRAM, GROUPS, HEAD_GROUP, INDEX, ROUTED, SHARED, Target
 from quantizer.shipped import shipped
 
 EXLLAMAV3 = "exllamav3"
@@ -101,7 +101,12 @@ class LoaderProfile:
         """Whether `t` counts against the bpw budget: exllamav3's budgeted set, less what the engine keeps
         in source form or takes as an overlay at a fixed K (for vllm-exl3 and exllamav3-v41 the routed
         experts alone; the rest is a fixed cost in bytes)."""
-        return t.budgeted and self.layout[t.group] in (EXL3_FORM, EITHER)
+        return t.group in self.budgeted_groups
+
+    @property
+    def budgeted_groups(self) -> tuple[str, ...]:
+        """The target groups whose bits the bpw counts (exllamav3's budgeted set, less the engine's source form)."""
+        return tuple(g for g in BUDGETED_GROUPS if self.layout[g] in (EXL3_FORM, EITHER))
 
     @property
     def overlay_groups(self) -> tuple[str, ...]:
@@ -189,7 +194,9 @@ def overlay_note(overlay: Overlay | None) -> str:
     """The overlay as a plan's made_by names it."""
     if not overlay:
         return ""
-    return f", overlay={'+'.join(overlay.groups)} K{overlay.bits:g} drafter K{overlay.drafter_bits:g}"
+    side = [g for g in overlay.groups if g != DRAFT]
+    drafter = f"the drafter at {overlay.drafter_bits:g} bits" if DRAFT in overlay.groups else ""
+    return ", an EXL3 overlay: " + " and ".join(filter(None, [side and f"{', '.join(side)} at {overlay.bits:g} bits", drafter]))
 
 
 OVERLAY_SIDE = (ATTN, INDEX, SHARED, ENGRAM)  # requant_attn_exl3.py's targets

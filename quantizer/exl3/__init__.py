@@ -14,6 +14,7 @@ from quantizer.exl3.k_values import (
     check_bpw,
     check_k,
     drafter_k,
+    k_words,
     rate_floor,
     rate_grid,
     trellis_k,
@@ -31,6 +32,6 @@ from quantizer.exl3.sizes import (
 __all__ = [
     "CODEBOOKS", "CODEBOOK_MSE_FACTOR", "EXL3_LEAVES", "HADAMARD_BLOCK", "HALF_RATES", "INTEGER_RATES", "MUL1_MSE",
     "NUM_STATES", "PACK_ALIGN", "UNQUANTIZED", "Codebook", "budget_bpw", "check_bpw", "check_k", "codebook_values",
-    "drafter_k", "exl3_bytes", "k_from_trellis", "leaf_layout", "model_proxy", "parse_codebook", "rate_floor",
+    "drafter_k", "exl3_bytes", "k_from_trellis", "k_words", "leaf_layout", "model_proxy", "parse_codebook", "rate_floor",
     "rate_grid", "trellis_k",
 ]

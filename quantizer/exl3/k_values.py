@@ -18,6 +18,13 @@ HALF_RATES = (1.5, 2.5, 3.5)  # mul1 only
 UNQUANTIZED = 16.0  # recipe value: keep the linear as fp16
 
 
+def k_words(k: float | None) -> str:
+    """A plan's K for one tensor group as a person reads it: "6 bits", "fp16", "source form" (None)."""
+    if k is None:
+        return "in source form"
+    return "fp16" if k == UNQUANTIZED else f"{k:g} bits"
+
+
 def rate_grid(codebook: Codebook | str, integer_only: bool = False) -> tuple[float, ...]:
     """The K values one tensor may take (exllamav3: half rates only with mul1, none for DSV4 attention)."""
     if parse_codebook(codebook) is Codebook.MUL1 and not integer_only:

@@ -21,17 +21,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import yaml
+from huggingface_hub import ModelCardData
 
-from quantizer.contract.loader_profiles import load_profile
+from quantizer.contract.loader_profiles import EXLLAMAV3, EXLLAMAV3_V41, TENSORFOLD, VLLM_EXL3, LoaderProfile, load_profile
+from quantizer.model.tensor_classes import DRAFTER, ENGRAM_TABLE, ROUTED_EXPERT, VISION, classify
 from quantizer.pack.fit_table import pack_fit_table
-from quantizer.model.tensor_classes import DRAFTER, ENGRAM_TABLE, VISION, classify
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest
 from quantizer.pack.measurement import Measurement
 from quantizer.report import size_text, table
 from quantizer.workdir import write_json_atomic, write_text_atomic
 
 CARD_NAME = "README.md"
-LIBRARY = "exllamav3"
 SHIPPED_CALIBRATION = "the shipped calibration set (calibration/calibration.jsonl)"
 
 
@@ -65,18 +65,18 @@ def _vouched(pack: Path) -> Manifest:
     return manifest
 
 
-def front_matter(m: Manifest) -> dict:
-    """The Hugging Face metadata: base_model (and its relation) only when the source is a known repo."""
-    meta: dict = {}
-    if m.source.get("base_model"):
-        meta["base_model"] = m.source["base_model"]
-        meta["base_model_relation"] = "quantized"
-    meta["library_name"] = LIBRARY
-    meta["pipeline_tag"] = "text-generation"
-    if m.source.get("license"):
-        meta["license"] = m.source["license"]
-    meta["tags"] = list(dict.fromkeys(["exl3", LIBRARY, m.plan["loader"], "quantizer", m.source["arch"]]))
-    return meta
+def card_data(m: Manifest) -> ModelCardData:
+    """The Hugging Face metadata: base_model (and its relation) only when the source is a known repo;
+    `library_name: exllamav3` only on a pack stock exllamav3 loads (its profile), the engine as a tag on the others."""
+    loader = m.plan["loader"]
+    base = m.source.get("base_model")
+    engine_tags = ["vllm"] if loader == VLLM_EXL3 else []
+    return ModelCardData(
+        base_model=base or None, base_model_relation="quantized" if base else None,
+        library_name=EXLLAMAV3 if loader == EXLLAMAV3 else None, pipeline_tag="text-generation",
+        license=m.source.get("license") or None,
+        tags=list(dict.fromkeys(["exl3", loader, *engine_tags, "quantizer", m.source["arch"]])),
+    )
 
 
 FIT_HEADING = "## Fit on DGX Sparks"
@@ -87,11 +87,11 @@ def render_card(m: Manifest, fit: dict | None) -> str:
     verify compares README.md with it)."""
     source_classes = {classify(name).cls for name in m.sources}
     sections = [
-        "---\n" + yaml.safe_dump(front_matter(m), sort_keys=False) + "---",
+        f"---\n{card_data(m).to_yaml()}\n---",
         _title(m),
         _source(m),
         _loads_in(m),
-        *_launch(m),
+        _run_it(m),
         _bits(m),
         _policies(m, source_classes),
         _calibration(m),
@@ -134,26 +134,134 @@ def _loads_in(m: Manifest) -> str:
     ])
 
 
-def _launch(m: Manifest) -> list[str]:
-    """How to start a pack whose engine serves weights from the mapped file (its launch.env), or nothing."""
-    launch = m.plan.get("launch")
-    if not launch:
-        return []
+RUN_HEADING = "## Run it"
+
+
+def _run_it(m: Manifest) -> str:
+    """How to start the pack in its profile's engine: the engine, the command, the settings. Commands are
+    the ones docs/loader-profiles.md gives (with the engine document it cites); where it gives none, the
+    card says what the engine reads and where its launcher is. A function of the manifest alone (the fit
+    table is not: its verdicts follow today's hardware profile)."""
+    profile = load_profile(m.plan["loader"])
+    given = _flag_value(m.tool.get("command") or [], "--sparks")
+    run = {EXLLAMAV3: _run_exllamav3, VLLM_EXL3: _run_vllm, TENSORFOLD: _run_tensorfold, EXLLAMAV3_V41: _run_one_spark}
+    return "\n".join([RUN_HEADING, "", *run[profile.name](m, profile, given)])
+
+
+def _sparks_text(profile: LoaderProfile, given: str | None) -> str:
+    if given:
+        return f"{given} DGX Spark{'s' if given != '1' else ''} (the build's `--sparks {given}`)"
+    counts = [str(n) for n in profile.sparks]
+    listed = ", ".join(counts[:-1]) + " or " + counts[-1] if len(counts) > 1 else counts[0]
+    return f"{listed} DGX Sparks (the fit table below says where this pack fits)"
+
+
+def _run_vllm(m: Manifest, profile: LoaderProfile, given: str | None) -> list[str]:
+    mixed = _mixed_k_layers(m)
+    env = "VLLM_EXL3_TENSOR_MIXED_K=1 " if mixed else ""
+    tp = given or "N"
+    return [
+        "Engine: vLLM with the vllm-exl3 plugin (vcruz305/vllm-exl3) in the plugin's DeepSeek-V4.1 vLLM image, on "
+        f"{_sparks_text(profile, given) if given else 'N DGX Sparks'}, one tensor-parallel rank per Spark with expert "
+        "parallelism. From the folder that holds this pack:",
+        *_fenced(f'{env}vllm serve "$PWD" --quantization exl3 --tokenizer-mode deepseek_v41 --tensor-parallel-size {tp} '
+                 f"--enable-expert-parallel{' --enforce-eager' if mixed else ''}"),
+        *([] if given else [f"- N: the Spark count, {_sparks_text(profile, None)}; no vllm-exl3 pack of V4.1-Flash, "
+                            "which stores every routed expert, fits one (docs/loader-profiles.md of quantizer)"]),
+        (f"- routed experts of one layer differ in K in {len(mixed)} layer(s), so the plugin's per-expert path is on: "
+         "`VLLM_EXL3_TENSOR_MIXED_K=1`, `--enforce-eager`, expert parallel, no speculative decoding" if mixed else
+         "- every layer's routed experts share one K (config.json's `layer_bits`), so the per-expert path "
+         "(`VLLM_EXL3_TENSOR_MIXED_K=1`) is not needed"),
+        "- context: vLLM takes config.json's `max_position_embeddings` unless `--max-model-len` caps it; the fit table "
+        "below gives the most that fits per Spark count",
+        "- the command is the plugin's launch shape (its docs/DEEPSEEK_V41_TP4_EP4.md: pin the image digest and the "
+        "plugin commit) with the run-time settings of docs/loader-profiles.md (vllm-exl3) of quantizer",
+    ]
+
+
+def _run_tensorfold(m: Manifest, profile: LoaderProfile, given: str | None) -> list[str]:
+    engram = m.plan["engram_dir"]
+    return [
+        f"Engine: TensorFold's DeepSeek-V4.1 engine (bertholomus/TensorFold, Zig kit) on {_sparks_text(profile, given)}; "
+        "it has no one-Spark path. It reads the model from this folder and the Engram tables from a folder of their "
+        f"own: `quantizer build` wrote `{engram['dir']}/` beside the pack, {len(engram['shards'])} source shard(s) "
+        f"({', '.join(engram['shards'])}) linked from the source. It is not uploaded with the pack: elsewhere, put "
+        "those shards of the source in such a folder. Point TensorFold at it before its launcher starts:",
+        *_fenced(f'export TF_DS_ENGRAM="$PWD/../{engram["dir"]}"'),
+        "- or pass `--engram DIR`; TensorFold's READMEs also find a folder next to the model whose name contains "
+        "`Engram` (docs/loader-profiles.md of quantizer, tensorfold)",
+        "- the launch itself is the TensorFold recipes' two- or four-node lane; quantizer's docs give no command of "
+        "their own for it",
+    ]
+
+
+def _run_exllamav3(m: Manifest, profile: LoaderProfile, given: str | None) -> list[str]:
+    version = m.tool["exllamav3_target"]
+    v41 = m.source["arch"] == "v41"
+    return [
+        f"Engine: stock exllamav3 {version} (turboderp-org/exllamav3, `pip install exllamav3=={version}`) on one GPU "
+        "host: one Spark, its tensor parallelism being single-host. It loads this folder as a model directory, as "
+        "quantizer's GPU tests load every pack of this profile (tests/gpu/test_pack_exllamav3.py), run from here:",
+        *_fenced("from exllamav3 import Config, Model", 'model = Model.from_config(Config.from_directory("."))',
+                 "model.load()", language="python"),
+        *([f"- exllamav3 {version} has no DeepSeek-V4.1 architecture: this V4.1 pack is for forks that share its "
+           "kernels (docs/loader-profiles.md of quantizer, exllamav3)"] if v41 else []),
+        "- context: the fit table below gives the most that fits on one Spark",
+    ]
+
+
+def _run_one_spark(m: Manifest, profile: LoaderProfile, given: str | None) -> list[str]:
+    """Native ExLlamaV3's V4.1 loader serves weights from the mapped file as the pack's launch.env says."""
+    launch = m.plan["launch"]
     cold = (f"{launch['cold_experts']:,} cold routed experts ({launch['cold_share']:.2%} of the calibration's routed "
             "tokens) are left in the page cache with the drafter" if launch["cold_experts"] else
             "every routed expert is copied into GPU memory, the drafter left in the page cache")
     drafter = ("" if launch.get("drafter", True) else " The drafter is in source form, which the engine would "
                "dequantize into GPU memory, so it launches without it (`DRAFT=0`); build with `--overlay` for an "
                "EXL3 drafter served from the mapped file.")
-    return ["\n".join([
-        "## Run it on one Spark", "",
-        "Native ExLlamaV3's V4.1 loader (vcruz305/exllamav3, branch `feat/gb10-ats-load`; the recipe pins commit "
-        "`954a8ca6e59d`), one Spark in ATS addressing mode. `launch.env` in this folder sets what the engine copies "
-        f"into GPU memory and what it serves from the mapped shards: {cold}.{drafter} Load it before the recipe's "
-        "launcher (vcruz305/DeepSeek-V4.1-Flash-EXL3-DGX-Spark-recipe, `one-spark-tp1/scripts/run_tp1.sh`, which "
-        "keeps variables already set):", "",
-        "```", "set -a; . ./launch.env; set +a", "MODEL_DIR=$PWD one-spark-tp1/scripts/run_tp1.sh", "```",
-    ])]
+    return [
+        "Engine: native ExLlamaV3's V4.1 loader (vcruz305/exllamav3, branch `feat/gb10-ats-load`; the recipe pins "
+        "commit `954a8ca6e59d`) on one DGX Spark in ATS addressing mode. `launch.env` in this folder sets what the "
+        f"engine copies into GPU memory and what it serves from the mapped shards (`EXL3_ATS_MMAP=1`, `EXL3_ATS_COPY`, "
+        f"`DRAFT`): {cold}.{drafter} Load it before the recipe's launcher (vcruz305/DeepSeek-V4.1-Flash-EXL3-DGX-Spark-"
+        "recipe, `one-spark-tp1/scripts/run_tp1.sh`, which keeps variables already set):",
+        *_fenced("set -a; . ./launch.env; set +a", "MODEL_DIR=$PWD one-spark-tp1/scripts/run_tp1.sh"),
+        "- context: the fit table below gives the most that fits on one Spark (docs/gb10-memory.md of quantizer, "
+        "one Spark)",
+    ]
+
+
+def _fenced(*lines: str, language: str = "") -> list[str]:
+    """A command block of the card, and the blank line after it."""
+    return ["", f"```{language}", *lines, "```", ""]
+
+
+def _mixed_k_layers(m: Manifest) -> list[int]:
+    """The layers whose routed experts hold more than one K (vllm-exl3 reads them on its per-expert path)."""
+    ks: dict[int, set] = {}
+    for name, t in m.tensors.items():
+        if t.cls == ROUTED_EXPERT and name.endswith(".trellis"):
+            ks.setdefault(classify(name).layer, set()).add(t.K)
+    return sorted(layer for layer, k in ks.items() if len(k) > 1)
+
+
+def _flag_value(command: list[str], flag: str) -> str | None:
+    """The value of `flag` in a recorded command line (`--flag V` or `--flag=V`), or None."""
+    for i, word in enumerate(command):
+        if word == flag and i + 1 < len(command):
+            return command[i + 1]
+        if word.startswith(flag + "="):
+            return word.split("=", 1)[1]
+    return None
+
+
+def bits_text(m: Manifest) -> str:
+    """The pack's bits in words: per weight of which tensors, and how exllamav3's record rounds them."""
+    q = m.quantization
+    groups = load_profile(m.plan["loader"]).budgeted_groups
+    which = "the routed experts" if groups == ("routed",) else f"the budgeted tensors ({', '.join(groups)})"
+    rounded = "" if q["bits"] == q["bpw"] else f"; exllamav3's record (quantization_config.json) rounds it to bits {q['bits']}"
+    return f"{q['bpw']:g} bits per weight over {which}{rounded}; codebook {m.plan['codebook']}"
 
 
 def _bits(m: Manifest) -> str:
@@ -163,8 +271,7 @@ def _bits(m: Manifest) -> str:
     hist = ", ".join(f"K {k}: {n:,}" for k, n in q["k_histogram"].items()) or "none"
     return "\n".join([
         "## Bits", "",
-        f"bits {q['bits']}, {q['bpw']:g} bpw over the budgeted tensors, codebook `{m.plan['codebook']}`. "
-        f"Linears by K (16 = fp16): {hist}.", "",
+        f"{bits_text(m)}. EXL3 linears by K, the bits per weight each stores (16 = fp16): {hist}.", "",
         "Stored bits per source parameter, by tensor class:", "",
         "```", table(["class", "tensors", "bytes", "params", "bpw"], rows), "```",
     ])
@@ -220,8 +327,9 @@ def _tuning(m: Manifest) -> str:
 def _calibration_text(m: Manifest) -> str:
     command = m.tool.get("command") or []
     for flag in ("--text", "--tokens"):
-        if flag in command[:-1]:
-            return f"`{Path(command[command.index(flag) + 1]).name}` ({flag})"
+        value = _flag_value(command, flag)
+        if value:
+            return f"`{Path(value).name}` ({flag})"
     return SHIPPED_CALIBRATION if command else "the text given to the build (no command recorded)"
 
 

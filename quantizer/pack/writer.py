@@ -136,9 +136,10 @@ def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settin
     shards = assign_shards(tensors, settings.shard_size, reusable_sources(tensors, align))
     size = sum(s.nbytes for s in shards)
     linkable = sum(s.nbytes for s in shards if s.reuse and os.stat(s.reuse).st_dev == os.stat(partial).st_dev)
+    link = (f", and {size_text(linkable)} of the source's Engram shards to link into it (copied where the filesystem "
+            "refuses links)" if linkable else "")
     print(f"pack: {len(tensors):,} tensors in {len(shards)} shards, {size_text(size)} in {partial}; "
-          f"{size_text(size - linkable)} to write, {size_text(linkable)} of Engram shards linked from the "
-          "source (copied where the filesystem refuses links)", file=sys.stderr)
+          f"{size_text(size - linkable)} to write{link}", file=sys.stderr)
     require_free_space(partial, size - linkable, "the pack")
     made = write_shards(partial, shards, align)
     (partial / CONVERTED_FILE).unlink(missing_ok=True)
@@ -355,8 +356,8 @@ def _write_engram_dir(ck: Checkpoint, spec: PackSpec, where: Path) -> dict | Non
     how = {p.name: link_or_copy(p, where / p.name) for p in files}
     write_json_atomic(where / INDEX_NAME, {"metadata": {"total_size": sum(ck.tensors[n].nbytes for n in tables)},
                                            "weight_map": {n: ck.tensors[n].path.name for n in tables}})
-    print(f"pack: Engram tables in {len(files)} source shard(s) {', '.join(sorted(set(how.values())))} into "
-          f"{where.name}/ beside the pack", file=sys.stderr)
+    print(f"pack: the {len(files)} source shard(s) holding the Engram tables put in {where.name}/ beside the pack "
+          f"({', '.join(sorted(set(how.values())))})", file=sys.stderr)
     return {"shards": sorted(how), "tables": len(tables)}
 
 

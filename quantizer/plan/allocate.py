@@ -39,7 +39,7 @@ from quantizer.contract.pack_spec import expert_of
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
-from quantizer.exl3 import check_k, rate_grid
+from quantizer.exl3 import check_k, k_words, rate_grid
 from quantizer.model.targets import ATTN, ENGRAM, INDEX, ROUTED, SHARED, target_map, targets
 from quantizer.plan.sensitivity import AliasOption, Sensitivity
 
@@ -235,10 +235,14 @@ class Allocator:
             if t.key not in k:  # head, drafter, an overlay group, or one the engine keeps in source form
                 k[t.key] = self.profile.fixed_k(t, s.head_bits, s.drafter_bits, s.overlay)
         bpw = budget_bits / self.total_numel if target_bpw is None else target_bpw
-        made_by = (f"allocate(bpw={bpw:.4g}, loader={s.loader}, floor={s.floor:g}, codebook={s.codebook}, "
-                   f"aliases={len(aliased)}, calibration={'synthetic' if self.sens.synthetic else 'measured'}, "
-                   f"gains={self.sens.gains}, "
-                   f"measured_proxies={self.sens.measured}{overlay_note(s.overlay)})")
+        floor = any(self.profile.budgets(t) and t.group != ROUTED for t in targets(self.cfg))
+        made_by = (f"our allocator's {bpw:.4g} bpw plan ({s.codebook} codebook"
+                   + (f", the other budgeted tensors at {s.floor:g} bits or more" if floor else "")
+                   + f", head {k_words(k.get('head'))}" + (f", {len(aliased)} aliased experts" if aliased else "")
+                   + f", {'a synthetic' if self.sens.synthetic else 'a measured'} calibration with {self.sens.gains} "
+                   f"site gains, proxy errors "
+                   f"{f'measured for {self.sens.measured} targets' if self.sens.measured else 'modelled'}"
+                   + overlay_note(s.overlay) + ")")
         return make_plan(self.cfg, k, s.codebook, s.loader, target_bpw=round(bpw, 4), aliases=aliased,
                          made_by=made_by)
 

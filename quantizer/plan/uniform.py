@@ -22,8 +22,8 @@ from quantizer.contract.loader_profiles import EXLLAMAV3, Overlay, load_profile,
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
-from quantizer.exl3 import check_k, rate_floor, rate_grid
-from quantizer.model.targets import ROUTED, targets
+from quantizer.exl3 import check_k, k_words, rate_floor, rate_grid
+from quantizer.model.targets import DRAFT, ROUTED, targets
 
 MIN_FLOOR = 4.0
 
@@ -82,8 +82,11 @@ def uniform_plan(
             k[t.key] = fixed
         else:  # head, drafter, an overlay, or a group the engine keeps in source form
             k[t.key] = profile.fixed_k(t, head_bits, drafter_bits, overlay)
-    made_by = (f"uniform_plan(bpw={bpw:g}, codebook={codebook}, head_bits={k.get('head')}, "
-               f"drafter_bits={drafter_bits}, floor={fixed:g}{overlay_note(overlay)})")
+    drafter = sorted({k[t.key] for t in all_targets if t.group == DRAFT}, key=lambda x: -1 if x is None else x)
+    others = f", the other budgeted tensors at {fixed:g} bits" if terms.others_numel else ""
+    made_by = (f"a uniform {bpw:g} bpw plan ({codebook} codebook, routed experts at "
+               f"{' / '.join(f'{x:g}' for x in sorted(set(unit_k.values())))} bits{others}, head {k_words(k.get('head'))}, "
+               f"drafter {' / '.join(map(k_words, drafter)) or 'none'}{overlay_note(overlay)})")
     return make_plan(cfg, k, codebook, loader, target_bpw=bpw, made_by=made_by)
 
 

@@ -73,9 +73,16 @@ class QuantizeEstimate:
     def gpu_hours(self) -> float:
         return self.seconds / 3600
 
-    def line(self) -> str:
-        text = (f"quantize: {self.weights / 1e9:,.1f} G weights, ~{self.gpu_hours:,.1f} GPU-hours on "
-                f"{self.device.removeprefix('NVIDIA ')} at measured rates")
+    def line(self, device: str = "cuda") -> str:
+        """The statement `plan` and `build` print; for a build on the CPU (`device` "cpu") no GPU figure: the
+        rates are a GPU's, and none is measured for quantizer's CPU codec."""
+        weights = f"{self.weights / 1e9:,.1f} G" if self.weights >= 1e8 else f"{self.weights:,}"
+        gpu = self.device.removeprefix("NVIDIA ")
+        if device == "cpu":
+            return (f"quantize: {weights} weights to encode on the CPU with quantizer's codec; no time estimate "
+                    f"(encode rates are measured on {gpu} GPUs only)")
+        hours = f"~{self.gpu_hours:,.1f}" if self.gpu_hours >= 0.05 else "under 0.1"
+        text = f"quantize: {weights} weights, {hours} GPU-hours on {gpu} at measured rates"
         if self.unmeasured:
             text += f" (K {', '.join(f'{k:g}' for k in self.unmeasured)} at the nearest measured K's rate)"
         return text

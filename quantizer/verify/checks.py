@@ -375,7 +375,8 @@ def _check_card(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
         report.ok(CARD_NAME, "the model card of this manifest; its fit section was computed against another "
                              f"hardware profile than today's (`quantizer card {pack}` refreshes it)")
     else:
-        report.fault(CARD_NAME, "is not the card of this manifest (edited by hand, or the manifest changed since); "
+        report.fault(CARD_NAME, "is not the card this quantizer writes for this manifest (edited by hand, the "
+                                "manifest changed since, or written by an earlier quantizer whose card differed); "
                                 f"regenerate it with `quantizer card {pack}`")
 def _check_contract(pack: Path, cfg: ModelConfig, manifest: Manifest, headers: dict[str, SafetensorsHeader],
                     profile: LoaderProfile, linears: list[StoredLinear], report: VerifyReport) -> None:
