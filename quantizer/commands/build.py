@@ -1,5 +1,6 @@
 """`quantizer build SRC (--bpw B | --sparks N [--context C] [--cold-share S] | --plan PLAN.json) --out PACK
-[--method ours|uniform|exl3] [--loader vllm-exl3|tensorfold|exllamav3|exllamav3-v41] [--overlay [GROUPS]]
+[--method ours|uniform|exl3] [--loader vllm-exl3|tensorfold|exllamav3|exllamav3-v41] [--head-bits K]
+[--drafter-bits K] [--overlay [GROUPS]]
 [--text FILE | --tokens FILE | --no-calibrate] ...`
 
 Calibrates (the shipped calibration set by default), plans, quantizes, packs and verifies. Rerun the
@@ -19,8 +20,9 @@ from quantizer.calibrate.rows import calibration_rows
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.commands.arguments import (
-    add_margin_argument,
     add_expert_hessians,
+    add_head_drafter_arguments,
+    add_margin_argument,
     add_one_spark_arguments,
     count,
     overlay_of,
@@ -63,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "V4.1 loader on one Spark: routed K1..K8, the rest source form or --overlay, launch.env; default "
                         "for V4.1 with --sparks 1), tensorfold (every linear EXL3 mul1, Engram tables in <out>-Engram) or "
                         "exllamav3 (stock 1.6.5; default for V4); the pack is verified against it")
+    add_head_drafter_arguments(p)
     add_one_spark_arguments(p)
     data = p.add_mutually_exclusive_group()
     data.add_argument("--text", help="calibration text (.txt, .jsonl, optionally .zst) or a shipped set's name "
@@ -131,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--loader {args.loader} conflicts with {args.plan}, which is made for {plan.profile.name}")
     if plan and args.overlay is not None:
         raise UserError(f"--overlay makes a plan; {args.plan} is one already (its K map decides)")
+    if plan and (args.head_bits, args.drafter_bits) != (AllocationSettings.head_bits, AllocationSettings.drafter_bits):
+        raise UserError(f"--head-bits and --drafter-bits make a plan; {args.plan} is one already (its K map decides)")
     profile = load_profile(loader)
     overlay = overlay_of(args, profile, args.codebook or "mul1")
     if not args.tune and (args.tune_steps, args.tune_inputs, args.tune_target) != (None, None, None):
@@ -145,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     rows = None if args.no_calibrate else calibration_rows(ck, args.text, args.tokens, args.calib_rows, args.calib_cols)
     req = BuildRequest(
         src=args.src, out=args.out, bpw=args.bpw, plan=plan, target=target, method=args.method,
-        allocation=AllocationSettings(loader=loader, codebook=args.codebook or "mul1", overlay=overlay),
+        allocation=AllocationSettings(loader=loader, codebook=args.codebook or "mul1", head_bits=args.head_bits,
+                                      drafter_bits=args.drafter_bits, overlay=overlay),
         calibration_rows=rows,
         calibration=calibration, work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
