@@ -1,6 +1,7 @@
 """Several processes, one job: the torch.distributed context the stages share.
 
-`torchrun` starts one process per GPU (and per host with --nnodes) and sets RANK, WORLD_SIZE and
+`torchrun --nproc-per-node N -m quantizer build ...` starts one process per GPU (and per host with
+--nnodes), each running the `quantizer` command (quantizer/__main__.py), and sets RANK, WORLD_SIZE and
 LOCAL_RANK; `join_from_env` joins them into one process group: gloo for CPU tensors and, where CUDA
 is visible, NCCL for CUDA tensors (each process on GPU LOCAL_RANK). Control messages (settings,
 errors, small results) always travel over gloo. Without torchrun there is one rank, no process group,

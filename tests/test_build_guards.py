@@ -23,9 +23,11 @@ from quantizer.checkpoint import fingerprint as fingerprint_module
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
+from quantizer.contract.plan import Plan
 from quantizer.contract.rules import make_plan
-from quantizer.model.targets import targets
+from quantizer.model.targets import DRAFT, targets
 from quantizer.pack.manifest import Manifest
+from quantizer.quantize.results import ResultStore
 from quantizer.report import size_text
 from quantizer.tiny.make import make_tiny
 from quantizer.workdir import FINGERPRINT_CACHE, LOCK_NAME, WORK_MARKER
@@ -317,6 +319,39 @@ def test_impossible_requests_exit_2_and_write_nothing(tiny_v41, tmp_path, capsys
     assert main(["build", str(tiny_v41), "--out", str(out), "--method", "uniform", "--no-calibrate", *extra]) == 2
     one_line(capsys.readouterr().err, message)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flags", [
+    ["--loader", "tensorfold", "--head-bits", "2.5"],  # the engine reads an integer head K
+    ["--loader", "tensorfold", "--head-bits", "native"],  # the engine reads the head as EXL3 only
+    ["--loader", "exllamav3-v41", "--drafter-bits", "3"],  # the drafter stays in source form without --overlay
+    ["--loader", "exllamav3", "--head-bits", "9"],  # not an EXL3 rate
+])
+def test_head_and_drafter_bits_a_profile_refuses_are_refused_by_build_in_plans_words(tiny_v41, tmp_path, capsys,
+                                                                                      flags):
+    assert main(["plan", str(tiny_v41), "--bpw", "3", *flags]) == 2
+    planned = one_line(capsys.readouterr().err).split(": error: ", 1)[1]
+    out = tmp_path / "pack"
+    assert main(["build", str(tiny_v41), "--bpw", "3", "--method", "uniform", "--no-calibrate", "--out", str(out),
+                 *flags]) == 2
+    assert one_line(capsys.readouterr().err).split(": error: ", 1)[1] == planned
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_build_plans_with_head_and_drafter_bits_as_plan_does(tiny_v41, plan_file, tmp_path, monkeypatch, capsys):
+    """Stopped (Ctrl-C) at its first encoding, the build has kept the plan it made: plan's plan for the flags."""
+    flags = ["--bpw", "3", "--loader", "tensorfold", "--head-bits", "4", "--drafter-bits", "3"]
+    assert main(["plan", str(tiny_v41), *flags, "--out", str(tmp_path / "plan.json")]) == 0
+    planned = Plan.load(tmp_path / "plan.json")
+    monkeypatch.setattr(ResultStore, "save", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main(["build", str(tiny_v41), *flags, "--method", "uniform", "--no-calibrate",
+                 "--out", str(tmp_path / "pack")]) == 130
+    built = Plan.load(tmp_path / "pack.work" / "plan.json")
+    drafter = {built.k[t.key] for t in targets(Checkpoint.open(tiny_v41).config) if t.group == DRAFT}
+    assert built.k["head"] == 4.0 and drafter == {3.0} and built.k == planned.k
+    capsys.readouterr()
+    assert _build(tiny_v41, plan_file, tmp_path / "other", "--head-bits", "4") == 2
+    one_line(capsys.readouterr().err, f"--head-bits and --drafter-bits make a plan; {plan_file} is one already")
 
 
 # ---- 9. ppl compares a pack only with its own source; NaN is an error ---------------------------

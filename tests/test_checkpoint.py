@@ -19,6 +19,7 @@ from quantizer.cli import main
 from quantizer.errors import UserError
 from quantizer.model.layout import native_layout
 from quantizer.model.tensor_classes import ENGRAM_TABLE, classify
+from quantizer.report import size_text
 
 
 def copy(src: Path, tmp_path: Path) -> Path:
@@ -207,7 +208,7 @@ def _hub_error(status: int, code: str | None = None):
     import httpx2
     from huggingface_hub.utils import hf_raise_for_status
 
-    url = "https://huggingface.co/someone/some-model/resolve/main/config.json"
+    url = "https://huggingface.co/api/models/someone/some-model/revision/v2"
     response = httpx2.Response(status, headers={"X-Error-Code": code} if code else {},
                                request=httpx2.Request("GET", url))
     try:
@@ -223,8 +224,138 @@ def _offline():
     return LocalEntryNotFoundError("cannot reach the hub and not cached")
 
 
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class FakeHub:
+    """huggingface_hub's snapshot_download over a folder standing for the repository at COMMIT: the files
+    `allow_patterns` matches (huggingface_hub's own filter) are copied into a cache snapshot named by the
+    commit; local_files_only answers from that snapshot as huggingface_hub does without a cached tree
+    listing (the folder, complete or not); a dry run lists each file with its size and whether it would
+    download. `refuse(call)` may return an exception to raise for a call."""
+
+    def __init__(self, repo: Path, cache: Path, refuse=lambda call: None):
+        self.repo, self.cache, self.refuse = repo, cache, refuse
+        self.snapshot = cache / "models--someone--some-model" / "snapshots" / COMMIT
+        self.calls = []
+
+    def __call__(self, repo_id, *, revision=None, allow_patterns=None, local_files_only=False, dry_run=False,
+                 max_workers=8, **rest):
+        from huggingface_hub.errors import LocalEntryNotFoundError
+        from huggingface_hub.file_download import DryRunFileInfo
+        from huggingface_hub.utils import filter_repo_objects
+
+        call = {"revision": revision, "patterns": list(allow_patterns), "local": local_files_only, "dry": dry_run,
+                "workers": max_workers}
+        self.calls.append(call)
+        error = self.refuse(call)
+        if error:
+            raise error
+        if local_files_only:
+            if not self.snapshot.is_dir():
+                raise LocalEntryNotFoundError("no cached snapshot")
+            return str(self.snapshot)
+        files = sorted(filter_repo_objects([f.name for f in self.repo.iterdir()], allow_patterns=allow_patterns))
+        if dry_run:
+            return [DryRunFileInfo(COMMIT, (self.repo / f).stat().st_size, f, str(self.snapshot / f),
+                                   (self.snapshot / f).exists(), not (self.snapshot / f).exists()) for f in files]
+        self.snapshot.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            shutil.copyfile(self.repo / f, self.snapshot / f)
+        return str(self.snapshot)
+
+
+@pytest.fixture
+def fake_hub(tiny_v41, tmp_path, monkeypatch):
+    """The tiny checkpoint as a hub repository (with a tokenizer, a licence and a README, which no run
+    reads) behind a fake snapshot_download, its cache in tmp_path."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    repo = copy(tiny_v41, tmp_path)
+    for name in ("tokenizer.json", "LICENSE", "README.md"):
+        (repo / name).write_text("{}")
+    hub = FakeHub(repo, tmp_path / "cache")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub.cache))
+    return hub
+
+
+def test_a_hub_source_is_two_snapshots_of_only_the_files_the_run_reads_and_then_cached(fake_hub, capsys):
+    shards = sorted(set(json.loads((fake_hub.repo / INDEX_NAME).read_text())["weight_map"].values()))
+    ck = Checkpoint.open("someone/some-model", revision="v2")
+    assert ck.root == fake_hub.snapshot and len(ck.tensors) == 990
+    metadata, weights = fake_hub.calls[1], fake_hub.calls[-1]
+    assert [(c["revision"], c["local"], c["dry"]) for c in fake_hub.calls] == [
+        ("v2", True, False), ("v2", False, False),  # config, index, side files: cache first, then the hub
+        (COMMIT, True, False), (COMMIT, False, True), (COMMIT, False, False)]  # shards at the index's commit
+    assert {"config.json", INDEX_NAME, "tokenizer.json", "LICENSE*"} <= set(metadata["patterns"])
+    assert weights["patterns"] == shards and weights["workers"] > 1
+    assert sorted(f.name for f in fake_hub.snapshot.iterdir()) == sorted(
+        ["config.json", INDEX_NAME, "tokenizer.json", "LICENSE", *shards])  # no README
+    need = sum((fake_hub.repo / f).stat().st_size for f in shards)
+    said = capsys.readouterr().err
+    assert (f"someone/some-model@v2: downloading {len(shards)} of {len(shards)} files, {size_text(need)}, into "
+            f"{fake_hub.cache} (") in said
+    fake_hub.calls.clear()
+    assert Checkpoint.open("someone/some-model", revision="v2").tensors.keys() == ck.tensors.keys()
+    assert [c["local"] for c in fake_hub.calls] == [True, True] and "downloading" not in capsys.readouterr().err
+
+
+def test_a_hub_source_without_engram_fetches_no_shard_of_tables_alone(fake_hub):
+    """As V4.1's index keeps its Engram tables in shards of their own."""
+    ck = Checkpoint.open(fake_hub.repo)
+    tables = {n: e for n, e in ck.tensors.items() if is_engram_table(n)}
+    write_safetensors(fake_hub.repo / "tables.safetensors", [planned(n, read_tensor(e), e.dtype) for n, e in tables.items()])
+    index = json.loads((fake_hub.repo / INDEX_NAME).read_text())
+    index["weight_map"].update({n: "tables.safetensors" for n in tables})
+    (fake_hub.repo / INDEX_NAME).write_text(json.dumps(index))
+    without = Checkpoint.open("someone/some-model", include_engram=False)
+    assert "tables.safetensors" not in fake_hub.calls[-1]["patterns"] and not tables.keys() & without.tensors.keys()
+    assert set(Checkpoint.open("someone/some-model").tensors) == set(ck.tensors)
+    assert "tables.safetensors" in fake_hub.calls[-1]["patterns"]
+
+
+def test_a_download_the_cache_disk_cannot_hold_is_refused_in_one_line_before_any_shard(fake_hub, monkeypatch,
+                                                                                          capsys):
+    from quantizer import workdir
+
+    need = sum(f.stat().st_size for f in fake_hub.repo.glob("*.safetensors"))
+    monkeypatch.setattr(workdir, "free_bytes", lambda path: need - 1)
+    assert main(["inspect", "someone/some-model"]) == 2
+    err = capsys.readouterr().err
+    one_line(err, f"{fake_hub.cache}: downloading someone/some-model@main (HF_HUB_CACHE) needs {size_text(need)} "
+                  f"but only {size_text(need - 1)} are free")
+    assert len(err.strip().splitlines()) == 1
+    assert not list(fake_hub.snapshot.glob("*.safetensors"))
+
+
+def test_a_shard_the_index_names_but_the_repository_lacks_is_one_line(fake_hub, capsys):
+    victim = shard_of(fake_hub.repo, "embed.weight")
+    victim.unlink()
+    assert main(["inspect", "someone/some-model"]) == 2
+    one_line(capsys.readouterr().err, f"someone/some-model@main: its {INDEX_NAME} names {victim.name}, which the "
+                                      "repository does not hold")
+
+
+def test_a_repo_without_an_index_is_read_as_one_file(fake_hub, capsys):
+    ck = Checkpoint.open(fake_hub.repo)
+    write_safetensors(fake_hub.repo / "model.safetensors",
+                      [planned(n, read_tensor(e), e.dtype) for n, e in ck.tensors.items()], align=1)
+    for shard in ck.shards:
+        shard.unlink()
+    (fake_hub.repo / INDEX_NAME).unlink()
+    assert main(["inspect", "someone/some-model"]) == 0
+    assert fake_hub.calls[-1]["patterns"] == ["model.safetensors"]
+    (fake_hub.repo / "model.safetensors").unlink()
+    shutil.rmtree(fake_hub.cache)
+    assert main(["inspect", "someone/some-model"]) == 2
+    one_line(capsys.readouterr().err, f"the repository has no {INDEX_NAME} and no model.safetensors")
+
+
 @pytest.mark.parametrize("error, needle", [
-    (_offline, "config.json is not in the local Hugging Face cache and the hub cannot be reached"),
+    (_offline, "someone/some-model@v2: config.json: not in the local Hugging Face cache and the hub cannot be "
+               "reached"),
     (lambda: _hub_error(403, "GatedRepo"), "someone/some-model: a gated repository this login has no access to; "
                                            "accept its terms at"),
     (lambda: _hub_error(401), "someone/some-model: no such repository on the hub, or a private one"),
@@ -233,49 +364,32 @@ def _offline():
     (lambda: _hub_error(403), "the hub refused config.json (HTTP 403); log in"),
     (lambda: _hub_error(500), "cannot fetch config.json (HTTP 500)"),
 ])
-def test_each_hub_refusal_is_one_line(tmp_path, monkeypatch, capsys, error, needle):
-    import huggingface_hub
-
-    def download(repo_id, filename, revision=None, local_files_only=False):
-        if local_files_only:
-            raise _offline()
-        raise error()
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+def test_each_hub_refusal_is_one_line(fake_hub, capsys, error, needle):
+    fake_hub.refuse = lambda call: _offline() if call["local"] else error()
     assert main(["inspect", "someone/some-model", "--revision", "v2"]) == 2
     one_line(capsys.readouterr().err, needle)
 
 
-def test_a_repo_without_an_index_is_read_as_one_file_but_a_refused_index_is_not(tiny_v41, tmp_path, monkeypatch,
-                                                                                   capsys):
-    import huggingface_hub
-    from huggingface_hub.errors import LocalEntryNotFoundError
+@pytest.mark.parametrize("cause, needle", [
+    (lambda: _hub_error(403, "GatedRepo"), "someone/some-model: a gated repository"),
+    (lambda: __import__("huggingface_hub").errors.OfflineModeIsEnabled("offline"),
+     "someone/some-model@main: model-00001-of-00004.safetensors and 3 more shards: not in the local Hugging Face "
+     "cache and the hub cannot be reached"),
+])
+def test_a_refused_size_listing_is_one_line(fake_hub, capsys, cause, needle):
+    """The shards' sizes come from a dry run, which wraps the hub's refusal in a DryRunError."""
+    from huggingface_hub.errors import DryRunError
 
-    single = tmp_path / "snapshot"
-    single.mkdir()
-    shutil.copy(tiny_v41 / "config.json", single / "config.json")
-    ck = Checkpoint.open(tiny_v41)
-    write_safetensors(single / "model.safetensors", [planned(n, read_tensor(e), e.dtype) for n, e in ck.tensors.items()],
-                      align=1)
-    asked = []
+    def refuse(call):
+        if call["dry"]:
+            try:
+                raise DryRunError("the repository cannot be accessed") from cause()
+            except DryRunError as e:
+                return e
 
-    def download(repo_id, filename, revision=None, local_files_only=False, index_error=None):
-        asked.append((filename, local_files_only))
-        if local_files_only and filename != "config.json":
-            raise LocalEntryNotFoundError("not cached")
-        if filename == "model.safetensors.index.json":
-            raise index_error()
-        return str(single / filename)
-
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
-                        lambda *a, **k: download(*a, **k, index_error=lambda: _hub_error(404, "EntryNotFound")))
-    assert main(["inspect", "someone/some-model"]) == 0
-    assert ("model.safetensors", False) in asked
-    capsys.readouterr()
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download",
-                        lambda *a, **k: download(*a, **k, index_error=lambda: _hub_error(403, "GatedRepo")))
+    fake_hub.refuse = refuse
     assert main(["inspect", "someone/some-model"]) == 2
-    one_line(capsys.readouterr().err, "a gated repository")
+    one_line(capsys.readouterr().err, needle)
 
 
 def test_tables_from_a_directory_without_its_index_or_a_shard_are_one_line(tiny_v41, tmp_path):

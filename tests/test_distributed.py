@@ -3,8 +3,9 @@ byte-identical to one process (calibration split over the ranks' row chunks, qua
 units); a rank killed mid-quantize leaves a work directory one process finishes into the same pack;
 ranks that disagree on a setting, or do not share the work directory, are refused naming it.
 
-The ranks start through a small launcher that can give one rank another argument (the only way to
-make two ranks of one torchrun command disagree) and records each rank's pid (to kill one)."""
+The ranks start as a user starts them, `torchrun --nproc-per-node 2 -m quantizer build ...`, except where
+a test needs a small launcher instead: one that can give one rank another argument (the only way to make
+two ranks of one torchrun command disagree) and records each rank's pid (to kill one)."""
 
 from __future__ import annotations
 
@@ -49,13 +50,16 @@ sys.exit(main(sys.argv[4:] + extra))
 pytestmark = pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to python")
 
 
-def torchrun(tmp: Path, args: list[str], rank1_extra: str = "", wait: bool = True):
-    """`torchrun --nproc-per-node 2 launcher build_args` on this host; rank 1 gets `rank1_extra` appended."""
-    launcher = tmp / "launch.py"
-    launcher.write_text(LAUNCHER)
+def torchrun(tmp: Path, args: list[str], rank1_extra: str = "", wait: bool = True, pids: bool = False):
+    """`torchrun --nproc-per-node 2 -m quantizer args` on this host; with `rank1_extra` (appended to rank
+    1's arguments) or `pids` (each rank writes tmp/rankN.pid), through LAUNCHER instead of `-m quantizer`."""
+    program = ["-m", "quantizer"]
+    if rank1_extra or pids:
+        launcher = tmp / "launch.py"
+        launcher.write_text(LAUNCHER)
+        program = [str(launcher), str(tmp), "-", rank1_extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(29500 + os.getpid() % 1000),
-           str(launcher), str(tmp), "-", rank1_extra, *args]
+    cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(29500 + os.getpid() % 1000), *program, *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if not wait:
         return proc
@@ -107,7 +111,7 @@ def test_two_ranks_build_the_pack_one_process_builds(build_args, reference, tmp_
 def test_a_rank_killed_mid_quantize_leaves_work_one_process_finishes_into_the_same_pack(build_args, reference, tmp_path):
     work = tmp_path / "pack.work"
     results = work / "quantize" / RESULTS_DIR
-    proc = torchrun(tmp_path, build_args + ["--out", str(tmp_path / "pack")], wait=False)
+    proc = torchrun(tmp_path, build_args + ["--out", str(tmp_path / "pack")], wait=False, pids=True)
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while len(list(results.glob("*.safetensors"))) < 4:

@@ -3,6 +3,7 @@ Ctrl-C from the very first moment (while torch is imported) is the one line "int
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -28,6 +29,23 @@ def test_python_m_quantizer_reports_a_user_error_in_one_line_with_exit_2(tmp_pat
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [f"quantizer verify: error: {tmp_path / 'nothing'}: not a directory; "
                                                 "pass the pack directory that holds manifest.json"]
+
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to python")
+def test_torchrun_m_quantizer_runs_the_command_on_every_rank_of_one_group(tmp_path):
+    """`torchrun --nproc-per-node N -m quantizer build ...` is how a job of several processes starts
+    (tests/test_distributed.py builds with it); each rank joins the group, so its error names its rank."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(31500 + os.getpid() % 1000),
+                           "-m", "quantizer", "verify", str(tmp_path / "nothing")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    errors = sorted(line for line in done.stdout.splitlines() + done.stderr.splitlines() if ": error: " in line)
+    assert done.returncode != 0 and errors == [f"quantizer verify (rank {r} of 2): error: {tmp_path / 'nothing'}: not a "
+                                               "directory; pass the pack directory that holds manifest.json"
+                                               for r in (0, 1)], done.stderr
 
 
 # What pip's console script `quantizer` runs (its entry point, quantizer.cli:main).

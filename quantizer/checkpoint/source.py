@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -19,9 +21,19 @@ from quantizer.checkpoint.dequant import dequantize
 from quantizer.checkpoint.safetensors_file import TensorEntry, read_header, read_tensor
 from quantizer.errors import UserError
 from quantizer.hub import repo_id_problem
+from quantizer.report import size_text
+from quantizer.workdir import free_bytes, require_free_space
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# The source's files a loader reads beside the weights (tokenizer, chat template, generation defaults)
+# and its licence terms: fetched with config and index from the hub, copied into every pack
+# (pack/writer.py); nothing else of the source folder (notes, scripts, its README).
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+              "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+              "generation_config.json", "LICENSE*", "LICENCE*", "NOTICE*")
+DOWNLOAD_WORKERS = 8  # files a hub download fetches at once (huggingface_hub's snapshot_download)
+_COMMIT = re.compile(r"[0-9a-f]{40}")
 _ENGRAM_TABLE = re.compile(r"^layers\.\d+\.engram\.embed\.(weight|scale)$")
 
 
@@ -157,47 +169,75 @@ def _not_a_repo_id(src: str) -> str | None:
 
 
 def _from_hub(repo_id: str, revision: str | None, include_engram: bool) -> Path:
-    """Find in the local cache, or fetch, config, index and the shards this job needs. huggingface_hub
-    itself decides whether the hub can be reached (HF_HUB_OFFLINE, proxies, its own time-outs); each
-    refusal it raises becomes one line (_hub_refusal)."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
-
-    def cached(filename: str) -> Path | None:
-        try:
-            return Path(hf_hub_download(repo_id, filename, revision=revision, local_files_only=True))
-        except EntryNotFoundError:  # LocalEntryNotFoundError is one; so is "known to be absent"
-            return None
-
-    def fetch(filename: str, optional: bool = False) -> Path | None:
-        """The file, from the cache or the hub; None when `optional` and the repository has no such file."""
-        found = cached(filename)
-        if found:
-            return found
-        try:
-            return Path(hf_hub_download(repo_id, filename, revision=revision))
-        except Exception as e:  # noqa: BLE001 - every refusal becomes one line; the rest keep their type
-            if optional and isinstance(e, EntryNotFoundError) and not isinstance(e, LocalEntryNotFoundError):
-                return None
-            raise _hub_refusal(repo_id, revision, filename, e) from None
-
-    root = fetch("config.json").parent
-    index = cached(INDEX_NAME) or (None if cached(SINGLE_NAME) else fetch(INDEX_NAME, optional=True))
-    if index is None:  # a single-file checkpoint
-        fetch(SINGLE_NAME)
-        return root
-    weight_map = _read_index(index)
-    for shard in sorted({f for n, f in weight_map.items() if include_engram or not is_engram_table(n)}):
-        fetch(shard)
+    """Find in the local cache, or fetch, config, index and side files, then the shards this job reads,
+    each set as one huggingface_hub snapshot (parallel downloads, its progress bar). The shards come from
+    the commit the index was read at, and the download's size is said, and checked against the cache's
+    free space, before any shard is fetched. huggingface_hub itself decides whether the hub can be
+    reached (HF_HUB_OFFLINE, proxies, its own time-outs); each refusal it raises becomes one line."""
+    root = _snapshot(repo_id, revision, ["config.json", INDEX_NAME, *SIDE_FILES], "config.json",
+                     lambda found: (found / "config.json").is_file()
+                     and ((found / INDEX_NAME).is_file() or (found / SINGLE_NAME).is_file()))
+    if not (root / "config.json").is_file():
+        raise UserError(f"{_where(repo_id, revision)}: the repository has no config.json; is it a native "
+                        "safetensors checkpoint?")
+    if (root / INDEX_NAME).is_file():
+        weight_map = _read_index(root / INDEX_NAME)
+        files = sorted({f for n, f in weight_map.items() if include_engram or not is_engram_table(n)})
+    else:
+        files = [SINGLE_NAME]
+    # A cached snapshot is a folder named by its commit: the shards are asked for at that commit, so a
+    # branch that moves meanwhile cannot pair this index with another commit's shards.
+    at = root.name if _COMMIT.fullmatch(root.name) else revision
+    named = files[0] + (f" and {len(files) - 1} more shards" if len(files) > 1 else "")
+    _snapshot(repo_id, revision, files, named, lambda found: all((found / f).is_file() for f in files), at=at,
+              announce=True)
+    missing = [f for f in files if not (root / f).is_file()]
+    if missing:
+        said = (f"its {INDEX_NAME} names {missing[0]}, which the repository does not hold" if files != [SINGLE_NAME]
+                else f"the repository has no {INDEX_NAME} and no {SINGLE_NAME}")
+        raise UserError(f"{_where(repo_id, revision)}: {said}; is it a native safetensors checkpoint?")
     return root
 
 
-def _hub_refusal(repo_id: str, revision: str | None, filename: str, e: Exception) -> UserError:
-    """One line for what huggingface_hub raised fetching `filename` (the order matters: a gated repo's
-    error is a not-found error, a cache miss is an entry-not-found error)."""
+def _snapshot(repo_id: str, revision: str | None, patterns: list[str], named: str,
+              complete: Callable[[Path], bool], at: str | None = None, announce: bool = False) -> Path:
+    """The snapshot folder holding the files of `patterns` at `at` (default: `revision`, the one asked
+    for): the local cache's when `complete(folder)` says it has them, else fetched (`announce`: after
+    saying how much it downloads, refused in one line when the cache's disk has too little free space)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    at = at or revision
+    try:
+        cached = Path(snapshot_download(repo_id, revision=at, allow_patterns=patterns, local_files_only=True))
+        if complete(cached):
+            return cached
+    except LocalEntryNotFoundError:  # IncompleteSnapshotError is one
+        pass
+    try:
+        if announce:
+            plan = snapshot_download(repo_id, revision=at, allow_patterns=patterns, dry_run=True)
+            fetched = [f for f in plan if f.will_download]
+            need = sum(f.file_size or 0 for f in fetched)
+            cache = Path(constants.HF_HUB_CACHE)
+            require_free_space(cache, need, f"downloading {_where(repo_id, revision)} (HF_HUB_CACHE)")
+            print(f"{_where(repo_id, revision)}: downloading {len(fetched)} of {len(plan)} files, {size_text(need)}, "
+                  f"into {cache} ({size_text(free_bytes(cache))} free)", file=sys.stderr, flush=True)
+        return Path(snapshot_download(repo_id, revision=at, allow_patterns=patterns,
+                                      max_workers=DOWNLOAD_WORKERS))
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every refusal becomes one line; the rest keep their type
+        raise _hub_refusal(repo_id, revision, named, e) from None
+
+
+def _hub_refusal(repo_id: str, revision: str | None, named: str, e: Exception) -> UserError:
+    """One line for what huggingface_hub raised fetching `named` (the order matters: a gated repo's
+    error is a not-found error, a cache miss is an entry-not-found error; a dry run that cannot list
+    the repository carries the hub's refusal as its cause, or the unreachable hub)."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (
-        EntryNotFoundError,
+        DryRunError,
         GatedRepoError,
         HfHubHTTPError,
         LocalEntryNotFoundError,
@@ -205,10 +245,12 @@ def _hub_refusal(repo_id: str, revision: str | None, filename: str, e: Exception
         RevisionNotFoundError,
     )
 
-    where = f"{repo_id}@{revision or 'main'}"
+    if isinstance(e, DryRunError) and isinstance(e.__cause__, HfHubHTTPError):
+        e = e.__cause__
+    where = _where(repo_id, revision)
     login = "log in with `hf auth login` or set HF_TOKEN"
-    if isinstance(e, LocalEntryNotFoundError):
-        return UserError(f"{where}: {filename} is not in the local Hugging Face cache and the hub cannot be reached "
+    if isinstance(e, (LocalEntryNotFoundError, DryRunError)):
+        return UserError(f"{where}: {named}: not in the local Hugging Face cache and the hub cannot be reached "
                          "(offline, HF_HUB_OFFLINE set, or no connection); download it first or pass a local directory")
     if isinstance(e, GatedRepoError):
         return UserError(f"{repo_id}: a gated repository this login has no access to; accept its terms at "
@@ -218,18 +260,20 @@ def _hub_refusal(repo_id: str, revision: str | None, filename: str, e: Exception
                          f"check the id, or {login}")
     if isinstance(e, RevisionNotFoundError):
         return UserError(f"{repo_id}: no revision {revision!r} on the hub; check --revision")
-    if isinstance(e, EntryNotFoundError):
-        return UserError(f"{where}: the repository has no {filename}; is it a native safetensors checkpoint?")
     if isinstance(e, HfHubHTTPError):
         status = getattr(e.response, "status_code", None)
         if status in (401, 403):
-            return UserError(f"{where}: the hub refused {filename} (HTTP {status}); {login} with an account that "
+            return UserError(f"{where}: the hub refused {named} (HTTP {status}); {login} with an account that "
                              "has access")
-        return UserError(f"{where}: cannot fetch {filename} (HTTP {status}); try again later or pass a local "
+        return UserError(f"{where}: cannot fetch {named} (HTTP {status}); try again later or pass a local "
                          "directory")
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return UserError(f"{where}: cannot fetch {filename} ({type(e).__name__}: {first}); check the connection "
+    return UserError(f"{where}: cannot fetch {named} ({type(e).__name__}: {first}); check the connection "
                      "or pass a local directory")
+
+
+def _where(repo_id: str, revision: str | None) -> str:
+    return f"{repo_id}@{revision or 'main'}"
 
 
 def _read_index(path: Path) -> dict[str, str]:

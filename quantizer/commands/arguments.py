@@ -1,11 +1,11 @@
 """Command-line arguments several commands share: a model shape (a checkpoint or --model-config),
---loader (with --engine, its deprecated hidden alias), the plan options (--codebook, --head-bits,
---drafter-bits), the one-Spark options (--overlay, --overlay-bits, --cold-share), the calibration's
---expert-hessians, token counts such as 1M and counts of at least 1 (a context of 0 tokens or -1
-streams is refused while the arguments are read), and Hugging Face repository ids and revisions
-(refused while the arguments are read when the hub would refuse them: quantizer/hub.py).
+--loader (with --engine, its deprecated hidden alias), the plan options (--codebook; --head-bits and
+--drafter-bits, which build takes too), the one-Spark options (--overlay, --overlay-bits, --cold-share), the
+calibration's --expert-hessians, token counts such as 1M and counts of at least 1 (a context of 0 tokens or -1
+streams is refused while the arguments are read), and Hugging Face repository ids and revisions (refused
+while the arguments are read when the hub would refuse them: quantizer/hub.py).
 
-Command modules (`<stage>/cli.py`) import this, never each other.
+Command modules (quantizer/commands/) import this, never each other.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from quantizer.exl3 import CODEBOOKS
 from quantizer.fit.memory import MARGIN_GIB
 from quantizer.hub import branch_problem, repo_id_problem
 from quantizer.model.targets import DRAFT
+from quantizer.plan.allocate import AllocationSettings
 from quantizer.shipped import model_config_path
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
@@ -104,8 +105,16 @@ def chosen_loader(args: argparse.Namespace) -> str | None:
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codebook", choices=CODEBOOKS, default="mul1")
-    p.add_argument("--head-bits", type=_bits, default=6.0, help="K of the LM head (or native)")
-    p.add_argument("--drafter-bits", type=_bits, default=None, help="K of the DSpark drafter (default native)")
+    add_head_drafter_arguments(p)
+
+
+def add_head_drafter_arguments(p: argparse.ArgumentParser) -> None:
+    """--head-bits and --drafter-bits: K of the two groups outside the budget, as AllocationSettings
+    takes them (`plan`, `fit` and `build` mean the same by them)."""
+    p.add_argument("--head-bits", type=_bits, default=AllocationSettings.head_bits,
+                   help=f"K of the LM head (or native; default {AllocationSettings.head_bits:g})")
+    p.add_argument("--drafter-bits", type=_bits, default=AllocationSettings.drafter_bits,
+                   help="K of the DSpark drafter (default native, or the engine profile's where it must be EXL3)")
 
 
 def add_one_spark_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,7 +134,7 @@ def add_one_spark_arguments(p: argparse.ArgumentParser) -> None:
 
 def overlay_of(args: argparse.Namespace, profile: LoaderProfile, codebook: str) -> Overlay | None:
     """The overlay the flags ask for under `profile`, checked; None without --overlay."""
-    head_bits, drafter_bits = getattr(args, "head_bits", 6.0), getattr(args, "drafter_bits", None)
+    head_bits, drafter_bits = args.head_bits, args.drafter_bits
     if args.overlay is None:
         if args.overlay_bits != Overlay.bits:
             raise UserError("--overlay-bits sets the overlay's K; add --overlay")

@@ -1,5 +1,6 @@
 """`quantizer build SRC (--bpw B | --sparks N [--context C] [--cold-share S] | --plan PLAN.json | --recipe R.yaml) --out PACK
-[--method ours|uniform|exl3] [--loader vllm-exl3|tensorfold|exllamav3|exllamav3-v41] [--overlay [GROUPS]]
+[--method ours|uniform|exl3] [--loader vllm-exl3|tensorfold|exllamav3|exllamav3-v41] [--head-bits K]
+[--drafter-bits K] [--overlay [GROUPS]]
 [--text FILE | --tokens FILE | --no-calibrate] ...`
 
 Calibrates (the shipped calibration set by default), plans, quantizes, packs and verifies. Rerun the
@@ -23,6 +24,7 @@ from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, Calibration
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.commands.arguments import (
     add_expert_hessians,
+    add_head_drafter_arguments,
     add_loader_argument,
     add_margin_argument,
     add_one_spark_arguments,
@@ -38,8 +40,7 @@ from quantizer.contract.plan import Plan
 from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
-from quantizer.fit.memory import TOPOLOGIES
-from quantizer.fit.memory import FitTarget
+from quantizer.fit.memory import TOPOLOGIES, FitTarget
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS
@@ -69,6 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                            "routed K1..K8, the rest source form or --overlay, launch.env; default for V4.1 with --sparks "
                            "1), tensorfold (every linear EXL3 mul1, Engram tables in <out>-Engram) or exllamav3 (stock "
                            "1.6.5; default for V4); the pack is verified against it. A --plan or --recipe decides it")
+    add_head_drafter_arguments(p)
     add_one_spark_arguments(p)
     data = p.add_mutually_exclusive_group()
     data.add_argument("--text", help="calibration text (.txt, .jsonl, optionally .zst) or a shipped set's name "
@@ -138,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
     given = args.plan or args.recipe
     if given and args.overlay is not None:
         raise UserError(f"--overlay makes a plan; {given} holds its K already")
+    if given and (args.head_bits, args.drafter_bits) != (AllocationSettings.head_bits, AllocationSettings.drafter_bits):
+        raise UserError(f"--head-bits and --drafter-bits make a plan; {given} is one already (its K map decides)")
     ck = Checkpoint.open(args.src, revision=args.revision)
     if args.recipe:
         recipe = read_recipe(args.recipe)
@@ -159,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     rows = None if args.no_calibrate else calibration_rows(ck, args.text, args.tokens, args.calib_rows, args.calib_cols)
     req = BuildRequest(
         src=args.src, out=args.out, bpw=args.bpw, plan=plan, target=target, method=args.method,
-        allocation=AllocationSettings(loader=loader, codebook=args.codebook or "mul1", overlay=overlay),
+        allocation=AllocationSettings(loader=loader, codebook=args.codebook or "mul1", head_bits=args.head_bits,
+                                      drafter_bits=args.drafter_bits, overlay=overlay),
         calibration_rows=rows,
         calibration=calibration, work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),

@@ -9,9 +9,10 @@ tensor its profile converts), or kept in the sibling Engram directory `<out>-Eng
 engine reads the Engram tables from a directory of their own: the source shards that hold them, linked);
 nothing is dropped silently (a missing quantized result stops the stage with the key to redo).
 config.json carries the quantization_config the plan's engine reads (its loader profile's form).
-Of the source's other files only the tokenizer, generation and licence files (SIDE_FILES) are copied;
-the manifest records every file the stage writes or copies besides the shards, with its sha256
-(`files`): what the pack owns (pack/owned.py). A file a loader profile adds is recorded there too.
+Of the source's other files only the tokenizer, generation and licence files (SIDE_FILES, from
+checkpoint/source.py) are copied; the manifest records every file the stage writes or copies besides
+the shards, with its sha256 (`files`): what the pack owns (pack/owned.py). A file a loader profile
+adds is recorded there too.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from quantizer.checkpoint.safetensors_file import (
     read_tensor,
     write_safetensors,
 )
-from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
+from quantizer.checkpoint.source import INDEX_NAME, SIDE_FILES, Checkpoint
 from quantizer.contract.loader_profiles import ENGRAM_SIBLING
 from quantizer.contract.pack_spec import CONVERTED, ENGRAM_DIR, REPLACED_LEAVES, PackSpec, StoredTensor, expert_of, pack_spec
 from quantizer.contract.plan import Plan
@@ -77,11 +78,6 @@ from quantizer.workdir import require_free_space, write_json_atomic
 
 DEFAULT_SHARD_SIZE = 8 << 30
 CONVERTED_FILE = "converted.scratch"  # plain tensors in the engine's dtypes, copied into shards, then removed
-# The source's files a loader reads beside the weights (tokenizer, chat template, generation defaults)
-# and its licence terms; nothing else of the source folder (notes, scripts, its README) goes in a pack.
-SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-              "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-              "generation_config.json", "LICENSE*", "LICENCE*", "NOTICE*")
 CONFIG_FILES = ("config.json", "quantization_config.json")  # written by _write_configs
 
 

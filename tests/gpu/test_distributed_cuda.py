@@ -32,11 +32,11 @@ def _env() -> dict:
 
 
 def _plain(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "quantizer.cli", *args], env=_env(), capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "quantizer", *args], env=_env(), capture_output=True, text=True)
 
 
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([str(TORCHRUN), "--nproc-per-node", "1", "-m", "quantizer.cli", *args], env=_env(),
+    return subprocess.run([str(TORCHRUN), "--nproc-per-node", "1", "-m", "quantizer", *args], env=_env(),
                           capture_output=True, text=True)
 
 
