@@ -65,7 +65,7 @@ def run(repeat: int) -> None:
             ("Checkpoint.open", lambda: Checkpoint.open(ck_dir)),
             ("take_inventory(Checkpoint.open)", lambda: take_inventory(Checkpoint.open(ck_dir))),
             ("quantizer inspect", lambda: quiet_cli(["inspect", str(ck_dir)])),
-            ("stored_from_pack + fit (2 Sparks)", lambda: fit(*stored_from_pack(ck_dir), FitTarget(2, 1 << 20, 1, "vllm"))),
+            ("stored_from_pack + fit (2 Sparks)", lambda: fit(*stored_from_pack(ck_dir), FitTarget(2, 1 << 20, 1, "vllm-exl3"))),
             ("quantizer fit PACK --sparks 2", lambda: quiet_cli(["fit", str(ck_dir), "--sparks", "2"])),
         ]
         times = [(name, best(repeat, fn)) for name, fn in steps]

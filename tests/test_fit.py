@@ -88,7 +88,7 @@ def test_29_fits_two_sparks_at_1m_on_tensorfold_not_one(v41, pack):
     assert 97 < r.ranks[0].weights_gib < 101 and r.ranks[1].visible_gib == 119.6
     with pytest.raises(UserError, match="engine tensorfold runs on 2 or 4 Spark"):  # its V4.1 engine is tp = 2 (or 4)
         fit(v41, pack(2.9), FitTarget(1, 1_048_576, 1, "tensorfold"))
-    one = fit(v41, pack(2.9), FitTarget(1, 1_048_576, 1, "vllm"))
+    one = fit(v41, pack(2.9), FitTarget(1, 1_048_576, 1, "vllm-exl3"))
     assert not one.fits and one.short_gib > 80 and one.max_context == 0
     assert one.would_fit["smallest_sparks"] == 4  # vLLM charges more per token than TensorFold: 2 Sparks are short
     assert f"short by {one.short_gib:.2f} GiB" in one.verdict and "fits 4 Sparks at this context" in one.verdict
@@ -96,28 +96,28 @@ def test_29_fits_two_sparks_at_1m_on_tensorfold_not_one(v41, pack):
 
 def test_29_on_vllm_two_sparks_near_mias_614k(v41, pack):
     # Mia's vLLM kit runs the 2.9 pack at TP2 with max_model_len 614,400 (2.5 GiB KV pool)
-    r = fit(v41, pack(2.9), FitTarget(2, 524_288, 1, "vllm"))
+    r = fit(v41, pack(2.9), FitTarget(2, 524_288, 1, "vllm-exl3"))
     assert r.fits and 500_000 < r.max_context < 700_000
 
 
 def test_35_needs_four_sparks_with_12_gib_skew(v41, pack):
     # Pollard 3.51 runs vLLM TP4/TP3, not TP2; on TP4 the 640-wide ranks carry ~12 GiB more (tonyd2wild)
-    assert not fit(v41, pack(3.5), FitTarget(2, 262_144, 1, "vllm")).fits
-    r = fit(v41, pack(3.5), FitTarget(4, 1_048_576, 1, "vllm"))
+    assert not fit(v41, pack(3.5), FitTarget(2, 262_144, 1, "vllm-exl3")).fits
+    r = fit(v41, pack(3.5), FitTarget(4, 1_048_576, 1, "vllm-exl3"))
     routed = [m.weights_by_class_gib["routed_expert"] for m in r.ranks]
     assert r.fits and 11.5 < routed[0] - routed[2] < 13 and routed[0] == routed[1]
     assert 12 < r.ranks[1].weights_gib - r.ranks[2].weights_gib < 14  # drafter experts split alike
 
 
 def test_25_fits_two_sparks(v41, pack):
-    assert fit(v41, pack(2.5), FitTarget(2, 1_048_576, 1, "vllm")).fits
-    assert not fit(v41, pack(2.5), FitTarget(1, 65_536, 1, "vllm")).fits
+    assert fit(v41, pack(2.5), FitTarget(2, 1_048_576, 1, "vllm-exl3")).fits
+    assert not fit(v41, pack(2.5), FitTarget(1, 65_536, 1, "vllm-exl3")).fits
 
 
 def test_475_body_needs_four_sparks_ep(v41, pack):
     # "not a practical two-Spark body"; vcruz305 serves 4.75 with vLLM TP4+EP4
-    assert not fit(v41, pack(4.75), FitTarget(2, 8192, 1, "vllm")).fits
-    r = fit(v41, pack(4.75), FitTarget(4, 1_048_576, 1, "vllm"), FitOptions(split="ep"))
+    assert not fit(v41, pack(4.75), FitTarget(2, 8192, 1, "vllm-exl3")).fits
+    r = fit(v41, pack(4.75), FitTarget(4, 1_048_576, 1, "vllm-exl3"), FitOptions(split="ep"))
     assert r.fits and max(m.weights_gib for m in r.ranks) - min(m.weights_gib for m in r.ranks) < 1.5
 
 
@@ -136,7 +136,7 @@ def test_159_class_fits_one_spark(v41, pack):
 def test_resident_engram_does_not_fit(v41, pack):
     # fattchris: TP4 resident Engram at 8K reached ~121 GiB used, ~0.5 GiB available -> CAPACITY_FAIL;
     # TP2 would need ~94 GiB of tables per node (jayleaton)
-    two = fit(v41, pack(2.9), FitTarget(2, 8192, 1, "vllm"), FitOptions(engram="resident"))
+    two = fit(v41, pack(2.9), FitTarget(2, 8192, 1, "vllm-exl3"), FitOptions(engram="resident"))
     assert not two.fits and two.ranks[0].weights_by_class_gib["engram_table"] == pytest.approx(188.83 / 2, abs=0.01)
     four = fit(v41, pack(2.9), FitTarget(4, 8192, 1, "tensorfold"), FitOptions(engram="resident"))
     assert not four.fits and four.short_gib < 3
@@ -189,7 +189,7 @@ def test_a_fit_inside_the_margin_says_so_and_the_largest_plan_keeps_it():
 
 
 def test_report_json_and_bad_inputs(v41, pack):
-    r = fit(v41, pack(2.9), FitTarget(4, 1_048_576, 2, "vllm"))
+    r = fit(v41, pack(2.9), FitTarget(4, 1_048_576, 2, "vllm-exl3"))
     data = json.loads(r.to_json())
     assert [m["weights_gib"] for m in data["ranks"]] == [m.weights_gib for m in r.ranks]
     assert {"fits", "verdict", "max_context", "short_gib", "worst_rank", "would_fit", "terms"} <= set(data)
@@ -200,9 +200,9 @@ def test_report_json_and_bad_inputs(v41, pack):
     with pytest.raises(UserError, match="unknown engine"):
         fit(v41, pack(2.9), FitTarget(2, 8192, 1, "sglang"))
     with pytest.raises(UserError, match="--kv-bits applies"):
-        fit(v41, pack(2.9), FitTarget(2, 8192, 1, "vllm"), FitOptions(kv_bits=4))
+        fit(v41, pack(2.9), FitTarget(2, 8192, 1, "vllm-exl3"), FitOptions(kv_bits=4))
     with pytest.raises(UserError, match="beyond the model's 1,048,576 positions"):
-        fit(v41, pack(2.9), FitTarget(4, 2_097_152, 1, "vllm"))
+        fit(v41, pack(2.9), FitTarget(4, 2_097_152, 1, "vllm-exl3"))
 
 
 def test_fit_table_for_the_manifest_names_one_engine(v41, pack):
@@ -211,8 +211,8 @@ def test_fit_table_for_the_manifest_names_one_engine(v41, pack):
     # TensorFold's V4.1 engine runs on 2 or 4 ranks; no other engine, and never the design floor, has a row
     assert {n: set(row) for n, row in table["topologies"].items()} == {"2": {"tensorfold"}, "4": {"tensorfold"}}
     assert table["topologies"]["2"]["tensorfold"]["fits"]
-    vllm = fit_table(v41, pack(2.9), context=1_048_576, engine="vllm")["topologies"]
-    assert set(vllm) == {"1", "2", "4"} and not vllm["1"]["vllm"]["fits"] and len(vllm["4"]["vllm"]["weights_gib"]) == 4
+    vllm = fit_table(v41, pack(2.9), context=1_048_576, engine="vllm-exl3")["topologies"]
+    assert set(vllm) == {"1", "2", "4"} and not vllm["1"]["vllm-exl3"]["fits"] and len(vllm["4"]["vllm-exl3"]["weights_gib"]) == 4
 
 
 def test_engram_tables_left_out_of_a_pack_count_when_resident(v41, pack):
@@ -234,7 +234,7 @@ def test_v4_0731_shape_fits():
     r = fit(v4, stored, FitTarget(1, 65_536, 1, "native"))
     assert r.kv_bytes_per_token == 3514.25 and r.fits
     assert r.ranks[0].weights_gib * GIB == plan.expected_bytes["total"]  # one rank holds it all
-    four = fit(v4, stored, FitTarget(4, 65_536, 1, "vllm"))
+    four = fit(v4, stored, FitTarget(4, 65_536, 1, "vllm-exl3"))
     head = [m.weights_by_class_gib["head"] for m in four.ranks]  # vocab 32,384 / 32,384 / 32,256 / 32,256
     assert four.fits and head[0] == head[1] > head[2] == head[3]
 

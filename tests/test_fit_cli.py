@@ -78,8 +78,8 @@ def test_pack_headers_give_the_plans_tensors(tiny_pack):
     assert from_headers == {key: k for key, k in plan.k.items() if k is not None}
     assert len(set(from_headers.values())) >= 3  # K read from trellis.shape[-1] / 16, half rates included
     for sparks in (1, 2, 4):
-        a = fit(pack_cfg, stored, FitTarget(sparks, 4096, 1, "vllm"))
-        b = fit(cfg, pack_spec(cfg, plan).tensors, FitTarget(sparks, 4096, 1, "vllm"))
+        a = fit(pack_cfg, stored, FitTarget(sparks, 4096, 1, "vllm-exl3"))
+        b = fit(cfg, pack_spec(cfg, plan).tensors, FitTarget(sparks, 4096, 1, "vllm-exl3"))
         assert [m.weights_gib for m in a.ranks] == [m.weights_gib for m in b.ranks]
 
 

@@ -43,7 +43,7 @@ def _run(capsys, args: list[str]) -> tuple[int, str]:
 def test_fit_gives_plans_verdict_and_free_memory_on_the_real_v41(capsys, loader, fits):
     code, planned = _run(capsys, ["plan", *V41, "--bpw", "2.9", "--sparks", "2", "--loader", loader])
     want = _answer(planned)
-    assert f"engine {'vllm' if loader == 'vllm-exl3' else loader}," in planned
+    assert f"engine {loader}," in planned
     for extra in fits:
         rate = [] if "--recipe" in extra else ["--bpw", "2.9"]
         got_code, out = _run(capsys, ["fit", *V41, *rate, "--sparks", "2", *extra])
@@ -94,7 +94,7 @@ def test_old_engine_names_still_work_with_a_note(capsys):
     want = capsys.readouterr().out
     assert main(args + ["--engine", "vllm"]) == 0
     captured = capsys.readouterr()
-    assert captured.out == want and json.loads(want)["engine"] == "vllm"
+    assert captured.out == want and json.loads(want)["engine"] == "vllm-exl3"
     assert captured.err == "note: --engine is deprecated; --engine vllm is --loader vllm-exl3\n"
 
 

@@ -85,7 +85,7 @@ def add_model_arguments(p: argparse.ArgumentParser, src_help: str = SRC_HELP) ->
 
 def add_loader_argument(p: argparse.ArgumentParser, what: str) -> None:
     """--loader, the one flag that names the engine (docs/loader-profiles.md), and --engine, hidden: the
-    old engine names (vllm, tensorfold, ...) mapped to a profile by `chosen_loader`."""
+    engine names (vllm, the old name of vllm-exl3, tensorfold, ...) mapped to a profile by `chosen_loader`."""
     p.add_argument("--loader", choices=LOADERS, help=f"loader profile (docs/loader-profiles.md): {what}")
     p.add_argument("--engine", help=argparse.SUPPRESS)
 

@@ -270,9 +270,14 @@ def default_loader(cfg: ModelConfig, sparks: int | None = None) -> str:
     return EXLLAMAV3_V41 if sparks == 1 else VLLM_EXL3
 
 
+OLD_ENGINE_NAMES = {"vllm": VLLM_EXL3}  # the hardware file's engine names before they became the profiles' names
+
+
 def loader_for_engine(engine: str) -> str:
-    """The profile the deprecated `--engine` names: an engine of configs/hardware (vllm, tensorfold, ...)
-    maps to the profile whose `fit_engine` it is; the design floor `native` runs no pack, so no profile."""
+    """The profile the deprecated `--engine` names: an engine of configs/hardware (vllm-exl3, tensorfold, ...,
+    or an old name such as vllm) maps to the profile whose `fit_engine` it is; the design floor `native`
+    runs no pack, so no profile."""
+    engine = OLD_ENGINE_NAMES.get(engine, engine)
     by_engine = {load_profile(name).fit_engine: name for name in LOADERS}
     if engine in LOADERS or engine in by_engine:
         return by_engine.get(engine, engine)
