@@ -26,7 +26,6 @@ Needs under 1 GiB of RAM, about 90 MB of disk in the work directory and about 5 
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 import time
@@ -45,6 +44,7 @@ from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw
 from quantizer.fit.memory import pack_fit_table
 from quantizer.plan.allocate import AllocationSettings
+from quantizer.plan.exl3_baseline import missing_for_baseline
 from quantizer.ppl.compare import Comparison, compare
 from quantizer.ppl.measure import open_model, streamer
 from quantizer.ppl.perplexity import row_predictions
@@ -188,8 +188,8 @@ def _available(methods: tuple[str, ...]) -> tuple[str, ...]:
     if unknown:
         raise UserError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(KNOWN_METHODS)}")
     if EXL3 in methods:
-        if not all(importlib.util.find_spec(m) for m in ("exllamav3", "triton")):
-            _say("demo: exllamav3 is not installed (pip install 'quantizer[dev]'); skipping the exl3 baseline, "
+        if missing_for_baseline():
+            _say("demo: exllamav3 is not installed (pip install 'quantizer[demo]'); skipping the exl3 baseline, "
                  "sizes anchored on the bpw asked for")
             return tuple(m for m in methods if m != EXL3)
     return methods
