@@ -3,7 +3,7 @@ proxy errors, tuning, the fit per Spark count, verify's verdict and how to point
 
 from __future__ import annotations
 
-from quantizer.build.stages import PLAN_FILE, RECIPE_FILE, BuildResult
+from quantizer.build.stages import BuildResult, plan_files
 from quantizer.fit.memory import pack_fit_table
 from quantizer.fit.render import render as render_fit
 from quantizer.report import gib, table
@@ -21,8 +21,8 @@ def build_summary(r: BuildResult) -> str:
         f"{r.quantized.units:,} units encoded this run)",
         f"{len(m.shards)} shards, {pack_bytes:,} bytes ({gib(pack_bytes)} GiB); bits {m.quantization['bits']}, "
         f"bpw {m.quantization['bpw']}, head_bits {m.plan['head_bits']}, codebook {m.plan['codebook']}",
-        f"plan: {r.plan.made_by}; {r.plan.achieved_bpw:.4f} bits over the budgeted tensors; saved as "
-        f"{r.work / PLAN_FILE} and {r.work / RECIPE_FILE}",
+        "plan: {}; {:.4f} bits over the budgeted tensors; saved as {} and {}".format(
+            r.plan.made_by, r.plan.achieved_bpw, *plan_files(r.work, r.out)),
         _calibration_line(r),
         f"linears by K (16 = fp16): {hist or 'none'}",
         _proxy_line(r.quantized.proxy_err),
