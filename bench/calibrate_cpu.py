@@ -3,10 +3,10 @@ the estimate `build` prints before calibrating (calibrate/duration.py, configs/c
 
 Each row count runs in a fresh work directory (nothing reused), on the shipped calibration text. The
 reference is the run itself: the ratio printed is estimate / measured, which must stay within 25%
-(0.8 to 1.25). The process's CPU time is printed beside the wall time: on shared cores, CPU time over
-the threads is what the run would take on idle ones. With two or more row counts the rate and fixed
-cost are fitted (least squares on seconds = fixed + the run's model FLOPs / rate) and written to
-$OUT/calibrate_rates.json in the table's format.
+(0.8 to 1.25). The process's CPU time is printed beside the wall time. Run it on idle cores: on shared
+ones the probe's time alone varied tenfold (10 to 145 s on the same 8 x 512 tokens). With two or more
+row counts the two rates are fitted (least squares on seconds = pass FLOPs / pass rate + probe FLOPs /
+probe rate) and written to $OUT/calibrate_rates.json in the table's format.
 
     python bench/calibrate_cpu.py                          # 4 and 16 rows of 2048 tokens, 2 threads
     python bench/calibrate_cpu.py --rows 37 --cols 2048    # what `build` of the bundled model uses
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
         flops = calibration_flops(ck.config, *rows.shape, settings)
         estimate = shipped_rate.seconds(flops) if shipped_rate else None
         runs.append({"rows": int(rows.shape[0]), "cols": int(rows.shape[1]), "seconds": seconds, "cpu_seconds": cpu,
-                     "flops": flops, "estimate": estimate,
+                     "pass_flops": flops[0], "probe_flops": flops[1], "estimate": estimate,
                      "ratio": None if estimate is None else estimate / seconds})
     print(f"bundled small model ({ck.root.name}) on the CPU, {args.threads} threads")
     print(table(["rows", "cols", "measured s", "CPU s (all threads)", "estimate s", "estimate / measured"],
@@ -79,15 +79,21 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def fit(runs: list[dict], threads: int) -> dict | None:
-    """seconds = fixed + flops / rate by least squares over the runs (None with fewer than two sizes)."""
-    xs, ys = [r["flops"] for r in runs], [r["seconds"] for r in runs]
-    if len(set(xs)) < 2:
+    """The (pass, probe) rates that best give the runs' seconds (least squares, no intercept); None where
+    the runs do not tell the two apart."""
+    a = [[r["pass_flops"], r["probe_flops"]] for r in runs]
+    ata = [[sum(row[i] * row[j] for row in a) for j in range(2)] for i in range(2)]
+    atb = [sum(row[i] * r["seconds"] for row, r in zip(a, runs)) for i in range(2)]
+    det = ata[0][0] * ata[1][1] - ata[0][1] * ata[1][0]
+    if abs(det) < 1e-12 * ata[0][0] * ata[1][1] or not ata[1][1]:
         return None
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    fixed = max(my - slope * mx, 0.0)
-    return {"format": RATES_FORMAT, "version": 1, "device": f"the CPU, {threads} threads",
-            "flops_per_s": 1 / slope, "fixed_s": round(fixed, 1), "measured_by": "bench/calibrate_cpu.py",
+    per_pass = (atb[0] * ata[1][1] - atb[1] * ata[0][1]) / det
+    per_probe = (ata[0][0] * atb[1] - ata[1][0] * atb[0]) / det
+    if min(per_pass, per_probe) <= 0:
+        return None
+    return {"format": RATES_FORMAT, "version": 1, "device": f"{threads} CPU threads",
+            "pass_flops_per_s": 1 / per_pass, "probe_flops_per_s": 1 / per_probe,
+            "measured_by": "bench/calibrate_cpu.py",
             "source": ", ".join(f"{r['rows']} x {r['cols']}: {r['seconds']:.1f} s" for r in runs)}
 
 

@@ -275,20 +275,20 @@ def test_a_calibration_states_its_rows_and_time_first_and_says_when_it_is_reused
 
 
 def test_the_stated_calibration_time_is_the_benchs_measured_rate():
-    """The estimate is the run's model FLOPs (the pass over the rows, and the unit KL probe where it runs)
-    over the rate bench/calibrate_cpu.py measured; a device without a measured rate gets the rows alone."""
+    """The estimate is the pass's model FLOPs over its rate plus the unit KL probe's (where it runs) over
+    its own, as bench/calibrate_cpu.py measured them; a device without a measured rate gets the rows alone."""
     cfg = Checkpoint.open(shipped("small_model")).config
     rate, settings = CalibrationRate.load("cpu"), CalibrationSettings()
-    assert rate is not None and rate.flops_per_s > 0
-    without_probe = CalibrationSettings(measure_kl=False)
+    assert rate is not None and min(rate.pass_flops_per_s, rate.probe_flops_per_s) > 0
+    probe = calibration_flops(cfg, 8, 2048, settings)[1]
+    assert probe > model_flops(cfg, 8, 512)  # one forward of 8 x 512 tokens, then the layers after each unit
     for rows in (8, 37):
-        assert calibration_flops(cfg, rows, 2048, without_probe) == model_flops(cfg, rows, 2048)
-        probe = calibration_flops(cfg, rows, 2048, settings) - model_flops(cfg, rows, 2048)
-        assert probe == pytest.approx(calibration_flops(cfg, 8, 2048, settings) - model_flops(cfg, 8, 2048))  # 8 x 512
-        assert probe > model_flops(cfg, 8, 512)  # one forward, then the layers after each unit
-        seconds = rate.fixed_s + calibration_flops(cfg, rows, 2048, settings) / rate.flops_per_s
-        assert rate.seconds(calibration_flops(cfg, rows, 2048, settings)) == pytest.approx(seconds)
+        assert calibration_flops(cfg, rows, 2048, CalibrationSettings(measure_kl=False)) == (model_flops(cfg, rows, 2048), 0)
+        flops = calibration_flops(cfg, rows, 2048, settings)
+        assert flops == (model_flops(cfg, rows, 2048), probe)  # the probe takes 8 rows at most
+        seconds = flops[0] / rate.pass_flops_per_s + flops[1] / rate.probe_flops_per_s
+        assert rate.seconds(flops) == pytest.approx(seconds)
         line = calibration_line(cfg, rows, 2048, settings)
-        assert line.startswith(f"calibrate: {rows} rows x 2,048 tokens, about ") and "bench/calibrate_cpu.py" in line
+        assert line.startswith(f"calibrate: {rows} rows x 2,048 tokens, about {seconds:.0f} s at the rate measured on ")
     assert calibration_line(cfg, 8, 2048, CalibrationSettings(device="cuda")) == (
         "calibrate: 8 rows x 2,048 tokens (no measured calibration rate for --device cuda, so no time estimate)")

@@ -1,13 +1,14 @@
 """How long a calibration takes, stated before it starts, from a rate measured on the bundled model.
 
-`configs/calibrate_rates/<device>.json` holds the model FLOPs per second (model/flops.py: every layer's
-forward and the head) that a whole `calibrate` run achieved, as bench/calibrate_cpu.py measures it. A
-run's FLOPs are its forward over the rows (the Hessian sums and each layer's finish ride on it) plus,
-where the unit KL probe runs (unit_kl.py: where the dequantized model fits in memory), the probe's: one
-forward of its rows, then per (layer, unit) the layers from that one on and the head. On the bundled
-model the probe is most of a short run (it reran 371 G FLOPs at 14.6 G/s against the pass's 11.5 G/s),
-so it is counted rather than folded into the rate. bench/calibrate_cpu.py checks the estimate against
-measured runs within 25%. A device without a measured rate gets the rows without a time.
+`configs/calibrate_rates/<device>.json` holds two rates in model FLOPs per second (model/flops.py: every
+layer's forward and the head), as bench/calibrate_cpu.py fits them to whole `calibrate` runs: the pass
+over the rows (its forward, with the Hessian sums and each layer's finish riding on it), and the unit KL
+probe where it runs (unit_kl.py: where the dequantized model fits in memory): one forward of its rows,
+then per (layer, unit) the layers from that one on and the head. The two run at different rates (the
+probe holds the whole dequantized model and reruns short rows: on the bundled model 37 G/s against the
+pass's 15 G/s), and the probe is a third to half of a run of the bundled model, so each has its own.
+bench/calibrate_cpu.py checks the estimate against measured runs within 25%. A device without a
+measured rate gets the rows without a time.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ RATES_FORMAT = "quantizer-calibrate-rates"
 
 @dataclass(frozen=True)
 class CalibrationRate:
-    device: str  # "the CPU, 2 threads"
-    flops_per_s: float  # model FLOPs per second of a whole calibrate run
-    fixed_s: float  # seconds a run takes besides its FLOPs (loading, the summary)
+    device: str  # "2 idle CPU cores"
+    pass_flops_per_s: float  # model FLOPs per second of the pass over the rows
+    probe_flops_per_s: float  # model FLOPs per second of the unit KL probe
 
     @classmethod
     def load(cls, device: str) -> "CalibrationRate | None":
@@ -39,26 +40,28 @@ class CalibrationRate:
             return None
         try:
             data = json.loads(path.read_text())
-            rate = cls(str(data["device"]), float(data["flops_per_s"]), float(data["fixed_s"]))
+            rate = cls(str(data["device"]), float(data["pass_flops_per_s"]), float(data["probe_flops_per_s"]))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UserError(f"{path}: not a readable calibration-rate table ({e})") from None
-        if data.get("format") != RATES_FORMAT or rate.flops_per_s <= 0 or rate.fixed_s < 0:
-            raise UserError(f"{path}: not a {RATES_FORMAT} table with a positive rate")
+        if data.get("format") != RATES_FORMAT or min(rate.pass_flops_per_s, rate.probe_flops_per_s) <= 0:
+            raise UserError(f"{path}: not a {RATES_FORMAT} table with positive rates")
         return rate
 
-    def seconds(self, flops: float) -> float:
-        return self.fixed_s + flops / self.flops_per_s
+    def seconds(self, flops: tuple[float, float]) -> float:
+        """Seconds of a run of (pass, probe) FLOPs (calibration_flops)."""
+        return flops[0] / self.pass_flops_per_s + flops[1] / self.probe_flops_per_s
 
 
-def calibration_flops(cfg: ModelConfig, rows: int, cols: int, settings: CalibrationSettings) -> float:
-    """The model FLOPs of a calibration of rows x cols tokens: the pass, and the unit KL probe where it runs."""
+def calibration_flops(cfg: ModelConfig, rows: int, cols: int, settings: CalibrationSettings) -> tuple[float, float]:
+    """(the pass's, the unit KL probe's) model FLOPs of a calibration of rows x cols tokens; the probe's 0
+    where it does not run."""
     flops = model_flops(cfg, rows, cols)
     r, c = min(rows, settings.kl_rows), min(cols, settings.kl_cols)
     if settings.measure_kl is False or not fits(unit_kl_needs(cfg, r, c, settings.dtype), free_memory(settings.device)):
-        return flops
+        return flops, 0.0
     head = 2 * c * cfg.hidden_size * cfg.vocab_size
     after = [sum(layer_flops(cfg, later, c) for later in range(layer, cfg.num_layers)) for layer in range(cfg.num_layers)]
-    return flops + model_flops(cfg, r, c) + sum(r * (after[layer] + head) for layer, _ in unit_keys(cfg))
+    return flops, model_flops(cfg, r, c) + sum(r * (after[layer] + head) for layer, _ in unit_keys(cfg))
 
 
 def calibration_line(cfg: ModelConfig, rows: int, cols: int, settings: CalibrationSettings) -> str:
