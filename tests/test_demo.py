@@ -175,8 +175,8 @@ def test_a_tensorfold_row_is_measured_with_the_engram_directory_beside_its_pack(
     assert (pack.parent / (pack.name + "-Engram")).is_dir()
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["ppl", str(pack), "--against", str(shipped("small_model")), "--rows", "4", "--cols", "512",
-                     "--json"]) == 0
+        assert main(["ppl", str(pack), "--against", str(shipped("small_model")), "--text", "heldout", "--rows", "4",
+                     "--cols", "512", "--json"]) == 0
     assert json.loads(out.getvalue())["kl"] == pytest.approx(ours["kl"], rel=1e-9)
 
 
