@@ -7,10 +7,18 @@ setup: $(VENV)/.installed
 
 # pyproject.toml declares ranges; constraints.txt pins the versions CI tests, torch==2.13.0 among
 # them (without that pin pip may pick a newer torch, a multi-GB CUDA build on a CPU machine).
-$(VENV)/.installed: pyproject.toml setup.py constraints.txt
+$(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+
+# The dev extra: what `make test` runs (demo, plots, eval extras and the test tools).
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt | $(PY)
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+# The demo extra only (no triton, lm-eval or transformers): what `make demo` runs on a fresh clone.
+$(VENV)/.installed-demo: pyproject.toml setup.py constraints.txt | $(PY)
+	$(PY) -m pip install -q -c constraints.txt -e '.[demo]'
 	touch $@
 
 # The linter first (settings in pyproject.toml [tool.ruff]), then the suite.
@@ -24,7 +32,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 # The main job on the embedded default: the bundled small model at 2.5, 2.9 and 3.5 bpw, four methods.
-demo: setup
+demo: $(VENV)/.installed-demo
 	$(VENV)/bin/quantizer demo
 
 # The README's figures, the demo rows the notebook reads, and the notebook with its outputs. The demo

@@ -47,6 +47,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from quantizer.build.stages import plan_files
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main as quantizer
 from quantizer.contract.plan import Plan
@@ -206,7 +207,7 @@ def run(args: argparse.Namespace, root: Path, steps: list[float], sizes: list[fl
             if quantizer(["build", str(model), "--out", str(pack), "--device", "cuda", "--work", str(work),
                           "--bpw", f"{converter_bits.get(size, size):.6f}", *flags]) != 0:
                 raise UserError(f"the build of {variant} at {size:g} bpw failed (its error is above)")
-            bits = Plan.load(work / "plan.json").achieved_bpw
+            bits = Plan.load(plan_files(work, pack)[0]).achieved_bpw
             record(variant, size, pack, bits, time.monotonic() - t0)
     return measured
 

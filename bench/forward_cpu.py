@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.model.flops import layer_flops
+from quantizer.model.flops import model_flops
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.model.transformer import DeepseekModel
 from quantizer.report import table
@@ -57,8 +57,7 @@ def main(argv=None) -> None:
         streamer = LayerStreamer(CheckpointSource(ck), progress=False, report=lambda line: None)
         streamed = best_time(lambda: list(streamer.row_logits(tokens)), args.repeat)
     n = args.rows * args.cols
-    flops = args.rows * (sum(layer_flops(cfg, layer, args.cols) for layer in range(cfg.num_layers))
-                         + 2 * args.cols * cfg.hidden_size * cfg.vocab_size)
+    flops = model_flops(cfg, args.rows, args.cols)
     print(f"{path if args.model else 'tiny-v41 (make_tiny)'}: {args.rows} x {args.cols} tokens, float32, "
           f"{torch.get_num_threads()} threads; reference matmul {matmul / 1e9:.1f} GFLOP/s")
     print(table(["path", "seconds", "tokens/s", "GFLOP/s", "of matmul"],

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors_check import assert_safetensors_agree
 
-from quantizer.build.stages import PLAN_FILE
+from quantizer.build.stages import plan_files
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_bytes, read_header
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import main
@@ -170,7 +170,7 @@ def test_the_plan_predicts_the_packs_bytes_and_fit_exactly(built):
     """What `plan` and `fit --plan` say before a build is what the pack holds (wo_a's slices included)."""
     src, pack = built
     cfg = Checkpoint.open(src).config
-    saved = Plan.load(pack.with_name("pack.work") / PLAN_FILE)
+    saved = Plan.load(plan_files(pack.with_name("pack.work"), pack)[0])
     plan = make_plan(cfg, saved.k, saved.codebook, saved.profile.name)
     totals = Manifest.load(pack).totals
     assert {c: plan.expected_bytes.get(c) for c in totals} == {c: t["bytes"] for c, t in totals.items()}
@@ -184,7 +184,7 @@ def test_the_k_map_and_bits_read_from_the_trellis_shapes_are_the_plans(built):
     """What bench/converter_curve.py reads from packs without a manifest (exllamav3's converter's)."""
     src, pack = built
     cfg = Checkpoint.open(src).config
-    plan = Plan.load(pack.with_name("pack.work") / PLAN_FILE)
+    plan = Plan.load(plan_files(pack.with_name("pack.work"), pack)[0])
     assert stored_k(pack, cfg) == {key: (None if k is None else float(k)) for key, k in plan.k.items()}
     assert stored_bpw(pack, cfg) == pytest.approx(plan.achieved_bpw, rel=1e-12)
     budgeted = {t.key for t in targets(cfg) if t.budgeted}

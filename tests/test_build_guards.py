@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from one_line import one_line
 
+from quantizer.build.stages import plan_files
 from quantizer.build.preflight import claim
 from quantizer.checkpoint import fingerprint as fingerprint_module
 from quantizer.checkpoint.fingerprint import source_fingerprint
@@ -346,7 +347,7 @@ def test_build_plans_with_head_and_drafter_bits_as_plan_does(tiny_v41, plan_file
     monkeypatch.setattr(ResultStore, "save", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
     assert main(["build", str(tiny_v41), *flags, "--method", "uniform", "--no-calibrate",
                  "--out", str(tmp_path / "pack")]) == 130
-    built = Plan.load(tmp_path / "pack.work" / "plan.json")
+    built = Plan.load(plan_files(tmp_path / "pack.work", tmp_path / "pack")[0])
     drafter = {built.k[t.key] for t in targets(Checkpoint.open(tiny_v41).config) if t.group == DRAFT}
     assert built.k["head"] == 4.0 and drafter == {3.0} and built.k == planned.k
     capsys.readouterr()

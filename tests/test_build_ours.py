@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from quantizer.build.stages import PLAN_FILE, RECIPE_FILE
+from quantizer.build.stages import plan_files
 from quantizer.cli import main
 from quantizer.contract.plan import Plan
 from quantizer.pack.manifest import MANIFEST_NAME
@@ -30,12 +30,12 @@ def built(tmp_path_factory):
 def test_the_pack_is_calibrated_allocated_and_verified(built, capsys):
     manifest = json.loads((built / "pack" / MANIFEST_NAME).read_text())
     assert manifest["settings"]["calibration"]["rows"] == 4
-    plan = Plan.load(built / "pack.work" / PLAN_FILE)
+    plan = Plan.load(plan_files(built / "pack.work", built / "pack")[0])
     assert plan.profile.name == "vllm-exl3" and plan.made_by.startswith("our allocator's 2.9 bpw plan (")
     assert "a measured calibration with measured-kl site gains" in plan.made_by
     assert abs(plan.achieved_bpw - 2.9) < 0.02
     assert manifest["aliases"] == plan.aliases
-    assert (built / "pack.work" / RECIPE_FILE).read_text().count("\n") > 10
+    assert plan_files(built / "pack.work", built / "pack")[1].read_text().count("\n") > 10
     assert main(["verify", str(built / "pack"), "--full"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("clean")
 
@@ -69,7 +69,7 @@ def test_sparks_builds_the_most_bits_that_fit(tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "FITS: fits 1 Spark" in out and "65,536 tokens" in out
-    plan = Plan.load(tmp_path / "pack.work" / PLAN_FILE)
+    plan = Plan.load(plan_files(tmp_path / "pack.work", tmp_path / "pack")[0])
     assert plan.achieved_bpw == pytest.approx(8.0)  # a 6.5M-parameter model fits at the highest rate
 
 

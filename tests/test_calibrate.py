@@ -12,13 +12,16 @@ import pytest
 import torch
 
 from quantizer.calibrate import CalibrationSettings, CalibrationSummary, HessianStore, calibrate
+from quantizer.calibrate.duration import CalibrationRate, calibration_flops, calibration_line
 from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import build_parser
 from quantizer.codec.ldlq import finalize_hessian
+from quantizer.model.flops import model_flops
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.targets import DRAFT, ROUTED, targets
 from quantizer.model.transformer import DeepseekModel
+from quantizer.shipped import shipped
 
 DEAD_LAYER, DEAD_EXPERT = 2, 5  # the router's selection bias keeps this expert from ever being picked
 ROWS, COLS = 3, 24
@@ -256,3 +259,36 @@ def test_build_and_calibrate_state_the_same_calibration_defaults():
     for command, rows, cols in (("build", "--calib-rows", "--calib-cols"), ("calibrate", "--rows", "--cols")):
         helps = {a.option_strings[0]: a.help for a in sub[command]._actions if a.option_strings}
         assert f"up to {DEFAULT_ROWS}," in helps[rows] and helps[cols].endswith(f"else {DEFAULT_COLS})")
+
+
+def test_a_calibration_states_its_rows_and_time_first_and_says_when_it_is_reused(ck, rows, tmp_path, capsys):
+    """Before any layer: the rows and the time the measured rate gives (calibrate/duration.py); a rerun
+    of the same rows in the same work directory says it reuses them instead of what a run would need."""
+    _run(ck, rows, tmp_path)
+    first = capsys.readouterr().err.splitlines()
+    stated = calibration_line(ck.config, ROWS, COLS, CalibrationSettings())
+    assert stated in first and first[first.index(stated) + 1].startswith("calibrate needs ~")
+    _run(ck, rows, tmp_path)
+    again = capsys.readouterr().err
+    assert f"calibrate: reusing the finished calibration of {ROWS} rows x {COLS} tokens in {tmp_path / CALIBRATION_DIR}" \
+        in again and "calibrate needs" not in again
+
+
+def test_the_stated_calibration_time_is_the_benchs_measured_rate():
+    """The estimate is the pass's model FLOPs over its rate plus the unit KL probe's (where it runs) over
+    its own, as bench/calibrate_cpu.py measured them; a device without a measured rate gets the rows alone."""
+    cfg = Checkpoint.open(shipped("small_model")).config
+    rate, settings = CalibrationRate.load("cpu"), CalibrationSettings()
+    assert rate is not None and min(rate.pass_flops_per_s, rate.probe_flops_per_s) > 0
+    probe = calibration_flops(cfg, 8, 2048, settings)[1]
+    assert probe > model_flops(cfg, 8, 512)  # one forward of 8 x 512 tokens, then the layers after each unit
+    for rows in (8, 37):
+        assert calibration_flops(cfg, rows, 2048, CalibrationSettings(measure_kl=False)) == (model_flops(cfg, rows, 2048), 0)
+        flops = calibration_flops(cfg, rows, 2048, settings)
+        assert flops == (model_flops(cfg, rows, 2048), probe)  # the probe takes 8 rows at most
+        seconds = flops[0] / rate.pass_flops_per_s + flops[1] / rate.probe_flops_per_s
+        assert rate.seconds(flops) == pytest.approx(seconds)
+        line = calibration_line(cfg, rows, 2048, settings)
+        assert line.startswith(f"calibrate: {rows} rows x 2,048 tokens, about {seconds:.0f} s at the rate measured on ")
+    assert calibration_line(cfg, 8, 2048, CalibrationSettings(device="cuda")) == (
+        "calibrate: 8 rows x 2,048 tokens (no measured calibration rate for --device cuda, so no time estimate)")

@@ -161,6 +161,25 @@ def test_eval_text_measures_the_same_packs_on_another_text(run, rows, capfd):
     assert json.loads(out.getvalue())["kl"] == pytest.approx(other["ours"]["kl"], rel=1e-9)
 
 
+@pytest.mark.slow
+def test_a_tensorfold_row_is_measured_with_the_engram_directory_beside_its_pack(run, rows):
+    """Ours for tensorfold in the same work directory (the calibration and uniform's encodings reused):
+    every linear EXL3 at the same budget, the Engram tables read from the directory beside the pack, and
+    the row's KL the one `quantizer ppl` measures on that pack."""
+    folded = {r["method"]: r for r in _demo(run[2].parent, "--loader", "tensorfold")}
+    assert folded["uniform"] == rows["uniform"]  # the same reference pack, rebuilt from the cache
+    ours = folded["ours"]
+    assert ours["loader"] == "tensorfold" and ours["verified"] and 0 < ours["kl"] and 0 < ours["top1"] < 1
+    assert ours["achieved_bpw"] <= 2.5 + 1e-9
+    pack = run[2].parent / "packs" / "2.5-ours-tensorfold"
+    assert (pack.parent / (pack.name + "-Engram")).is_dir()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["ppl", str(pack), "--against", str(shipped("small_model")), "--text", "heldout", "--rows", "4",
+                     "--cols", "512", "--json"]) == 0
+    assert json.loads(out.getvalue())["kl"] == pytest.approx(ours["kl"], rel=1e-9)
+
+
 def _shards(pack) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(pack.glob("*.safetensors"))}
 
@@ -177,7 +196,7 @@ def test_unknown_method_and_empty_evaluation_are_user_errors(capsys):
     assert main(["demo", "--eval-rows", "0"]) == 2
     assert "--eval-rows 0: rows must be at least 1" in capsys.readouterr().err
     assert main(["demo", "--loader", "vllm"]) == 2
-    assert "loader(s) vllm not in the demo; choose from exllamav3, vllm-exl3" in capsys.readouterr().err
+    assert "loader(s) vllm not in the demo; choose from exllamav3, vllm-exl3, tensorfold" in capsys.readouterr().err
     assert main(["demo", "--model", "small-v5"]) == 2
     assert "unknown --model 'small-v5'; choose from small-v41, small-v4" in capsys.readouterr().err
     assert main(["demo", "--eval-text", "heldout-test"]) == 2  # before any build

@@ -56,3 +56,19 @@ def test_a_zst_input_without_zstandard_is_one_line_naming_the_extra(tmp_path, mo
     with pytest.raises(UserError, match=r"text.jsonl.zst: reading .zst files needs the zstandard package: "
                                         r"pip install 'quantizer\[zstd\]'"):
         read_texts(path)
+
+
+def test_make_demo_installs_the_demo_extra_alone_and_the_licence_is_an_spdx_string():
+    """`make demo` on a fresh clone: the package and exllamav3 (the exl3 baseline), not the dev extra's
+    gigabytes (triton, lm-eval and its datasets stack, transformers); `make setup` keeps the dev extra."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    extras = data["project"]["optional-dependencies"]
+    assert [_requirement_name(r) for r in extras["demo"]] == ["exllamav3"]
+    assert "quantizer[demo,plots,zstd,eval]" in extras["dev"]  # make test runs the demo's tests too
+    assert not {"triton", "lm-eval", "transformers", "accelerate"} & {_requirement_name(r) for r in extras["demo"]}
+    makefile = (ROOT / "Makefile").read_text()
+    demo = makefile.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    assert demo.split("\n")[0].strip() == "$(VENV)/.installed-demo"
+    assert "pip install -q -c constraints.txt -e '.[demo]'" in makefile
+    assert data["project"]["license"] == "MIT"  # SPDX (PEP 639): setuptools stops warning
+    assert any(r.startswith("setuptools>=77") for r in data["build-system"]["requires"])

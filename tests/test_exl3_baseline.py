@@ -1,10 +1,15 @@
 """plan/exl3_baseline.py: exllamav3 1.6.5's create_q_strategy run on the CPU (extension stubbed) for
 a V4 twin of our shapes, mapped back to a Plan at equal bytes; and how ours compares under the
-cost model. Skipped only when exllamav3 or triton is not installed."""
+cost model. Skipped only when exllamav3 is not installed."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,9 +29,9 @@ from quantizer.plan.exl3_baseline import exl3_plan, exl3_strategy, v4_twin_confi
 from quantizer.plan.sensitivity import sensitivity, synthetic_summary
 from quantizer.shipped import model_config_path
 
-MISSING = [m for m in ("exllamav3", "triton") if importlib.util.find_spec(m) is None]
+MISSING = exl3_baseline.missing_for_baseline()
 needs_exllamav3 = pytest.mark.skipif(bool(MISSING), reason=f"{' and '.join(MISSING)} not installed "
-                                                           "(pip install exllamav3==1.6.5 triton)")
+                                                           "(pip install 'quantizer[demo]')")
 
 
 def config(name: str) -> ModelConfig:
@@ -133,5 +138,36 @@ def test_missing_exllamav3_is_a_user_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "exllamav3" else real(name, *a))
     caches.reset()  # no twin model kept from an earlier test
-    with pytest.raises(UserError, match=r"needs exllamav3: pip install exllamav3==1\.6\.5 triton"):
+    with pytest.raises(UserError, match=r"needs exllamav3: pip install exllamav3==1\.6\.5$"):
         exl3_plan(config("tiny-v41.json"), 2.9)
+
+
+# Run in a fresh interpreter where triton cannot be found, as in a venv of the demo extra alone.
+_WITHOUT_TRITON = """
+import importlib.abc, importlib.util, json, sys
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "triton":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Absent())
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: None if name.split(".")[0] == "triton" else real(name, *a)
+from quantizer.checkpoint.config import ModelConfig
+from quantizer.plan.exl3_baseline import exl3_plan
+from quantizer.shipped import model_config_path
+plan = exl3_plan(ModelConfig.from_file(model_config_path("small-v41.json")), 2.9)
+print(json.dumps({"k": plan.k, "triton": sorted(n for n in sys.modules if n.split(".")[0] == "triton")}))
+"""
+
+
+@needs_exllamav3
+def test_without_triton_the_baseline_plans_alike_and_leaves_no_triton_behind():
+    """The demo extra has no triton: exllamav3's kernel modules import it, the allocator never runs
+    them, so a stand-in serves the import and the plan is the one real triton gives."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_TRITON], capture_output=True, text=True, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["triton"] == []  # the stand-in is gone once exllamav3 is imported
+    assert out["k"] == exl3_plan(config("small-v41.json"), 2.9).k

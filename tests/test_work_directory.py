@@ -15,8 +15,13 @@ from one_line import one_line
 
 from quantizer import distributed, workdir
 from quantizer.build.preflight import claim
+from quantizer.build.stages import plan_files
+from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
+from quantizer.contract.plan import Plan
+from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
+from quantizer.model.targets import targets
 from quantizer.quantize.results import RESULTS_DIR, SUFFIX
 
 
@@ -96,3 +101,23 @@ def test_measured_errors_never_read_a_directory_that_is_not_a_work_directory(tin
     assert main(["build", str(tiny_v41), "--bpw", "2.5", "--out", str(tmp_path / "pack"), "--work", str(mine),
                  "--measured-errors", "--tokens", str(tokens)]) == 2
     one_line(capsys.readouterr().err, "not a quantizer work directory")
+
+
+def test_builds_sharing_a_work_directory_keep_each_its_plan(tiny_v41, fp16_plan, tmp_path, capsys):
+    """`build --help` suggests sharing --work between builds: the second build's plan must not replace the
+    first's (WORK/plans/<pack name>/), and a plan replaced under the same pack name is said so."""
+    cfg = Checkpoint.open(tiny_v41).config
+    other = make_plan(cfg, {t.key: (16.0 if t.key.endswith("layers.0.attn.wkv") else None) for t in targets(cfg)})
+    other.save(tmp_path / "other.json")
+    work = tmp_path / "shared.work"
+    for plan, out in ((fp16_plan, tmp_path / "a"), (tmp_path / "other.json", tmp_path / "b")):
+        assert main(["build", str(tiny_v41), "--plan", str(plan), "--out", str(out), "--work", str(work),
+                     "--no-calibrate"]) == 0
+    assert "replacing" not in capsys.readouterr().err
+    first, second = plan_files(work, tmp_path / "a"), plan_files(work, tmp_path / "b")
+    assert Plan.load(first[0]).k == Plan.load(fp16_plan).k and Plan.load(second[0]).k == other.k
+    assert first[1].is_file() and second[1].is_file() and first[1].read_text() != second[1].read_text()
+    assert main(["build", str(tiny_v41), "--plan", str(tmp_path / "other.json"), "--out", str(tmp_path / "again" / "a"),
+                 "--work", str(work), "--no-calibrate"]) == 0
+    assert f"plan: replacing {first[0]}, an earlier build's other plan for a pack named a" in capsys.readouterr().err
+    assert Plan.load(first[0]).k == other.k

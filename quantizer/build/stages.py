@@ -4,12 +4,13 @@ calibrate (WORK/calibration: Hessians, routing, the allocator's summary) -> plan
 allocator on that summary; uniform or exl3; or a saved plan; at a bpw or the most that fits N
 Sparks) -> quantize (WORK/quantize, with the Hessians) -> pack -> verify (header level) -> publish: the
 pack is renamed to --out only once verify finds it clean.
-The plan is kept in WORK as plan.json and recipe.yaml (exllamav3's recipe syntax), written once the
-quantize stage has accepted the job. Before any stage runs, everything that can be checked is
-(preflight.py): the request, a given plan against the checkpoint and its loader profile, the checkpoint
-against its config, places and disk. Every rank's source bytes are pinned before the first stage and
-checked after each (source_guard.py), so a checkpoint changed during the build is refused and what was
-made from it deleted.
+The plan is kept in WORK/plans/<pack name>/ as plan.json and recipe.yaml (exllamav3's recipe syntax),
+written once the quantize stage has accepted the job: builds that share a work directory (to reuse its
+calibration and encodings) keep each its own plan, and a rerun of one finds its own. Before any stage
+runs, everything that can be checked is (preflight.py): the request, a given plan against the checkpoint
+and its loader profile, the checkpoint against its config, places and disk. Every rank's source bytes
+are pinned before the first stage and checked after each (source_guard.py), so a checkpoint changed
+during the build is refused and what was made from it deleted.
 With `tune` (--tune, off by default) the tune stage (WORK/tuned) fits each block's EXL3 suh/svh to the
 native block's outputs on the calibration rows after quantize, and the pack takes the tuned vectors;
 with `end_to_end` (--tune-e2e) every EXL3 scale of the trunk and head is then fitted to the native model's
@@ -70,7 +71,7 @@ from quantizer.tune.store import finished, run_record
 from quantizer.verify.checks import VerifyReport, verify_pack
 
 QUANTIZE_DIR = "quantize"
-PLAN_FILE, RECIPE_FILE = "plan.json", "recipe.yaml"
+PLANS_DIR, PLAN_FILE, RECIPE_FILE = "plans", "plan.json", "recipe.yaml"
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ def build(req: BuildRequest) -> BuildResult:
         plan, report, launch = ranks.on_main(lambda: plan_and_state(ck.config, req, summary, ranks.world))
         settings = replace(req.quantize, calibration=store.record if store else None)
         quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None,
-                             on_start=lambda: save_plan(ck.config, plan, req.work_dir), source_check=pin.check_read)
+                             on_start=lambda: save_plan(ck.config, plan, req.work_dir, req.out), source_check=pin.check_read)
         require_unchanged(pin, "quantize", made, req.work_dir)
         tuned = None
         if req.tune is not None:
@@ -267,12 +268,30 @@ def request_record(ck: Checkpoint, req: BuildRequest) -> dict:
     }
 
 
-def save_plan(cfg: ModelConfig, plan: Plan, work: Path) -> None:
-    """The plan as JSON (`quantizer build --plan` takes it) and as an exllamav3 recipe.yaml."""
-    work.mkdir(parents=True, exist_ok=True)
-    plan.save(work / PLAN_FILE)
-    write_recipe(cfg, plan, work / RECIPE_FILE, f"Plan: {plan.made_by}.\nAchieved bits (exllamav3 accounting, budgeted "
+def plan_files(work: Path, out: Path) -> tuple[Path, Path]:
+    """(plan.json, recipe.yaml) of the build of pack `out` in `work`: under the pack's name, so builds
+    sharing a work directory do not overwrite each other's."""
+    folder = work / PLANS_DIR / out.name
+    return folder / PLAN_FILE, folder / RECIPE_FILE
+
+
+def save_plan(cfg: ModelConfig, plan: Plan, work: Path, out: Path) -> None:
+    """The plan as JSON (`quantizer build --plan` takes it) and as an exllamav3 recipe.yaml; an earlier
+    build's other plan for a pack of the same name is replaced with a line saying so."""
+    plan_file, recipe_file = plan_files(work, out)
+    plan_file.parent.mkdir(parents=True, exist_ok=True)
+    if plan_file.exists() and _saved_hash(plan_file) != plan.content_hash():
+        print(f"plan: replacing {plan_file}, an earlier build's other plan for a pack named {out.name}", file=sys.stderr)
+    plan.save(plan_file)
+    write_recipe(cfg, plan, recipe_file, f"Plan: {plan.made_by}.\nAchieved bits (exllamav3 accounting, budgeted "
                  f"tensors): {plan.achieved_bpw:.4f}; loader {plan.profile.name}")
+
+
+def _saved_hash(plan_file: Path) -> str | None:
+    try:
+        return json.loads(plan_file.read_text()).get("content_hash")
+    except (OSError, ValueError, AttributeError):  # unreadable or not a plan: replaced like another plan
+        return None
 
 
 def check_plannable(cfg: ModelConfig, req: BuildRequest) -> Plan:

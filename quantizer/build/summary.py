@@ -3,7 +3,7 @@ proxy errors, tuning, the fit per Spark count, verify's verdict and how to point
 
 from __future__ import annotations
 
-from quantizer.build.stages import PLAN_FILE, RECIPE_FILE, BuildResult
+from quantizer.build.stages import BuildResult, plan_files
 from quantizer.exl3 import k_words
 from quantizer.fit.render import render as render_fit
 from quantizer.pack.card import bits_text
@@ -23,7 +23,7 @@ def build_summary(r: BuildResult) -> str:
         f"{r.quantized.units:,} units encoded this run)",
         f"{len(m.shards)} shards, {pack_bytes:,} bytes ({gib(pack_bytes)} GiB); {bits_text(m)}; "
         f"head {k_words(r.plan.head_bits)}",
-        f"plan: {r.plan.made_by or 'the plan file given'}; saved as {r.work / PLAN_FILE} and {r.work / RECIPE_FILE}",
+        "plan: {}; saved as {} and {}".format(r.plan.made_by or "the plan file given", *plan_files(r.work, r.out)),
         _calibration_line(r),
         f"linears by K (16 = fp16): {hist or 'none'}",
         _proxy_line(r.quantized.proxy_err),

@@ -31,6 +31,7 @@ from quantizer import __version__
 from quantizer.calibrate.analysis import ldlq_factor, out_energy
 from quantizer.calibrate.collect import LayerCollector, accumulate
 from quantizer.calibrate.groups import HEAD_KEY, head_group
+from quantizer.calibrate.duration import calibration_line
 from quantizer.calibrate.needs import calibration_needs
 from quantizer.calibrate.resume import drop_resume_points, load_chunk, resume_point, save_chunk
 from quantizer.calibrate.settings import CalibrationSettings
@@ -53,6 +54,7 @@ from quantizer.calibrate.unit_kl import (
     probe_rows,
     unit_kl_needs,
 )
+from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.distributed import Ranks, current
@@ -127,15 +129,14 @@ def calibrate(ck: Checkpoint, rows: torch.Tensor, work: str | Path,
         # rank 0 hashes the source (its shard hashes kept in `directory`) and checks the job
         record = ranks.on_main(lambda: job_record(ck, rows, settings, directory))
         ranks.on_main(lambda: open_job(directory, record, record_differences, "calibration"))
-        needs = calibration_needs(ck.config, rows.shape[0], rows.shape[1], settings)
         start = time.monotonic()
         chunks = _chunks(rows, settings)
         resumed = ranks.on_main(lambda: _finished_layers(directory, ck.config.num_layers, len(chunks)))
-        if ranks.main:  # a rerun says what it takes from the work directory rather than what it would need
-            layers = ck.config.num_layers
-            print(f"calibrate: reusing the finished calibration in {directory} (same source, tokens and settings)"
-                  if resumed >= layers else needs.describe(settings.device)
-                  + (f"; resuming at layer {resumed} of {layers}" if resumed else ""), file=sys.stderr)
+        needs = calibration_needs(ck.config, rows.shape[0], rows.shape[1], settings)
+        if ranks.main:
+            print(_start_line(ck.config, rows, settings, resumed, directory), file=sys.stderr)
+            if resumed < ck.config.num_layers:
+                print(needs.describe(settings.device), file=sys.stderr)
         written = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
         ranks.on_main(lambda: require_free_space(directory, needs.disk - written, "the calibration"))
         if resumed < ck.config.num_layers:
@@ -145,6 +146,17 @@ def calibrate(ck: Checkpoint, rows: torch.Tensor, work: str | Path,
         if summary.gains != MEASURED_KL and settings.measure_kl is not False:
             summary = ranks.on_main(lambda: _unit_kl(ck, rows, work, settings, summary, progress))
         return CalibrationResult(directory, summary, record["fingerprint"], resumed, time.monotonic() - start)
+
+
+def _start_line(cfg: ModelConfig, rows: torch.Tensor, settings: CalibrationSettings, resumed: int,
+                directory: Path) -> str:
+    """Before any layer runs: the rows and about how long they take here, or that the work directory's
+    calibration of these rows is reused (whole, or from the layer a stopped run reached)."""
+    R, C = rows.shape
+    if resumed == cfg.num_layers:
+        return f"calibrate: reusing the finished calibration of {R:,} rows x {C:,} tokens in {directory}"
+    line = calibration_line(cfg, R, C, settings)
+    return line + (f"; resuming: {resumed} of its {cfg.num_layers} layers are done" if resumed else "")
 
 
 def _unit_kl(ck: Checkpoint, rows: torch.Tensor, work: Path, settings: CalibrationSettings,

@@ -5,16 +5,16 @@ Every pack is an ordinary `build` (build/stages.py) into one shared work directo
 is exactly what `quantizer build` writes with the same settings (tests/test_demo.py checks one).
 They share one calibration and the quantize stage's cache of encodings: each (tensor, K) any plan
 needs is encoded once. Each size is anchored on exllamav3's own allocator (its plan's `bits`), and
-uniform K and our allocator (once per loader profile asked for: exllamav3, vllm-exl3) get the same
-budget, so the exllamav3 packs of one size compare at equal bytes; under vllm-exl3 that budget is
+uniform K and our allocator (once per loader profile asked for: exllamav3, vllm-exl3, tensorfold) get
+the same budget, so the exllamav3 packs of one size compare at equal bytes; under vllm-exl3 that budget is
 spent on the routed experts alone and the rest stays in the source's FP8 form (its engine's layout,
-docs/loader-profiles.md), so its row holds more bytes (the bytes column says how many). tensorfold
-packs keep their Engram tables in a directory of their own, which the demo's forward does not read,
-so the demo plans for the first two. `--methods ...,ours-tuned` adds our packs with `build --tune`
-(opt-in: docs/tuning.md), the same codes and bytes as ours. The references are built first, for every
-size; our builds then allocate on the proxy errors the references' encodings measured (what
-`build --measured-errors` reads from a work directory that holds only those), so a rerun in the
-same work directory encodes nothing and plans the same. Each pack is verified, fitted and
+docs/loader-profiles.md), so its row holds more bytes (the bytes column says how many); under tensorfold
+every linear is EXL3 and the Engram tables stay in the source's form in a directory beside the pack,
+which the measurement reads as TensorFold does (ppl/measure.open_model). `--methods ...,ours-tuned`
+adds our packs with `build --tune` (opt-in: docs/tuning.md), the same codes and bytes as ours. The
+references are built first, for every size; our builds then allocate on the proxy errors the
+references' encodings measured (what `build --measured-errors` reads from a work directory that holds
+only those), so a rerun in the same work directory encodes nothing and plans the same. Each pack is verified, fitted and
 compared with the native model on held-out text (KL, top-1 agreement, paired NLL delta): the shipped
 `heldout` set, or `--eval-text` (another shipped set such as `heldout-tests`, text of another kind
 than calibration, or a file); the builds do not depend on it, so a rerun in the same work directory
@@ -26,7 +26,6 @@ Needs under 1 GiB of RAM, about 90 MB of disk in the work directory and about 5 
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 import time
@@ -38,13 +37,15 @@ import torch
 from quantizer.build.stages import QUANTIZE_DIR, BuildRequest, BuildResult, build
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.contract.loader_profiles import EXLLAMAV3, LOADERS, VLLM_EXL3, load_profile
+from quantizer.contract.loader_profiles import EXLLAMAV3, LOADERS, TENSORFOLD, VLLM_EXL3, load_profile
 from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw
 from quantizer.pack.fit_table import pack_fit_table
 from quantizer.plan.allocate import AllocationSettings
+from quantizer.plan.exl3_baseline import missing_for_baseline
+from quantizer.pack.owned import engram_dir_of
 from quantizer.ppl.compare import Comparison, compare
 from quantizer.ppl.measure import open_model, streamer
 from quantizer.ppl.perplexity import row_predictions
@@ -61,7 +62,7 @@ UNIFORM, EXL3, OURS = "uniform", "exl3", "ours"
 METHODS = (UNIFORM, EXL3, OURS)  # the default rows
 TUNED = "ours-tuned"  # opt-in row: ours with `build --tune` (docs/tuning.md), same codes and bytes as ours
 KNOWN_METHODS = METHODS + (TUNED,)
-DEMO_LOADERS = (EXLLAMAV3, VLLM_EXL3)  # the engines whose packs the demo's forward reads as written
+DEMO_LOADERS = (EXLLAMAV3, VLLM_EXL3, TENSORFOLD)  # the profiles ours plans for (exllamav3-v41: one Spark only)
 BUILD_DIR = "build"  # the shared build work directory: calibration and the encoding cache
 # The bundled trained models, by the name `--model` takes, and the package folder that holds each.
 MODELS = {"small-v41": "small_model", "small-v4": "small_model_v4"}
@@ -139,7 +140,8 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
     def make(size: float, method: str, loader: str, bpw: float, measured=None) -> None:
         out = work / "packs" / f"{size:g}-{method}-{loader}"
         _say(f"demo: build {out.name} at {bpw:.4g} bpw")
-        shutil.rmtree(out, ignore_errors=True)  # a pack of an earlier demo run in this work directory
+        for old in (out, engram_dir_of(out)):  # a pack of an earlier demo run in this work directory
+            shutil.rmtree(old, ignore_errors=True)
         built[size, method, loader] = build(BuildRequest(
             src=str(ck.root), out=out, bpw=bpw, method=OURS if method == TUNED else method,
             allocation=AllocationSettings(loader=loader), calibration_rows=calibration,
@@ -188,8 +190,8 @@ def _available(methods: tuple[str, ...]) -> tuple[str, ...]:
     if unknown:
         raise UserError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(KNOWN_METHODS)}")
     if EXL3 in methods:
-        if not all(importlib.util.find_spec(m) for m in ("exllamav3", "triton")):
-            _say("demo: exllamav3 is not installed (pip install 'quantizer[dev]'); skipping the exl3 baseline, "
+        if missing_for_baseline():
+            _say("demo: exllamav3 is not installed (pip install 'quantizer[demo]'); skipping the exl3 baseline, "
                  "sizes anchored on the bpw asked for")
             return tuple(m for m in methods if m != EXL3)
     return methods

@@ -47,3 +47,9 @@ def layer_flops(cfg: ModelConfig, layer: int, length: int, all_experts: bool = F
         cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         macs += cols * cfg.engram_head_dim * (n + 1) * D * length
     return 2.0 * macs
+
+
+def model_flops(cfg: ModelConfig, rows: int, cols: int) -> float:
+    """FLOPs of the whole forward (every layer and the head) over `rows` rows of `cols` tokens."""
+    return rows * (sum(layer_flops(cfg, layer, cols) for layer in range(cfg.num_layers))
+                   + 2 * cols * cfg.hidden_size * cfg.vocab_size)

@@ -2,8 +2,11 @@
 
 exllamav3 compiles its CUDA extension when imported. Where CUDA is absent we register a stand-in
 `exllamav3.ext` module first, whose `exllamav3_ext` raises on any use (docs/exl3-format.md,
-allocator): the allocator only builds the module tree and walks it. Where CUDA is present exllamav3 is
-imported as it is, so a later GPU stage in the same process gets the real extension.
+allocator): the allocator only builds the module tree and walks it. Its modules also import triton
+(for kernels the allocator never runs); where triton is not installed either (the demo extra leaves
+out its gigabyte), a permissive stand-in serves those imports while exllamav3 loads and is removed
+again, so nothing else in the process sees a triton. Where CUDA is present exllamav3 is imported as it
+is, so a later GPU stage in the same process gets the real extension.
 
 exllamav3 1.6.5 knows V4 (`DeepseekV4ForCausalLM`) but not V4.1, so the model it plans is a V4
 twin of ours: same hidden, expert, layer and attention dims; a V4.1 compressed layer becomes CSA
@@ -30,6 +33,9 @@ accounting, stays within the asked bpw: the baseline at equal bytes.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import json
 import struct
@@ -37,6 +43,7 @@ import sys
 import tempfile
 import types
 from collections import defaultdict
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -154,32 +161,41 @@ def v4_twin_config(cfg: ModelConfig) -> dict:
 @process_cache(maxsize=1)
 def _model(cfg: ModelConfig) -> tuple:
     """(exllamav3 Config, Model, create_q_strategy) for the V4 twin, built once per shape."""
-    exl3 = _import_exllamav3()
-    with tempfile.TemporaryDirectory(prefix="exl3-twin-") as tmp:
+    with _exllamav3() as exl3, tempfile.TemporaryDirectory(prefix="exl3-twin-") as tmp:
         root = Path(tmp)
         (root / "config.json").write_text(json.dumps(v4_twin_config(cfg)))
         header = b"{}"
         (root / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
-        config = exl3.Config.from_directory(str(root))
+        config = exl3.Config.from_directory(str(root))  # imports the architectures, and with them triton
         model = exl3.Model.from_config(config)
     return config, model, exl3.create_q_strategy
 
 
-def _import_exllamav3() -> types.SimpleNamespace:
-    """exllamav3's Config, Model and create_q_strategy; its CUDA extension stubbed without CUDA."""
-    missing = [name for name in ("exllamav3", "triton") if importlib.util.find_spec(name) is None]
+@contextlib.contextmanager
+def _exllamav3() -> Iterator[types.SimpleNamespace]:
+    """exllamav3's Config, Model and create_q_strategy; without CUDA its extension stubbed, and triton
+    too where it is absent (until the context ends)."""
+    missing = missing_for_baseline()
     if missing:
         raise UserError(f"the exl3 baseline needs {' and '.join(missing)}: "
-                        f"pip install exllamav3=={EXLLAMAV3_VERSION} triton")
+                        f"pip install exllamav3=={EXLLAMAV3_VERSION}" + (" triton" if "triton" in missing else ""))
     version = metadata.version("exllamav3")
     if version != EXLLAMAV3_VERSION:
         raise UserError(f"the exl3 baseline is written against exllamav3 {EXLLAMAV3_VERSION}, found {version}: "
                         f"pip install exllamav3=={EXLLAMAV3_VERSION}")
-    if "exllamav3" not in sys.modules and not _cuda():
+    cpu = not _cuda()
+    if "exllamav3" not in sys.modules and cpu:
         sys.modules.setdefault("exllamav3.ext", _extension_stub())
-    from exllamav3 import Config, Model
-    from exllamav3.conversion.allocation import create_q_strategy
-    return types.SimpleNamespace(Config=Config, Model=Model, create_q_strategy=create_q_strategy)
+    with _TritonStandIn() if cpu and importlib.util.find_spec("triton") is None else contextlib.nullcontext():
+        from exllamav3 import Config, Model
+        from exllamav3.conversion.allocation import create_q_strategy
+        yield types.SimpleNamespace(Config=Config, Model=Model, create_q_strategy=create_q_strategy)
+
+
+def missing_for_baseline() -> list[str]:
+    """The packages the exl3 baseline lacks here: exllamav3, and triton only where CUDA runs it."""
+    wanted = ("exllamav3", "triton") if _cuda() else ("exllamav3",)
+    return [name for name in wanted if importlib.util.find_spec(name) is None]
 
 
 def _cuda() -> bool:
@@ -193,6 +209,52 @@ class _MissingExtension(types.ModuleType):
             raise RuntimeError(f"exllamav3_ext.{name} needs exllamav3's CUDA extension; this process "
                                "imported exllamav3 without it (planning only)")
         return unavailable
+
+
+class _Permissive:
+    """Whatever exllamav3's kernel modules do with triton at import (decorators, `tl.constexpr`
+    annotations, `triton.Config(...)`): a decorator returns the function, anything else another of these."""
+    def __call__(self, *args, **kwargs):
+        return args[0] if len(args) == 1 and not kwargs and callable(args[0]) else _Permissive()
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Permissive()
+
+    def __getitem__(self, key):
+        return _Permissive()
+
+
+class _PermissiveModule(types.ModuleType):
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Permissive()
+
+
+class _TritonStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves `triton` and every `triton.*` import while entered; on exit the finder and the modules it
+    made leave the process (exllamav3 keeps its references to them)."""
+    def __enter__(self) -> "_TritonStandIn":
+        sys.meta_path.insert(0, self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.meta_path.remove(self)
+        for name in [n for n in sys.modules if n == "triton" or n.startswith("triton.")]:
+            del sys.modules[name]
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec) -> types.ModuleType:
+        return _PermissiveModule(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__path__ = []
 
 
 def _extension_stub() -> types.ModuleType:

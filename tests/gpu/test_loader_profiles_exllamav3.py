@@ -28,6 +28,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from quantizer.build.stages import plan_files
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.contract.plan import Plan
@@ -108,7 +109,7 @@ def test_every_method_loads_in_exllamav3_and_ours_has_the_least_kl(model, heldou
         for method in METHODS:
             pack = _build(model, root / f"{size:g}-{method}", "--bpw", str(size), "--method", method)
             row = {"bpw": size, "method": method, "loader": "exllamav3",
-                   "achieved_bpw": Plan.load(root / f"{size:g}-{method}.work" / "plan.json").achieved_bpw,
+                   "achieved_bpw": Plan.load(plan_files(root / f"{size:g}-{method}.work", pack)[0]).achieved_bpw,
                    **_measure(pack, heldout, native)}
             RESULTS.append(row)
             print(json.dumps(row))
@@ -121,7 +122,7 @@ def test_every_method_loads_in_exllamav3_and_ours_has_the_least_kl(model, heldou
         exl3_bits = next(r["achieved_bpw"] for r in RESULTS if r["bpw"] == size and r["method"] == "exl3")
         pack = _build(model, root / f"{size:g}-ours-at-exl3", "--bpw", f"{exl3_bits:.6f}")
         row = {"bpw": size, "method": "ours at exl3's bits", "loader": "exllamav3",
-               "achieved_bpw": Plan.load(root / f"{size:g}-ours-at-exl3.work" / "plan.json").achieved_bpw,
+               "achieved_bpw": Plan.load(plan_files(root / f"{size:g}-ours-at-exl3.work", pack)[0]).achieved_bpw,
                **_measure(pack, heldout, native)}
         RESULTS.append(row)
         print(json.dumps(row))
@@ -144,7 +145,7 @@ def test_against_exllamav3s_converter_at_equal_bytes(model, heldout, native, tmp
         converter_row = {"bpw": size, "method": "exllamav3 convert_model", "achieved_bpw": bits,
                          **_measure(theirs, heldout, native, ours=False)}
         ours_row = {"bpw": size, "method": "quantizer build (ours, exllamav3 loader)",
-                    "achieved_bpw": Plan.load(root / f"ours-{size:g}.work" / "plan.json").achieved_bpw,
+                    "achieved_bpw": Plan.load(plan_files(root / f"ours-{size:g}.work", ours)[0]).achieved_bpw,
                     **_measure(ours, heldout, native)}
         RESULTS.extend([converter_row, ours_row])
         print(json.dumps(converter_row))

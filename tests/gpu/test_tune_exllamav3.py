@@ -19,7 +19,7 @@ import torch
 # tests/gpu is on sys.path (pytest prepend import mode)
 from test_pack_exllamav3 import _load, _stored, assert_engines_agree, check_linears_decode_as_ours
 
-from quantizer.build.stages import PLAN_FILE, QUANTIZE_DIR
+from quantizer.build.stages import QUANTIZE_DIR, plan_files
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.contract.plan import Plan
@@ -80,7 +80,7 @@ def test_block_tuning_on_cuda_lowers_each_blocks_error_as_on_the_cpu(tuned_e2e, 
     """The block-wise stage on the build's device: the same codes, rows and settings tuned on CUDA and on
     the CPU keep each block's held-out error at or below the stored scales' by the same ratio."""
     work = tuned_e2e.with_name(tuned_e2e.name + ".work")
-    ck, plan = Checkpoint.open(tiny_v4), Plan.load(work / PLAN_FILE)
+    ck, plan = Checkpoint.open(tiny_v4), Plan.load(plan_files(work, tuned_e2e)[0])
     job = {k: v for k, v in Manifest.load(tuned_e2e).settings.items() if k not in ("tuning", "end_to_end")}
     rows = torch.from_numpy(np.load(ids))
     settings = TuneSettings(steps=5, eval_every=1)
