@@ -154,7 +154,7 @@ def test_plan_cli_methods_on_a_small_model(tmp_path, capsys):
     work.mkdir()
     synthetic_summary(ModelConfig.from_file(small), seed=2).save(work / "summary.json")
     assert main(["plan", "--model-config", small, "--bpw", "3.5", "--calibration", str(work)]) == 0
-    assert "calibration=synthetic" in capsys.readouterr().out
+    assert "a synthetic calibration" in capsys.readouterr().out
     assert main(["plan", "--model-config", small, "--bpw", "3.5", "--calibration", str(tmp_path / "none")]) == 2
     assert "not found" in capsys.readouterr().err
     assert CalibrationSummary.load(work / "summary.json").synthetic

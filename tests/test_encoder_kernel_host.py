@@ -27,7 +27,7 @@ from quantizer.exl3 import codebook_values
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = Path(__file__).with_name("encoder_kernel_host.cpp")
-KERNEL_DIR = ROOT / "quantizer" / "quantize" / "kernel"
+KERNEL_DIR = ROOT / "quantizer" / "codec" / "kernel"
 CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}
 L = 256
 FULL_GRID = "QUANTIZER_KERNEL_GRID"  # CI runs K 2 mul1; the grid is run where the kernel changes

@@ -113,7 +113,7 @@ def test_fit_ppl_and_card_work_on_the_pack(one_spark_pack, tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["engine"] == V41_ENGINE and data["mapped"] and data["drafter"] == "off"  # as its launch.env says
     assert main(["fit", str(pack), "--sparks", "2"]) == 2  # the engine is TP1
-    assert "engine exllamav3-v41 runs on 1 Spark(s) only" in capsys.readouterr().err
+    assert "the exllamav3-v41 engine runs on 1 Spark(s) only" in capsys.readouterr().err
     assert main(["ppl", str(pack), "--against", str(shipped("small_model")), "--text", "heldout", "--rows", "1",
                  "--cols", "64"]) == 0
     assert "KL" in capsys.readouterr().out

@@ -46,7 +46,7 @@ def assert_readable_png(path, fig) -> None:
 def test_fit_plot_stacks_every_term_of_each_rank_to_its_visible_memory(tmp_path, monkeypatch, capsys):
     drawn = spy_figures(monkeypatch, "quantizer.commands.fit")
     png = tmp_path / "fit.png"
-    recipe = shipped("configs", "recipes", "2.9.yaml")
+    recipe = shipped("configs", "recipes", "2.5.yaml")
     assert main(["fit", "--model-config", "deepseek-v4.1-flash", "--recipe", str(recipe), "--sparks", "2",
                  "--context", "256K", "--json", "--plot", str(png)]) == 0
     report = json.loads(capsys.readouterr().out)

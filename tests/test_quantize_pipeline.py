@@ -152,5 +152,5 @@ def test_a_cpu_build_states_its_plans_encoding_without_a_gpu_figure_before_quant
     assert "plan: the plan file given; saved as" in out
     line = plan_estimate(ck.config, plan).line("cpu")  # a CPU build: no GPU figure, no CPU rate measured
     assert line in err and err.index(line) < err.index("quantize: 1 linears")
-    assert line.endswith("weights to encode on the CPU with quantizer's codec; no time estimate (encode rates are "
+    assert line.endswith("weights go to quantizer's codec on the CPU; no time estimate (encode rates are "
                          "measured on H200 GPUs only)") and "GPU-hours" not in err

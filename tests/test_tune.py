@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantizer.build.stages import PLAN_FILE, QUANTIZE_DIR, BuildRequest, build, plan_and_state
+from quantizer.build.stages import QUANTIZE_DIR, BuildRequest, build, plan_and_state, plan_files
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_bytes, read_header
@@ -149,7 +149,7 @@ def test_the_tuned_pack_verifies_and_differs_only_in_exl3_scales(packs):
 
 def test_a_killed_run_resumes_from_its_finished_blocks(packs, tiny_v41, tmp_path, monkeypatch):
     ck = Checkpoint.open(tiny_v41)
-    plan = Plan.load(packs / "work" / PLAN_FILE)
+    plan = Plan.load(plan_files(packs / "work", packs / "tuned")[0])
     job = {k: v for k, v in Manifest.load(packs / "plain").settings.items()}
     rows = torch.load(packs / "rows.pt")[:4, :32]  # 3 tuning rows, 1 held out: the forward is what costs
     # quantized inputs fitted to the native model's stream: each block's file also covers the one before
@@ -266,7 +266,7 @@ def test_end_to_end_is_reused_by_a_rerun(e2e_pack, packs, tiny_v41):
     ck = Checkpoint.open(tiny_v41)
     job = dict(Manifest.load(packs / "plain").settings)
     block_files = tuple(sorted((packs / "work" / "tuned").glob("layers.*.safetensors")))
-    again = end_to_end.end_to_end(ck, Plan.load(packs / "work" / PLAN_FILE), packs / "work" / QUANTIZE_DIR,
+    again = end_to_end.end_to_end(ck, Plan.load(plan_files(packs / "work", packs / "tuned")[0]), packs / "work" / QUANTIZE_DIR,
                                   packs / "work", torch.load(packs / "rows.pt"), E2E, job, block_files,
                                   say=lambda line: None)
     assert not again.tuned and again.file == e2e_pack.end_to_end.file and again.kl_after == e2e_pack.end_to_end.kl_after

@@ -180,7 +180,7 @@ def _run_vllm(m: Manifest, profile: LoaderProfile, given: str | None) -> list[st
 
 
 def _run_tensorfold(m: Manifest, profile: LoaderProfile, given: str | None) -> list[str]:
-    engram = m.plan["engram_dir"]
+    engram = m.plan.get("engram_dir") or {"dir": "<pack>-Engram", "shards": []}  # absent: a manifest edited by hand
     return [
         f"Engine: TensorFold's DeepSeek-V4.1 engine (bertholomus/TensorFold, Zig kit) on {_sparks_text(profile, given)}; "
         "it has no one-Spark path. It reads the model from this folder and the Engram tables from a folder of their "

@@ -79,7 +79,7 @@ class QuantizeEstimate:
         weights = f"{self.weights / 1e9:,.1f} G" if self.weights >= 1e8 else f"{self.weights:,}"
         gpu = self.device.removeprefix("NVIDIA ")
         if device == "cpu":
-            return (f"quantize: {weights} weights to encode on the CPU with quantizer's codec; no time estimate "
+            return (f"quantize: the plan's {weights} weights go to quantizer's codec on the CPU; no time estimate "
                     f"(encode rates are measured on {gpu} GPUs only)")
         hours = f"~{self.gpu_hours:,.1f}" if self.gpu_hours >= 0.05 else "under 0.1"
         text = f"quantize: {weights} weights, {hours} GPU-hours on {gpu} at measured rates"
