@@ -24,7 +24,7 @@ def calibration_rows(ck: Checkpoint, text: str | None, tokens: str | None, rows:
     line = f"calibrate: {got.shape[0]} rows of {got.shape[1]} tokens"
     if rows is None and got.shape[0] < DEFAULT_ROWS:
         line += (f", all the {'token file' if tokens else 'text'} holds (the default takes up to {DEFAULT_ROWS}); "
-                 "more text of the kinds the pack will serve lowers its KL (README, Calibration)")
+                 "more text of the kinds the pack will serve lowers its KL (docs/calibration.md, How much calibration text)")
     if current().main:
         print(line, file=sys.stderr)
     return got
