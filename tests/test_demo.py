@@ -17,7 +17,8 @@ from PIL import Image
 from quantizer.build.stages import QUANTIZE_DIR
 from quantizer.checkpoint.safetensors_file import read_header
 from quantizer.cli import main
-from quantizer.demo.sweep import BUILD_DIR
+from quantizer.commands.demo import render
+from quantizer.demo.sweep import BUILD_DIR, DemoResult, DemoRow
 from quantizer.pack.manifest import Manifest
 from quantizer.plots import DPI, save_figure
 from quantizer.quantize.results import RESULTS_DIR
@@ -182,6 +183,19 @@ def test_a_tensorfold_row_is_measured_with_the_engram_directory_beside_its_pack(
 
 def _shards(pack) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(pack.glob("*.safetensors"))}
+
+
+def test_the_table_says_a_tensorfold_row_needs_more_than_one_spark():
+    """A tensorfold pack has no 1-Spark weights (its engine runs on 2 or 4): the table says so, where
+    formatting the missing figure crashed `make demo` once."""
+    def row(loader, weights_gib):
+        return DemoRow(bpw=2.5, method="ours", loader=loader, achieved_bpw=2.49, bytes=1000, ppl=9.0, kl=0.1,
+                       kl_stderr=0.01, top1=0.9, top1_stderr=0.01, nll_delta=0.05, nll_delta_stderr=0.01,
+                       verified=True, fits_1_spark=weights_gib is not None, weights_gib=weights_gib)
+    text = render(DemoResult(rows=[row("exllamav3", 0.123), row("tensorfold", None)], native_ppl=8.5, tokens=2048,
+                             seconds=1.0, eval_text="heldout"))
+    lines = [line for line in text.splitlines() if "ours" in line]
+    assert "0.123 GiB, fits" in lines[0] and "engine needs 2+" in lines[1]
 
 
 def test_measured_errors_need_our_allocator(capsys):

@@ -15,6 +15,7 @@ from quantizer.demo.sweep import (
     MODELS,
     SIZES,
     DemoResult,
+    DemoRow,
     DemoSettings,
     as_json_rows,
     run_demo,
@@ -73,11 +74,17 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.verified for r in result.rows) else 1
 
 
+def _one_spark(r: DemoRow) -> str:
+    """The 1 Spark column: the weights there and whether it fits, or that the pack's engine needs more Sparks."""
+    if r.weights_gib is None:
+        return "engine needs 2+"
+    return f"{r.weights_gib:.3f} GiB, {'fits' if r.fits_1_spark else 'no'}"
+
+
 def render(result: DemoResult) -> str:
     rows = [[f"{r.bpw:g}", r.method, r.loader, f"{r.achieved_bpw:.3f}", f"{r.bytes:,}", f"{r.ppl:.3f}",
              f"{r.kl:.4f} ± {r.kl_stderr:.4f}", f"{r.top1:.2%}", f"{r.nll_delta:+.4f} ± {r.nll_delta_stderr:.4f}",
-             "ok" if r.verified else "FAULT", f"{r.weights_gib:.3f} GiB, {'fits' if r.fits_1_spark else 'no'}"]
-            for r in result.rows]
+             "ok" if r.verified else "FAULT", _one_spark(r)] for r in result.rows]
     head = ["bpw", "method", "loader", "achieved", "bytes", "ppl", "KL", "top-1", "NLL delta", "verify", "1 Spark"]
     return "\n".join([
         f"native (FP8/FP4) perplexity {result.native_ppl:.3f} over {result.tokens:,} held-out tokens"
