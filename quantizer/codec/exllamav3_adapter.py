@@ -1,4 +1,5 @@
-"""The one place the project touches exllamav3 (1.6.5, CUDA only): its quantizer and its reference decode.
+"""Where the project touches exllamav3 (1.6.5, CUDA only): its quantizer and its reference decode (here, and
+in exllamav3_batch.py, our run of its batch conversion).
 
 exllamav3 compiles its CUDA extension when imported, so every import here happens inside a function and
 `import quantizer.codec` keeps working on machines without CUDA. Weights come and go in HF orientation
@@ -35,15 +36,22 @@ def _own_rng(device: torch.device):
     return torch.random.fork_rng(devices=[device.index])
 
 
-def _tile_search(which: str):
-    """Where exllamav3's conversion runs its trellis searches for the length of a `with` block."""
+def _batch_conversion(which: str):
+    """exllamav3's batch conversion as `which` encoder runs it: "exllamav3", its `quantize_exl3_batch`
+    unchanged; "ours", the same steps with the Hessians kept on the GPU (exllamav3_batch.py) and the tile
+    searches in our kernel (quantizer/codec/kernel). Both store the same tensors. Returns a context for
+    the call and the function to call."""
+    from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3_batch
+
     if which == "exllamav3":
-        return contextlib.nullcontext()
+        return contextlib.nullcontext(), quantize_exl3_batch
     if which != "ours":
-        raise ValueError(f"tile_search {which!r}; ours or exllamav3")
+        raise ValueError(f"encoder {which!r}; ours or exllamav3")
     from quantizer.codec.kernel import in_exllamav3
 
-    return in_exllamav3()
+    from .exllamav3_batch import quantize_exl3_batch_on_device
+
+    return in_exllamav3(), quantize_exl3_batch_on_device
 
 
 def _quant_args(K: float, codebook: Codebook, seed: int, device: torch.device,
@@ -123,14 +131,13 @@ def quantize_batch(
     seed: int = 0,
     device: torch.device | str = "cuda",
     apply_out_scales: bool | None = None,
-    tile_search: str = "exllamav3",
+    encoder: str = "exllamav3",
 ) -> list[EXL3Linear]:
     """exllamav3's quantize_exl3_batch: same-shape HF weights at one K, sharing one Hessian (a single tensor,
-    e.g. gate/up of every expert) or each with its own (a sequence, e.g. every expert's down). Its tile
-    searches run in our kernel (`tile_search` "ours", the same codes: quantizer/codec/kernel) or in its own
-    ("exllamav3")."""
-    from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3_batch
-
+    e.g. gate/up of every expert) or each with its own (a sequence, e.g. every expert's down). `encoder`
+    "ours" runs it with the Hessians on the GPU and our tile kernel, "exllamav3" as exllamav3 runs it: the
+    same tensors (`_batch_conversion`)."""
+    context, convert = _batch_conversion(encoder)
     cb = parse_codebook(codebook)
     k = trellis_k(K, cb)
     if not weights or len({tuple(w.shape) for w in weights}) != 1:
@@ -150,8 +157,8 @@ def quantize_batch(
         h_datas = [_h_data(in_features, h, c, device, f"weight.{i}") for i, (h, c) in enumerate(zip(per_h, per_count))]
     qas = [_quant_args(k, cb, seed + i, device, apply_out_scales) for i in range(len(weights))]
     ws = [w.detach().to(dtype=torch.float32).T.contiguous() for w in weights]
-    with _own_rng(device), _tile_search(tile_search):
-        results = quantize_exl3_batch(ws, h_datas, qas)
+    with _own_rng(device), context:
+        results = convert(ws, h_datas, qas)
     return [_to_linear(out, cb, k, proxy_err) for proxy_err, out in results]
 
 

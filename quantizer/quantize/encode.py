@@ -69,4 +69,4 @@ def _encode_cuda(name, members, weights, hessians, codebook, settings: QuantizeS
         counts = [0 if h is None else h[1] for h in hessians]
     return quantize_batch(weights, members[0].K, hs, counts=counts, codebook=codebook,
                           seed=tensor_seed(settings.seed, name), device=weights[0].device,
-                          tile_search=settings.encoder)
+                          encoder=settings.encoder)

@@ -93,20 +93,74 @@ def test_wrong_shape_or_k_refused(built):
         kernel.encode_tiles(torch.zeros(1, 160, device="cuda"), 2, 2)
 
 
+def same_tensors(theirs, ours) -> None:
+    for a_linear, b_linear in zip(theirs, ours, strict=True):
+        assert b_linear.proxy_err == a_linear.proxy_err
+        a, b = a_linear.tensors("w"), b_linear.tensors("w")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def expert_inputs(seed: int, experts: int = 2, out_f: int = 2304, in_f: int = 5120):
+    """Routed-expert w1 of V4.1's shape (by default) and a Hessian of 6144 random rows each."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    weights = [0.02 * torch.randn(out_f, in_f, device="cuda", generator=g) for _ in range(experts)]
+    rows = [torch.randn(6144, in_f, device="cuda", generator=g) for _ in range(experts)]
+    return weights, [x.T @ x for x in rows]
+
+
 @pytest.mark.parametrize("K", [1, 2, 3, 4, 2.5])
-def test_exllamav3_conversion_with_our_kernel_stores_the_same_tensors(built, K):
-    """What the quantize stage runs (quantize_batch: exllamav3's conversion, LDLQ and scale search
-    included) on two routed-expert w1 of V4.1's shape with a Hessian each: every stored tensor and the proxy
-    error equal with our kernel and with exllamav3's (K 2.5 takes exllamav3's own path either way)."""
+def test_our_conversion_stores_exllamav3s_tensors(built, K):
+    """What the quantize stage runs (quantize_batch) on two routed-expert w1 of V4.1's shape with a Hessian
+    each: with --encoder ours (our loop, the Hessians kept on the GPU, our kernel; at K 2.5 exllamav3's
+    fractional search) every stored tensor and the proxy error equal exllamav3's own conversion."""
     from quantizer.codec.exllamav3_adapter import quantize_batch
 
-    g = torch.Generator(device="cuda").manual_seed(int(K * 10))
-    weights = [0.02 * torch.randn(2304, 5120, device="cuda", generator=g) for _ in range(2)]
-    rows = [torch.randn(6144, 5120, device="cuda", generator=g) for _ in range(2)]
-    hessians = [x.T @ x for x in rows]
-    out = {how: quantize_batch(weights, K, hessians, counts=[6144, 6144], seed=5, tile_search=how)
+    weights, hessians = expert_inputs(int(K * 10))
+    out = {how: quantize_batch(weights, K, hessians, counts=[6144, 6144], seed=5, encoder=how)
            for how in ("exllamav3", "ours")}
-    for theirs, ours in zip(out["exllamav3"], out["ours"]):
-        assert ours.proxy_err == theirs.proxy_err
-        a, b = theirs.tensors("w"), ours.tensors("w")
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    same_tensors(out["exllamav3"], out["ours"])
+
+
+@pytest.mark.parametrize("K", [2, 3])
+def test_our_loop_with_exllamav3s_kernel_equals_quantize_exl3_batch(built, K):
+    """The loop alone (exllamav3's tile kernel in both runs), with distinct Hessians (ldlq_batched) and with
+    one shared Hessian (one LDLQ over the concatenated weights): the same results and the same g_scale."""
+    from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3_batch
+
+    from quantizer.codec.exllamav3_batch import quantize_exl3_batch_on_device
+
+    weights, hessians = expert_inputs(40 + K, experts=3, out_f=512, in_f=1024)
+    for shared in (False, True):
+        runs = []
+        for convert in (quantize_exl3_batch, quantize_exl3_batch_on_device):
+            h_datas = ([h_data(hessians[0])] * 3) if shared else [h_data(h) for h in hessians]
+            qas = [{"K": K, "devices": [0], "seed": 9 + i, "mul1": True, "mcg": False, "apply_out_scales": None}
+                   for i in range(3)]
+            with torch.random.fork_rng(devices=[0]):
+                results = convert([w.T.contiguous() for w in weights], h_datas, qas)
+            runs.append((results, [qa["g_scale"] for qa in qas]))
+        (theirs, g_theirs), (ours, g_ours) = runs
+        assert g_ours == g_theirs
+        for (pa, ta), (pb, tb) in zip(theirs, ours, strict=True):
+            assert pb == pa and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), f"shared {shared}"
+
+
+def h_data(h: torch.Tensor, count: int = 6144) -> dict:
+    return {"H": h.clone(), "packed": False, "n": h.shape[0], "first_key": "t", "count": count, "finalized": False,
+            "num_total": 0, "inf_nan": torch.zeros(2, dtype=torch.long, device="cuda"), "device": torch.device("cuda", 0)}
+
+
+@pytest.mark.parametrize("case", ["uncalibrated", "non-finite"])
+def test_inputs_our_loop_does_not_take_go_to_exllamav3_whole(built, case):
+    """An uncalibrated member (no Hessian) or a non-finite Hessian: exllamav3's fallbacks run, on inputs
+    our loop has not changed, so --encoder ours stores what exllamav3 stores."""
+    from quantizer.codec.exllamav3_adapter import quantize_batch
+
+    weights, hessians = expert_inputs(77, out_f=256, in_f=512)
+    if case == "uncalibrated":
+        hessians[1], counts = None, [6144, 0]
+    else:
+        hessians[1][3, 3], counts = float("nan"), [6144, 6144]
+    out = {how: quantize_batch(weights, 3, hessians, counts=counts, seed=5, encoder=how)
+           for how in ("exllamav3", "ours")}
+    same_tensors(out["exllamav3"], out["ours"])
