@@ -6,13 +6,14 @@ calibration (`gate2`) gives every expert's gate/up its own (`--w1-hessians share
 `--expert-hessians shared` and exllamav3 do; the encoder factors each distinct Hessian, so shared is
 faster), and their w2 (in 2304, out 5120, a Hessian each under either calibration).
 
-- rates: `quantize_exl3_batch` on the dequantized fp32 weights already on the GPU, its tile searches in
-  the --encoder's kernel (ours by default, as the stage runs it), for every K of --ks (the mul1 grid,
+- rates: the --encoder's batch conversion on the dequantized fp32 weights already on the GPU (ours by
+  default: exllamav3's steps with the Hessians kept on the GPU and our tile kernel; exllamav3: its
+  `quantize_exl3_batch`), for every K of --ks (the mul1 grid,
   half-integer rates included, by default) and both shapes; written as the encode-rate table the
   GPU-hours statements of `plan` and `build` read (configs/encode_rates/h200.json has this format);
-- at --compare-ks, on the same w1 tensors: the direct call with exllamav3's own kernel (the reference
-  every ratio divides by), the direct call with ours (and whether its results are torch.equal to the
-  reference's), and `quantizer.quantize.quantize` on the checkpoint with a plan naming the 16 w1
+- at --compare-ks, on the same w1 tensors: `quantize_exl3_batch` with exllamav3's own kernel (the
+  reference every ratio divides by), the same with our kernel, our conversion (and whether both results
+  are torch.equal to the reference's), and `quantizer.quantize.quantize` on the checkpoint with a plan naming the 16 w1
   tensors (job file, source fingerprint, reading and dequantizing the FP4 bytes, the exllamav3 adapter,
   saving the results: everything a build does per unit) with --encoder exllamav3 (the stage's overhead:
   >= 0.9) and with --encoder ours (the speed-up issue 39 asks for: >= 2.5 at K 2, 3 and 4).
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from v41_experts import EXPERTS, IN, KEYS, OUT, W1_HESSIANS, encode, w1_hessians, w2_hessians, w2_weights, write_source
 
+from quantizer.codec.exllamav3_batch import quantize_exl3_batch_on_device
 from quantizer.codec.kernel import in_exllamav3
 
 from quantizer.checkpoint.source import Checkpoint
@@ -55,15 +57,19 @@ from quantizer.quantize.stage import quantize
 from quantizer.report import table
 
 COMPARE_KS = (2.0, 2.5, 3.0, 4.0)
+HOWS = ("exllamav3", "kernel", "ours")  # the batch conversions `direct` runs
 
 
-def direct(weights, hessians, K: float, device: torch.device, encoder: str) -> tuple[float, list]:
-    """Seconds and results of one `quantize_exl3_batch` call, its tile searches in `encoder`'s kernel."""
-    if encoder == "exllamav3":
+def direct(weights, hessians, K: float, device: torch.device, how: str) -> tuple[float, list]:
+    """Seconds and results of one batch conversion on the weights already on the GPU: `how` "exllamav3",
+    its `quantize_exl3_batch`; "kernel", the same with our tile kernel; "ours", our loop with our kernel
+    (what --encoder ours runs)."""
+    if how == "exllamav3":
         seconds, results, _ = encode(weights, hessians, K, device)
     else:
         with in_exllamav3():
-            seconds, results, _ = encode(weights, hessians, K, device)
+            seconds, results, _ = encode(weights, hessians, K, device,
+                                         quantize_exl3_batch_on_device if how == "ours" else None)
     return seconds, results
 
 
@@ -94,9 +100,11 @@ def rate_table(rates: list[dict], device: torch.device, w1_hessians: str, encode
 
     return {
         "format": RATES_FORMAT, "version": 1, "device": torch.cuda.get_device_name(device),
-        "encoder": f"exllamav3 {version('exllamav3')} quantize_exl3_batch (LDLQ, trellis search, packing), mul1, "
-                   f"tile search in {'our kernel (quantizer/codec/kernel)' if encoder == 'ours' else 'its own kernel'}",
-        "measured_by": "bench/quantize_gpu.py (direct quantize_exl3_batch on the dequantized weights already on the GPU)",
+        "encoder": (f"exllamav3 {version('exllamav3')}'s batch conversion (LDLQ, trellis search, packing), mul1, "
+                    + ("run by quantizer/codec/exllamav3_batch.py (the Hessians on the GPU), tile search in our kernel "
+                       "(quantizer/codec/kernel)" if encoder == "ours" else "quantize_exl3_batch with its own kernel")),
+        "measured_by": "bench/quantize_gpu.py (the batch conversion called directly on the dequantized weights "
+                       "already on the GPU)",
         "source": f"{datetime.date.today().isoformat()}: {EXPERTS} random routed experts of DeepSeek-V4.1-Flash's "
                   f"shapes; w1 (in 5120) with {W1_HESSIANS[w1_hessians]}, w2 (in 2304) with one SPD Hessian each",
         "rates": [{k: r[k] for k in ("K", "in_features", "out_features", "batch", "weights_per_s")} for r in rates],
@@ -111,7 +119,7 @@ def main() -> None:
     ap.add_argument("--w1-hessians", choices=sorted(W1_HESSIANS), default="each",
                     help="each: one Hessian per expert's w1 (calibration's default, gate2); shared: one for all")
     ap.add_argument("--encoder", choices=ENCODERS["cuda"], default="ours",
-                    help="the tile-search kernel the rates are measured with (the stage's --encoder)")
+                    help="the batch conversion the rates are measured with (the stage's --encoder)")
     args = ap.parse_args()
     device = torch.device("cuda", 0)
     n_weights = EXPERTS * IN * OUT
@@ -122,8 +130,8 @@ def main() -> None:
         w2 = w2_weights(device)
         h1 = w1_hessians(device, args.w1_hessians)
         h2 = w2_hessians(device)
-        for encoder in ENCODERS["cuda"]:  # warm-up: kernels (ours built), streams, pinned buffers
-            direct(w1[:2], h1 if isinstance(h1, tuple) else h1[:2], 2, device, encoder)
+        for how in HOWS:  # warm-up: kernels (ours built), streams, pinned buffers
+            direct(w1[:2], h1 if isinstance(h1, tuple) else h1[:2], 2, device, how)
         for K in args.ks:
             for ws, hs, (i, o) in ((w1, h1, (IN, OUT)), (w2, h2, (OUT, IN))):
                 seconds, _ = direct(ws, hs, K, device, args.encoder)
@@ -132,17 +140,19 @@ def main() -> None:
                 print(f"K {K:g}  in {i}  {n_weights / seconds / 1e6:.2f} M weights/s", flush=True)
         for K in args.compare_ks:
             t_ref, ref = direct(w1, h1, K, device, "exllamav3")
-            t_kernel, got = direct(w1, h1, K, device, "ours")
+            t_kernel, got_kernel = direct(w1, h1, K, device, "kernel")
+            t_ours, got = direct(w1, h1, K, device, "ours")
             t_stage = {e: stage(tmp / "src", tmp / f"work-K{K:g}-{e}", h1, K, device, e) for e in ENCODERS["cuda"]}
-            compared.append({"K": K, "weights": n_weights, "direct_s": t_ref, "direct_ours_s": t_kernel,
-                             "stage_exllamav3_s": t_stage["exllamav3"], "stage_ours_s": t_stage["ours"],
-                             "direct_weights_per_s": n_weights / t_ref, "ours_weights_per_s": n_weights / t_stage["ours"],
-                             "direct_ours_ratio": t_ref / t_kernel, "stage_exllamav3_ratio": t_ref / t_stage["exllamav3"],
-                             "ratio": t_ref / t_stage["ours"], "codes_equal": same_results(ref, got)})
+            compared.append({"K": K, "weights": n_weights, "direct_s": t_ref, "direct_kernel_s": t_kernel,
+                             "direct_ours_s": t_ours, "stage_exllamav3_s": t_stage["exllamav3"],
+                             "stage_ours_s": t_stage["ours"], "direct_weights_per_s": n_weights / t_ref,
+                             "ours_weights_per_s": n_weights / t_stage["ours"], "direct_kernel_ratio": t_ref / t_kernel,
+                             "direct_ours_ratio": t_ref / t_ours, "stage_exllamav3_ratio": t_ref / t_stage["exllamav3"],
+                             "ratio": t_ref / t_stage["ours"],
+                             "codes_equal": same_results(ref, got_kernel) and same_results(ref, got)})
             print(f"K {K:g}  stage ours {t_ref / t_stage['ours']:.2f}x quantize_exl3_batch, codes equal "
                   f"{compared[-1]['codes_equal']}", flush=True)
-    print(f"{EXPERTS} experts, mul1, {torch.cuda.get_device_name(device)}: quantize_exl3_batch with "
-          f"{args.encoder} tile search, M weights/s")
+    print(f"{EXPERTS} experts, mul1, {torch.cuda.get_device_name(device)}: --encoder {args.encoder}, M weights/s")
     by_k = {}
     for r in rates:
         by_k.setdefault(r["K"], {})[r["in_features"]] = r["weights_per_s"] / 1e6
@@ -150,11 +160,11 @@ def main() -> None:
                 [[f"{k:g}", f"{v.get(IN, 0):.2f}", f"{v.get(OUT, 0):.2f}"] for k, v in by_k.items()]))
     if compared:
         print("\nagainst quantize_exl3_batch with exllamav3's own kernel on the same w1 tensors (x = its time / ours)")
-        print(table(["K", "exllamav3 Mw/s", "direct, our kernel", "stage, its kernel", "stage, our kernel",
+        print(table(["K", "exllamav3 Mw/s", "direct, our kernel", "direct, ours", "stage, exllamav3", "stage, ours",
                      "codes equal"],
-                    [[f"{c['K']:g}", f"{c['direct_weights_per_s'] / 1e6:.2f}", f"{c['direct_ours_ratio']:.2f}x",
-                      f"{c['stage_exllamav3_ratio']:.2f}x", f"{c['ratio']:.2f}x", "yes" if c["codes_equal"] else "NO"]
-                     for c in compared]))
+                    [[f"{c['K']:g}", f"{c['direct_weights_per_s'] / 1e6:.2f}", f"{c['direct_kernel_ratio']:.2f}x",
+                      f"{c['direct_ours_ratio']:.2f}x", f"{c['stage_exllamav3_ratio']:.2f}x", f"{c['ratio']:.2f}x",
+                      "yes" if c["codes_equal"] else "NO"] for c in compared]))
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"])
         (out / "quantize_gpu.json").write_text(json.dumps({"rates": rates, "compared": compared}, indent=1) + "\n")

@@ -74,10 +74,11 @@ def h_data(h: torch.Tensor, count: int, device: torch.device) -> dict:
             "device": device}
 
 
-def encode(weights, hessians, K: float, device: torch.device) -> tuple[float, list, list[dict]]:
-    """One `quantize_exl3_batch` call on [out, in] weights (mul1, seed i for the i-th), `hessians` one shared
-    (H, count) or a list of them, one per weight: its seconds (synchronized, the Hessian copies made before),
-    its results (proxy error, {suh, svh, trellis, mul1}) per weight, and the quant_args it updated (g_scale)."""
+def encode(weights, hessians, K: float, device: torch.device, convert=None) -> tuple[float, list, list[dict]]:
+    """One `quantize_exl3_batch` call (or `convert`, a function of its arguments) on [out, in] weights (mul1,
+    seed i for the i-th), `hessians` one shared (H, count) or a list of them, one per weight: its seconds
+    (synchronized, the Hessian copies made before), its results (proxy error, {suh, svh, trellis, mul1}) per
+    weight, and the quant_args it updated (g_scale)."""
     from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3_batch
 
     if isinstance(hessians, tuple):
@@ -90,7 +91,7 @@ def encode(weights, hessians, K: float, device: torch.device) -> tuple[float, li
     ws = [w.T.contiguous() for w in weights]  # exllamav3 works on (in, out)
     torch.cuda.synchronize(device)
     start = time.perf_counter()
-    results = quantize_exl3_batch(ws, h_datas, args)
+    results = (convert or quantize_exl3_batch)(ws, h_datas, args)
     torch.cuda.synchronize(device)
     return time.perf_counter() - start, results, args
 
