@@ -55,6 +55,8 @@ struct Geometry
     static constexpr int G = (E >> K) > 0 ? (E >> K) : 1;     // distinct predecessor groups (e >> K) per thread
     static constexpr int STRIDE = K <= 2 ? 2 : 1;             // the history keeps every STRIDE-th step's minima
     static constexpr int ROWS = L / STRIDE;                   // history rows per block
+    static constexpr int UNITS = E / 8;                       // 16-byte units in a thread's run of minima
+    static constexpr int SPREAD = UNITS >= 8 ? 0 : UNITS == 4 ? 1 : 2;  // log2(8 / UNITS), see cost_slot
     static_assert(E >= 2 && (E % 2) == 0 && KSHIFT >= 0, "K outside this thread layout");
 };
 
@@ -139,6 +141,56 @@ TE_FN void store_pairs(half* dst, const half2 (&src)[P])
 #endif
 }
 
+// Where edge e's minimum sits in the shared cost buffers. A thread stores its run of E minima as UNITS
+// 16-byte units, and a warp stores 16-byte pieces eight threads at a time: where a run is 2, 4 or 8 units
+// (K 3, 2, 1) those eight threads' pieces would fall in 4, 2 or 1 of the 8 bank groups, so every store
+// would wait 2, 4 or 8 times over. Each thread's units are therefore XOR-permuted by its index, spreading
+// the eight threads over all 8 groups; loads of any aligned run of 8 units stay within one permuted run.
+// Only the place changes, never a value: the history in global memory keeps the plain order.
+template <int K>
+TE_FN int cost_slot(int e)
+{
+    using Gm = Geometry<K>;
+    if constexpr (Gm::UNITS < 2) return e;
+    else
+    {
+        const int unit = e >> 3;
+        const int owner = unit / Gm::UNITS;
+        return ((unit ^ ((owner >> Gm::SPREAD) & (Gm::UNITS - 1))) << 3) | (e & 7);
+    }
+}
+
+// N minima of consecutive edges from `start` (N a power of two; aligned runs never straddle a unit) out of
+// a shared cost buffer, one unit (or less) at a time
+template <int K, int N>
+TE_FN void load_costs(half (&dst)[N], const half* costs, int start)
+{
+    constexpr int PIECE = N < 8 ? N : 8;
+    #pragma unroll
+    for (int i = 0; i < N / PIECE; ++i)
+    {
+        alignas(16) half piece[PIECE];
+        load_halves<PIECE>(piece, costs + cost_slot<K>(start + PIECE * i));
+        #pragma unroll
+        for (int j = 0; j < PIECE; ++j) dst[PIECE * i + j] = piece[j];
+    }
+}
+
+// Thread t's P pairs of minima into a shared cost buffer, one unit (or less) at a time
+template <int K, int P>
+TE_FN void store_costs(half* costs, int e0, const half2 (&src)[P])
+{
+    constexpr int PIECE = P < 4 ? P : 4;  // pairs per store
+    #pragma unroll
+    for (int i = 0; i < P / PIECE; ++i)
+    {
+        alignas(16) half2 piece[PIECE];
+        #pragma unroll
+        for (int j = 0; j < PIECE; ++j) piece[j] = src[PIECE * i + j];
+        store_pairs<PIECE>(costs + cost_slot<K>(e0 + 2 * PIECE * i), piece);
+    }
+}
+
 TE_FN uint32_t rev5(uint32_t x)
 {
 #ifdef TRELLIS_HOST
@@ -188,12 +240,12 @@ TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<K>::Q][Geometry<K>:
     using Gm = Geometry<K>;
     const int e0 = t * Gm::E;
     const half2 w2 = __half2half2(w);
-    alignas(16) half2 m[Gm::P];  // aligned for the vector stores of store_pairs
+    alignas(16) half2 m[Gm::P];  // aligned for the vector stores of store_costs
     #pragma unroll
     for (int k = 0; k < Gm::Q; ++k)
     {
-        alignas(16) half c[Gm::G];  // aligned for the vector loads of load_halves
-        if (prev) load_halves<Gm::G>(c, prev + ((k << Gm::KSHIFT) | (e0 >> K)));
+        alignas(16) half c[Gm::G];  // aligned for the vector loads of load_costs
+        if (prev) load_costs<K, Gm::G>(c, prev, (k << Gm::KSHIFT) | (e0 >> K));
         #pragma unroll
         for (int j = 0; j < Gm::P; ++j)
         {
@@ -211,7 +263,7 @@ TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<K>::Q][Geometry<K>:
             m[j] = k == 0 ? v : __hmin2(m[j], v);
         }
     }
-    store_pairs<Gm::P>(next + e0, m);
+    store_costs<K, Gm::P>(next, e0, m);
     if (hrow) store_pairs<Gm::P>(hrow + e0, m);
 }
 
@@ -226,7 +278,7 @@ TE_FN uint32_t final_key_thread(int t, const half* costs)
     for (int j = 0; j < Gm::E; ++j)
     {
         const uint32_t e = (uint32_t) (e0 + j);
-        const uint32_t key = ((uint32_t) __half_as_ushort(costs[e]) << 16) | edge_rank(e);
+        const uint32_t key = ((uint32_t) __half_as_ushort(costs[cost_slot<K>((int) e)]) << 16) | edge_rank(e);
         best = key < best ? key : best;
     }
     return best;
