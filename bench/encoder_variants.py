@@ -1,4 +1,4 @@
-"""exllamav3's generic and optimized Viterbi tile kernels on one GPU, and where the encoder's time goes.
+"""exllamav3's generic and optimized Viterbi tile kernels and our encoder on one GPU, and where the time goes.
 
 Issue 39's first step: measure before writing. On the 16 real-shape V4.1 routed experts of
 bench/quantize_gpu.py (bench/v41_experts.py: w1, in 5120 and out 2304, by default; --shape w2), with the
@@ -13,11 +13,14 @@ same Hessians and seeds, for each K of --ks (mul1 codebook):
   each switch and asks the extension (quantize_tiles_scratch, the launcher's own choice) which kernel it
   will launch, so both variants run in this one process. Half-integer K runs the frac kernel, which the
   variable does not reach: measured once, as `frac`.
-- Whether the two give the same codes: torch.equal of every expert's trellis, the count of 16x16 tiles whose
+- `ours` (--variants): our batch loop (quantizer/codec/exllamav3_batch.py) with our tile kernel, the stage's
+  `--encoder ours`; at half-integer K our loop around exllamav3's frac kernel. Compared with generic (or frac).
+- Whether two variants give the same codes: torch.equal of every expert's trellis, the count of 16x16 tiles whose
   codes differ, and whether suh, svh, the proxy error and the global scale match.
 - Where the time goes, in every first timed call: the parts of `quantize_exl3_batch` (the exllamav3 functions
   it calls: Hessian finalization and its block LDL, regularization, the scale search and its Viterbi calls,
-  the LDLQ recursion and its Viterbi calls, the proxy error, the scale refit, packing), each a span on the
+  the LDLQ recursion and its Viterbi calls, the proxy error, the scale refit, packing; for ours also our own
+  Hessian finalization and block LDL), each a span on the
   GPU timeline between CUDA events recorded as the function is entered and left (no synchronization; self
   time: less the parts called inside it); `other` is the wall time no part covers (copies of L and H,
   host work).
@@ -60,8 +63,14 @@ from quantizer.report import table
 
 ENV = "EXL3_QT_OPTIMIZED"
 QUANTIZE_MODULE = "exllamav3.modules.quant.exl3_lib.quantize"
-VARIANTS = ("generic", "optimized")
+OURS = "ours"
+VARIANTS = ("generic", "optimized", OURS)
 FRAC = "frac"
+# (faster, reference) pairs compared where both ran at a K
+PAIRS = (("optimized", "generic"), (OURS, "generic"), (OURS, FRAC))
+OUR_LOOP_MODULE = "quantizer.codec.exllamav3_batch"
+# Our batch loop's own steps (the exllamav3 functions it calls are timed under PARTS)
+OUR_PARTS = {"_finalize": "Hessian: finalize (ours)", "_unit_blocks": "block LDL"}
 SHAPES = {"w1": (IN, OUT), "w2": (OUT, IN)}  # (in_features, out_features)
 # The warm-up: two experts (distinct Hessians take the batched path the timed call takes) cut to their first
 # 256 inputs (the same K, tiles per LDLQ step and kernels at a tenth of the steps: a fraction of a second)
@@ -110,28 +119,29 @@ class Parts:
     default: the GPU timeline, no synchronization), nested in the part that called them. `summary()` after
     the call has synchronized."""
 
-    def __init__(self, module, names: dict[str, str] = PARTS, event=None):
-        self.module, self.names = module, dict(names)
+    def __init__(self, module, names: dict[str, str] = PARTS, event=None, also=()):
+        self.targets = [(module, dict(names))] + [(m, dict(n)) for m, n in also]  # also: more (module, names)
         self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
         self.spans: list[dict] = []
         self.missing: list[str] = []
         self._stack: list[int] = []
-        self._saved: dict = {}
+        self._saved: list[tuple] = []
 
     def __enter__(self) -> Parts:
-        for attr, label in self.names.items():
-            fn = getattr(self.module, attr, None)
-            if not callable(fn):
-                self.missing.append(attr)
-                continue
-            self._saved[attr] = fn
-            setattr(self.module, attr, self._wrap(fn, label))
+        for module, names in self.targets:
+            for attr, label in names.items():
+                fn = getattr(module, attr, None)
+                if not callable(fn):
+                    self.missing.append(attr)
+                    continue
+                self._saved.append((module, attr, fn))
+                setattr(module, attr, self._wrap(fn, label))
         return self
 
     def __exit__(self, *exc) -> bool:
-        for attr, fn in self._saved.items():
-            setattr(self.module, attr, fn)
-        self._saved = {}
+        for module, attr, fn in reversed(self._saved):
+            setattr(module, attr, fn)
+        self._saved = []
         return False
 
     def _wrap(self, fn, label: str):
@@ -319,7 +329,17 @@ def kernel_variant(variant: str, K: float, device: torch.device):
     """EXL3_QT_OPTIMIZED set for `variant` (0 generic, 1 optimized; untouched for frac) and exllamav3's scratch
     cache cleared, at entry and at exit (the variable restored); yields what the extension says it will
     launch at this K ({"optimized": bool, "wave": tiles resident per wave}; {} for frac), and refuses a variant
-    the extension does not take up."""
+    the extension does not take up. `ours`: our batch loop (its "convert") with our tile kernel standing in
+    for exllamav3's at integer K, exllamav3's frac kernel at half-integer K."""
+    if variant == OURS:
+        from quantizer.codec import kernel
+        from quantizer.codec.exllamav3_batch import quantize_exl3_batch_on_device
+
+        with kernel_variant(FRAC if not float(K).is_integer() else "generic", K, device) as info:
+            with kernel.in_exllamav3() if float(K).is_integer() else contextlib.nullcontext():
+                yield {**info, "kernel": "ours" if float(K).is_integer() else FRAC,
+                       "convert": quantize_exl3_batch_on_device}
+        return
     q = quantize_module()
     before = os.environ.get(ENV)
     if variant != FRAC:
@@ -352,8 +372,9 @@ def warmup_inputs(weights, hessians):
             cut(hessians) if isinstance(hessians, tuple) else [cut(h) for h in hessians[:WARMUP_EXPERTS]])
 
 
-def variants_for(K: float) -> tuple[str, ...]:
-    return VARIANTS if float(K).is_integer() else (FRAC,)
+def variants_for(K: float, chosen=VARIANTS) -> tuple[str, ...]:
+    """The chosen variants that run at K: generic, optimized and ours at integer K; frac and ours at a half."""
+    return tuple(v for v in (VARIANTS if float(K).is_integer() else (FRAC, OURS)) if v in chosen or v == FRAC)
 
 
 def record_parts(run: dict, recorder: Parts, seconds: float) -> None:
@@ -368,22 +389,24 @@ def record_parts(run: dict, recorder: Parts, seconds: float) -> None:
         run["parts_missing"] = recorder.missing
 
 
-def compare_variants(K: float, runs: dict, outputs: dict) -> dict:
-    """The optimized variant's run against the generic one at K: speeds (the whole call, the Viterbi parts)
-    and the `compare` of their outputs."""
-    g, o = runs["generic"], runs["optimized"]
-    c = {"K": K, "speed_optimized_over_generic": g["best_s"] / o["best_s"]}
-    if o.get("viterbi_s", 0) > 0 and "viterbi_s" in g:
-        c["viterbi_speed_optimized_over_generic"] = g["viterbi_s"] / o["viterbi_s"]
-    return {**c, **compare(outputs["generic"][0], outputs["optimized"][0], outputs["generic"][1], outputs["optimized"][1])}
+def compare_variants(K: float, runs: dict, outputs: dict, faster: str, reference: str) -> dict:
+    """One variant's run against a reference run at K: speeds (reference time over its time, for the whole
+    call and the Viterbi parts) and the `compare` of their outputs."""
+    r, f = runs[reference], runs[faster]
+    c = {"K": K, "variant": faster, "reference": reference, "speed": r["best_s"] / f["best_s"]}
+    if f.get("viterbi_s", 0) > 0 and "viterbi_s" in r:
+        c["viterbi_speed"] = r["viterbi_s"] / f["viterbi_s"]
+    return {**c, **compare(outputs[reference][0], outputs[faster][0], outputs[reference][1], outputs[faster][1])}
 
 
 def measure(weights, hessians, ks, *, device, repeat=1, profile_ks=(), parts=True, encode=encode,
-            variant=kernel_variant, parts_factory=None, save=None, log=print) -> dict:
+            variant=kernel_variant, parts_factory=None, save=None, log=print, variants=VARIANTS) -> dict:
     """Every (K, variant) run (a warm-up, then `repeat` timed calls), the variants compared per K; then, after
     every timed call (the profiler then cannot slow any), the profiled calls and their run-to-run comparison
-    with the timed call. `save(report)` after every K. A failed run is recorded with its error; the others go on."""
-    parts_factory = parts_factory or (lambda: Parts(quantize_module()))
+    with the timed call. `save(report)` after every K. A failed run is recorded with its error; the others go on.
+    A variant whose context yields a "convert" has `encode` call that function in place of exllamav3's."""
+    parts_factory = parts_factory or (lambda: Parts(quantize_module(),
+                                                    also=[(importlib.import_module(OUR_LOOP_MODULE), OUR_PARTS)]))
     n_weights = sum(w.numel() for w in weights)
     warm_w, warm_h = warmup_inputs(weights, hessians)
     report = {"runs": [], "comparisons": [], "run_to_run": [], "profiles": [], "errors": []}
@@ -396,18 +419,21 @@ def measure(weights, hessians, ks, *, device, repeat=1, profile_ks=(), parts=Tru
 
     for K in ks:
         outputs = {}
-        for v in variants_for(K):
+        for v in variants_for(K, variants):
             run = {"K": K, "variant": v}
             report["runs"].append(run)
             try:
                 with variant(v, K, device) as info:
+                    info = dict(info)
+                    convert = info.pop("convert", None)
+                    enc = functools.partial(encode, convert=convert) if convert else encode
                     run.update(info)
-                    encode(warm_w, warm_h, K, device)
+                    enc(warm_w, warm_h, K, device)
                     seconds, first = [], None
                     for r in range(repeat):
                         recorder = parts_factory() if parts else contextlib.nullcontext()
                         with recorder:
-                            sec, res, qa = encode(weights, hessians, K, device)
+                            sec, res, qa = enc(weights, hessians, K, device)
                         seconds.append(sec)
                         if r == 0:
                             first = (res, qa)
@@ -418,13 +444,14 @@ def measure(weights, hessians, ks, *, device, repeat=1, profile_ks=(), parts=Tru
                 log(f"K {K:g} {v}: {min(seconds):.2f} s, {n_weights / min(seconds) / 1e6:.2f} M weights/s")
             except Exception as e:  # noqa: BLE001 - one failed run is recorded and the others still measured
                 run["error"] = failed(f"K {K:g} {v}", e)
-        if all(v in outputs for v in VARIANTS):
-            try:
-                report["comparisons"].append(
-                    compare_variants(K, {r["variant"]: r for r in report["runs"] if r["K"] == K}, outputs))
-            except Exception as e:  # noqa: BLE001 - recorded; the other K still measured
-                failed(f"K {K:g} comparison", e)
-        v = variants_for(K)[0]
+        for faster, reference in PAIRS:
+            if faster in outputs and reference in outputs:
+                try:
+                    report["comparisons"].append(compare_variants(
+                        K, {r["variant"]: r for r in report["runs"] if r["K"] == K}, outputs, faster, reference))
+                except Exception as e:  # noqa: BLE001 - recorded; the other K still measured
+                    failed(f"K {K:g} comparison {faster} / {reference}", e)
+        v = variants_for(K, variants)[0]
         if K in profile_ks and v in outputs:
             kept[K, v] = outputs[v]
         outputs.clear()
@@ -453,27 +480,28 @@ def yes_no(x) -> str:
 
 
 def print_report(report: dict) -> None:
-    runs, comps = report["runs"], {c["K"]: c for c in report["comparisons"]}
+    runs = report["runs"]
+    comps = {(c["K"], c["variant"]): c for c in report["comparisons"]}
     print(f"\n{report.get('experts', '?')} experts {report.get('shape', '')}, mul1, {report.get('device', '')}: "
-          "quantize_exl3_batch, generic against optimized tile kernel")
+          "quantize_exl3_batch with exllamav3's generic and optimized tile kernels, and our batch loop and kernel")
     rows = []
     for r in runs:
-        c = comps.get(r["K"]) if r["variant"] == "optimized" else None
+        c = comps.get((r["K"], r["variant"]))
         if "error" in r:
-            rows.append([f"{r['K']:g}", r["variant"], r.get("wave", "-"), "FAILED", "", "", "", r["error"][:60]])
+            rows.append([f"{r['K']:g}", r["variant"], r.get("wave", "-"), "FAILED", "", "", "", "", r["error"][:60]])
             continue
         rows.append([f"{r['K']:g}", r["variant"], r.get("wave", "-"), f"{r['best_s']:.2f}",
-                     f"{r['weights_per_s'] / 1e6:.2f}",
-                     f"{c['speed_optimized_over_generic']:.3f}" if c else "",
-                     f"{c['viterbi_speed_optimized_over_generic']:.3f}" if c and "viterbi_speed_optimized_over_generic" in c
-                     else "",
+                     f"{r['weights_per_s'] / 1e6:.2f}", c["reference"] if c else "",
+                     f"{c['speed']:.3f}" if c else "",
+                     f"{c['viterbi_speed']:.3f}" if c and "viterbi_speed" in c else "",
                      (yes_no(c["codes_equal"]) + ("" if c["codes_equal"] else
                       f" ({c['differing_tiles']:,} of {c['tiles']:,} tiles)")) if c else ""])
-    print(table(["K", "variant", "wave", "seconds", "M weights/s", "speed opt/gen", "Viterbi opt/gen", "codes equal"], rows))
+    print(table(["K", "variant", "wave", "seconds", "M weights/s", "against", "speed", "Viterbi speed", "codes equal"],
+                rows))
     for c in report["comparisons"]:
-        print(f"K {c['K']:g}: suh {yes_no(c['suh_equal'])}, svh {yes_no(c['svh_equal'])}, "
-              f"proxy error {yes_no(c['proxy_equal'])} ({c['proxy_mean'][0]:.6g} / {c['proxy_mean'][1]:.6g}, "
-              f"max rel diff {c['proxy_max_rel_diff']:.2e}), g_scale {yes_no(c['g_scale_equal'])}")
+        print(f"K {c['K']:g} {c['variant']} / {c['reference']}: suh {yes_no(c['suh_equal'])}, "
+              f"svh {yes_no(c['svh_equal'])}, proxy error {yes_no(c['proxy_equal'])} ({c['proxy_mean'][0]:.6g} / "
+              f"{c['proxy_mean'][1]:.6g}, max rel diff {c['proxy_max_rel_diff']:.2e}), g_scale {yes_no(c['g_scale_equal'])}")
     for c in report["run_to_run"]:
         print(f"K {c['K']:g} {c['variant']} run to run (the profiled call against the timed one): codes equal "
               f"{yes_no(c['codes_equal'])}" + ("" if c["codes_equal"] else f" ({c['differing_tiles']:,} tiles differ)"))
@@ -537,6 +565,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile-ks", type=float, nargs="*", default=None,
                     help="K values whose generic (or frac) call runs under torch.profiler (default: 3, or the first "
                          "of --ks; none: no profile)")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS),
+                    help="integer-K variants to run (a half-integer K runs frac, and ours if chosen)")
     ap.add_argument("--no-parts", action="store_true", help="do not time the parts of the calls")
     ap.add_argument("--json", type=Path, default=None, help="report file (default: $OUT/encoder_variants.json)")
     args = ap.parse_args(argv)
@@ -575,14 +605,14 @@ def main(argv: list[str] | None = None) -> dict:
               "torch": torch.__version__, "exllamav3": version("exllamav3"), "env": ENV, "codebook": "mul1",
               "shape": args.shape, "in_features": in_f, "out_features": out_f, "experts": len(weights),
               "weights": sum(w.numel() for w in weights), "hessians": hessian_note, "ks": args.ks,
-              "repeat": args.repeat, "profile_ks": profile_ks}
+              "repeat": args.repeat, "profile_ks": profile_ks, "variants": args.variants}
 
     def save(report: dict) -> None:
         if path:
             path.write_text(json.dumps({**header, **report, "elapsed_s": time.perf_counter() - started}, indent=1) + "\n")
 
     report = measure(weights, hessians, args.ks, device=device, repeat=args.repeat, profile_ks=profile_ks,
-                     parts=not args.no_parts, save=save, log=lambda s: print(s, flush=True))
+                     parts=not args.no_parts, save=save, log=lambda s: print(s, flush=True), variants=args.variants)
     report = {**header, **report}
     save(report)
     print_report(report)

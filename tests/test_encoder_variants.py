@@ -251,7 +251,8 @@ def test_the_measuring_loop_tables_and_json_with_a_stand_in_encoder(monkeypatch,
         weights, hessians = [torch.zeros(2, 2)] * 3, [(torch.eye(2), 1)] * 3
         report = bench.measure(weights, hessians, [2.0, 2.5, 3.0, 4.0], device=None, profile_ks=[3.0],
                                encode=encode, variant=variant, log=lambda s: None, save=saved.append,
-                               parts_factory=lambda: bench.Parts(mod, event=clock.event))
+                               parts_factory=lambda: bench.Parts(mod, event=clock.event),
+                               variants=("generic", "optimized"))
         report.update(experts=3, shape="w1", device="stand-in")
         bench.print_report(report)
     out = capsys.readouterr().out
@@ -267,8 +268,9 @@ def test_the_measuring_loop_tables_and_json_with_a_stand_in_encoder(monkeypatch,
     assert c["suh_equal"] and c["proxy_equal"] and c["g_scale_equal"]
     generic, optimized = report["runs"][0], report["runs"][1]
     assert generic["best_s"] == pytest.approx(0.028) and optimized["best_s"] == pytest.approx(0.017)
-    assert c["speed_optimized_over_generic"] == pytest.approx(0.028 / 0.017)
-    assert c["viterbi_speed_optimized_over_generic"] == pytest.approx(2.0)
+    assert (c["variant"], c["reference"]) == ("optimized", "generic")
+    assert c["speed"] == pytest.approx(0.028 / 0.017)
+    assert c["viterbi_speed"] == pytest.approx(2.0)
     assert generic["weights_per_s"] == pytest.approx(12 / 0.028)
     assert generic["wave"] == 264 and optimized["optimized"]
     assert {p["part"] for p in generic["parts"]} >= {"scale search / Viterbi", "LDLQ / Viterbi"}
@@ -295,3 +297,59 @@ def test_a_k_off_the_mul1_grid_is_refused(capsys):
         bench.main(["--ks", "2", "2.25"])
     assert stop.value.code == 2
     assert "--ks 2.25: not a mul1 rate" in capsys.readouterr().err
+
+
+def test_ours_runs_its_own_convert_and_is_compared_with_generic_and_frac(monkeypatch):
+    """The ours variant's context yields the conversion to call; encode gets it (the run's JSON does not), ours is
+    compared with generic at integer K and with frac at a half, and its own loop's parts are timed too."""
+    clock = Clock()
+    with script_module(BENCH) as bench:
+        mod = fake_quantize_module(clock, bench.ENV)
+        loop = types.ModuleType("fake_loop")
+
+        def _finalize(h):
+            clock.now += 3
+            return h
+
+        loop._finalize = _finalize
+        calls = []
+
+        def our_convert():
+            return "ours"
+
+        def encode(weights, hessians, K, device, convert=None):
+            calls.append((K, convert))
+            start = clock.now
+            if convert:
+                loop._finalize(None)
+            mod.ldlq_batched(torch.zeros(2 if convert else 4, 256), None, {})
+            trellis = torch.zeros(2, 2, int(16 * K), dtype=torch.int16)
+            return (clock.now - start) / 1e3, [(0.5, {"trellis": trellis, "suh": torch.ones(4),
+                                                      "svh": torch.ones(4)})], [{"g_scale": 1.0}]
+
+        @contextlib.contextmanager
+        def variant(v, K, device):
+            yield {"convert": our_convert} if v == bench.OURS else {}
+
+        report = bench.measure([torch.zeros(2, 2)], [(torch.eye(2), 1)], [2.0, 2.5], device=None, encode=encode,
+                               variant=variant, log=lambda s: None, variants=("generic", "ours"),
+                               parts_factory=lambda: bench.Parts(mod, event=clock.event,
+                                                                 also=[(loop, bench.OUR_PARTS)]))
+        assert loop._finalize is _finalize  # restored
+    assert [(r["K"], r["variant"]) for r in report["runs"]] == [(2.0, "generic"), (2.0, "ours"), (2.5, "frac"),
+                                                                (2.5, "ours")]
+    assert [c for _, c in calls] == [None, None, our_convert, our_convert, None, None, our_convert, our_convert]
+    assert [(c["K"], c["variant"], c["reference"], c["codes_equal"]) for c in report["comparisons"]] == [
+        (2.0, "ours", "generic", True), (2.5, "ours", "frac", True)]
+    ours = report["runs"][1]
+    assert ours["best_s"] == pytest.approx(0.012) and report["comparisons"][0]["speed"] == pytest.approx(15 / 12)
+    assert {p["part"] for p in ours["parts"]} >= {"Hessian: finalize (ours)", "LDLQ / Viterbi"}
+    json.loads(json.dumps(report))
+
+
+def test_variants_for_a_k():
+    with script_module(BENCH) as bench:
+        assert bench.variants_for(3.0) == ("generic", "optimized", "ours")
+        assert bench.variants_for(3.0, ("generic", "ours")) == ("generic", "ours")
+        assert bench.variants_for(2.5) == ("frac", "ours")
+        assert bench.variants_for(2.5, ("generic",)) == ("frac",)
