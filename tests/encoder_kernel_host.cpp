@@ -103,7 +103,9 @@ static void encode_tile(const float* tile, float* vals, int16_t* states)
             uint32_t best = NO_KEY;
             for (int k = 0; k < Gm::Q; ++k)
             {
-                const uint32_t key = candidate_key<K, CB>(k, (uint32_t) e, w[ri], i, pre, hist.data(), w_prev);
+                half v[Gm::NV];
+                gather_candidate<K>((uint32_t) k, (uint32_t) e, i, hist.data(), v);
+                const uint32_t key = candidate_key<K, CB>(k, (uint32_t) e, w[ri], i, pre, v, w_prev);
                 best = key < best ? key : best;
             }
             const uint32_t s = state_of(best, (uint32_t) e, K);

@@ -84,8 +84,8 @@ def codebook_index(quant_args: dict) -> int:
 
 def encode_tiles(tiles: torch.Tensor, K: int, codebook: int, *, max_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Our kernel on (N, 256) float32 CUDA tiles: (reconstructed values float32, states int16), each (N, 256).
-    `max_blocks` > 0 caps the blocks per launch (each block's history scratch holds 256 x 2^(16-K)
-    fp16 minima, 4 MiB at K 3; at K 1 and 2 half as many rows, 8 and 4 MiB)."""
+    `max_blocks` > 0 caps the blocks per launch (each block's history scratch is two buffers of 256 x
+    2^(16-K) fp16 minima, 8 MiB at K 3; at K 1 and 2 half as many rows, 16 and 8 MiB)."""
     if K not in KS:
         raise ValueError(f"encode_tiles: K {K!r}; our kernel does integer K {KS[0]}-{KS[-1]}")
     if codebook not in CODEBOOKS.values():

@@ -55,6 +55,9 @@ struct Geometry
     static constexpr int G = (E >> K) > 0 ? (E >> K) : 1;     // distinct predecessor groups (e >> K) per thread
     static constexpr int STRIDE = K <= 2 ? 2 : 1;             // the history keeps every STRIDE-th step's minima
     static constexpr int ROWS = L / STRIDE;                   // history rows per block
+    static constexpr int NV = STRIDE == 2 ? Q : 1;            // history minima a traceback candidate reads
+    static constexpr int R = (Q + 31) / 32;                   // traceback candidates per lane of warp 0
+    static constexpr int PARTS = K == 1 ? 2 : 1;              // pieces of a run per forward step
     static constexpr int UNITS = E / 8;                       // 16-byte units in a thread's run of minima
     static constexpr int SPREAD = UNITS >= 8 ? 0 : UNITS == 4 ? 1 : 2;  // log2(8 / UNITS), see cost_slot
     static_assert(E >= 2 && (E % 2) == 0 && KSHIFT >= 0, "K outside this thread layout");
@@ -146,7 +149,7 @@ TE_FN void store_pairs(half* dst, const half2 (&src)[P])
 // (K 3, 2, 1) those eight threads' pieces would fall in 4, 2 or 1 of the 8 bank groups, so every store
 // would wait 2, 4 or 8 times over. Each thread's units are therefore XOR-permuted by its index, spreading
 // the eight threads over all 8 groups; loads of any aligned run of 8 units stay within one permuted run.
-// Only the place changes, never a value: the history in global memory keeps the plain order.
+// Only the place changes, never a value (the history in global memory has its own order, hist_slot).
 template <int K>
 TE_FN int cost_slot(int e)
 {
@@ -173,6 +176,42 @@ TE_FN void load_costs(half (&dst)[N], const half* costs, int start)
         load_halves<PIECE>(piece, costs + cost_slot<K>(start + PIECE * i));
         #pragma unroll
         for (int j = 0; j < PIECE; ++j) dst[PIECE * i + j] = piece[j];
+    }
+}
+
+// Where edge x's minimum sits in a history row (global memory). Stored in a thread's plain order, each of a
+// warp's 16-byte stores would touch 32 separate lines wherever a run is 2 units or more (K 1-3): cutting
+// the history writes out of the kernel made it 3.5x faster at K 1 and 1.6x at K 2 (H100). So a row is laid
+// out unit-major: unit 0 of every thread's run, then unit 1, ..., and each warp store writes 512
+// contiguous bytes. The traceback reads single minima, through this same map.
+template <int K>
+TE_FN int hist_slot(int x)
+{
+    using Gm = Geometry<K>;
+    if constexpr (Gm::UNITS < 2) return x;
+    else
+    {
+        const int unit = x >> 3;
+        return (((unit % Gm::UNITS) * NT + unit / Gm::UNITS) << 3) | (x & 7);
+    }
+}
+
+// Thread t's P pairs of minima from its pair p0 on into a history row, in hist_slot's order
+template <int K, int P>
+TE_FN void store_history(half* row, int t, const half2 (&src)[P], int p0 = 0)
+{
+    using Gm = Geometry<K>;
+    if constexpr (Gm::UNITS < 2) store_pairs<P>(row + t * Gm::E + 2 * p0, src);
+    else
+    {
+        #pragma unroll
+        for (int c = 0; c < P / 4; ++c)
+        {
+            alignas(16) half2 piece[4];
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) piece[j] = src[4 * c + j];
+            store_pairs<4>(row + (((p0 / 4 + c) * NT + t) << 3), piece);
+        }
     }
 }
 
@@ -232,39 +271,48 @@ TE_FN void decode_thread(int t, half2 (&dec)[Geometry<K>::Q][Geometry<K>::P])
 }
 
 // One forward step for thread t: the minimum over the 2^K predecessors of every edge it owns, into `next`
-// (and `hrow` when not null). prev null: the first step, a plain square, and only from edge `pre` if >= 0
+// (and `hrow` when not null). prev null: the first step, a plain square, and only from edge `pre` if >= 0.
+// At K 1 the run is done in PARTS pieces, each with its own minima and predecessor costs: a whole run's do
+// not fit in the registers beside the decoded values and the traceback's (the compiler spilled them)
 template <int K>
 TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<K>::Q][Geometry<K>::P], half w, const half* prev,
                           half* next, half* hrow, int pre)
 {
     using Gm = Geometry<K>;
-    const int e0 = t * Gm::E;
+    constexpr int PP = Gm::P / Gm::PARTS;   // edge pairs per part
+    constexpr int PG = Gm::G / Gm::PARTS;   // predecessor costs per part and k (G is a multiple of PARTS)
     const half2 w2 = __half2half2(w);
-    alignas(16) half2 m[Gm::P];  // aligned for the vector stores of store_costs
     #pragma unroll
-    for (int k = 0; k < Gm::Q; ++k)
+    for (int part = 0; part < Gm::PARTS; ++part)
     {
-        alignas(16) half c[Gm::G];  // aligned for the vector loads of load_costs
-        if (prev) load_costs<K, Gm::G>(c, prev, (k << Gm::KSHIFT) | (e0 >> K));
+        const int p0 = part * PP;             // the part's first pair
+        const int e = t * Gm::E + 2 * p0;     // and its first edge (a multiple of 2^K)
+        alignas(16) half2 m[PP];  // aligned for the vector stores of store_costs
         #pragma unroll
-        for (int j = 0; j < Gm::P; ++j)
+        for (int k = 0; k < Gm::Q; ++k)
         {
-            const half2 d = __hsub2(dec[k][j], w2);
-            half2 v;
-            if (prev)
+            alignas(16) half c[PG];  // aligned for the vector loads of load_costs
+            if (prev) load_costs<K, PG>(c, prev, (k << Gm::KSHIFT) | (e >> K));
+            #pragma unroll
+            for (int j = 0; j < PP; ++j)
             {
-                v = __hfma2(d, d, __half2half2(c[(2 * j) >> K]));
+                const half2 d = __hsub2(dec[k][p0 + j], w2);
+                half2 v;
+                if (prev)
+                {
+                    v = __hfma2(d, d, __half2half2(c[(2 * j) >> K]));
+                }
+                else
+                {
+                    v = __hmul2(d, d);
+                    if (pre >= 0 && ((k << Gm::KSHIFT) | ((e + 2 * j) >> K)) != pre) v = __half2half2(inf_half());
+                }
+                m[j] = k == 0 ? v : __hmin2(m[j], v);
             }
-            else
-            {
-                v = __hmul2(d, d);
-                if (pre >= 0 && ((k << Gm::KSHIFT) | ((e0 + 2 * j) >> K)) != pre) v = __half2half2(inf_half());
-            }
-            m[j] = k == 0 ? v : __hmin2(m[j], v);
         }
+        store_costs<K, PP>(next, e, m);
+        if (hrow) store_history<K, PP>(hrow, t, m, p0);
     }
-    store_costs<K, Gm::P>(next, e0, m);
-    if (hrow) store_pairs<Gm::P>(hrow + e0, m);
 }
 
 // Thread t's smallest (cost bits << 16 | rank) over its edges of the final step
@@ -291,53 +339,78 @@ TE_FN int final_edge(uint32_t best) { return best >= 0x7c000000u ? 0 : (int) ran
 template <int K>
 TE_FN int history_row(int i) { return Geometry<K>::STRIDE == 1 ? i : ((i & 1) ? (i >> 1) : -1); }
 
-// The minimum cost of edge x after step r as the forward pass computed it: from the history, or for a step
-// the history skips, recomputed over x's 2^K predecessors from step r - 1's row (a plain square at step 0)
-template <int K, int CB>
-TE_FN half step_cost(uint32_t x, int r, half w_r, int pre, const half* hist)
+// The history minima the traceback needs for candidate k of edge e at position i (see candidate_key): step
+// i - 1's minimum of the candidate's predecessor edge, or where the history skips step i - 1, step i - 2's
+// minima of that edge's 2^K predecessors (none at i = 0, nor where step i - 1 is step 0). Gathered apart from
+// the arithmetic, so that the kernel can load them one forward step before it needs them
+template <int K>
+TE_FN void gather_candidate(uint32_t k, uint32_t e, int i, const half* hist, half (&v)[Geometry<K>::NV])
 {
     using Gm = Geometry<K>;
-    if (history_row<K>(r) >= 0) return hist[(size_t) history_row<K>(r) * Gm::EDGES + x];
+    if (i == 0) return;
+    const uint32_t in = (((uint32_t) k << (16 - K)) | e) >> K;
+    const int r = i - 1;
+    if (history_row<K>(r) >= 0)
+    {
+        v[0] = hist[(size_t) history_row<K>(r) * Gm::EDGES + hist_slot<K>((int) in)];
+        return;
+    }
+    if constexpr (Gm::NV > 1)
+    {
+        if (r == 0) return;
+        #pragma unroll
+        for (int j = 0; j < Gm::Q; ++j)
+            v[j] = hist[(size_t) history_row<K>(r - 1) * Gm::EDGES + hist_slot<K>((int) ((((uint32_t) j << (16 - K)) | in) >> K))];
+    }
+}
+
+// The minimum cost of edge x after step r as the forward pass computed it, from the gathered minima: the
+// kept one, or for a step the history skips, recomputed over x's 2^K predecessors (a plain square at step 0)
+template <int K, int CB>
+TE_FN half step_cost(uint32_t x, int r, half w_r, int pre, const half (&v)[Geometry<K>::NV])
+{
+    using Gm = Geometry<K>;
+    if (history_row<K>(r) >= 0) return v[0];
     half m = inf_half();
     #pragma unroll
     for (int k = 0; k < Gm::Q; ++k)
     {
         const uint32_t s = ((uint32_t) k << (16 - K)) | x;
         const half d = __hsub(decode_state<CB>(s), w_r);
-        half v;
+        half c;
         if (r == 0)
         {
-            v = __hmul(d, d);
-            if (pre >= 0 && (int) (s >> K) != pre) v = inf_half();
+            c = __hmul(d, d);
+            if (pre >= 0 && (int) (s >> K) != pre) c = inf_half();
         }
         else
         {
-            v = __hfma(d, d, hist[(size_t) history_row<K>(r - 1) * Gm::EDGES + (s >> K)]);
+            c = __hfma(d, d, v[Gm::NV > 1 ? k : 0]);
         }
-        m = k == 0 ? v : __hmin(m, v);
+        m = k == 0 ? c : __hmin(m, c);
     }
     return m;
 }
 
 // Traceback, candidate k of edge e at position index i: (cost bits << 16 | k), recomputed with the forward
-// pass's operations from step i - 1's minima (`w_prev`: that step's weight; unused at i = 0)
+// pass's operations from step i - 1's minima, gathered into v (`w_prev`: that step's weight; unused at i = 0)
 template <int K, int CB>
-TE_FN uint32_t candidate_key(int k, uint32_t e, half w, int i, int pre, const half* hist, half w_prev)
+TE_FN uint32_t candidate_key(int k, uint32_t e, half w, int i, int pre, const half (&v)[Geometry<K>::NV], half w_prev)
 {
     const uint32_t s = ((uint32_t) k << (16 - K)) | e;
     const uint32_t in = s >> K;
     const half d = __hsub(decode_state<CB>(s), w);
-    half v;
+    half c;
     if (i == 0)
     {
-        v = __hmul(d, d);
-        if (pre >= 0 && (int) in != pre) v = inf_half();
+        c = __hmul(d, d);
+        if (pre >= 0 && (int) in != pre) c = inf_half();
     }
     else
     {
-        v = __hfma(d, d, step_cost<K, CB>(in, i - 1, w_prev, pre, hist));
+        c = __hfma(d, d, step_cost<K, CB>(in, i - 1, w_prev, pre, v));
     }
-    return ((uint32_t) __half_as_ushort(v) << 16) | (uint32_t) k;
+    return ((uint32_t) __half_as_ushort(c) << 16) | (uint32_t) k;
 }
 
 TE_FN uint32_t state_of(uint32_t best, uint32_t e, int K) { return ((best & 0xffffu) << (16 - K)) | e; }
@@ -356,94 +429,191 @@ TE_FN half* kept_row(half* hist, int i, int keep_from)
 
 #ifndef TRELLIS_HOST
 
+// A traceback waiting for, or running in, a forward pass: warp 0 follows it one position per forward step
+struct Trace
+{
+    int active;  // 0: none
+    int slot;    // the tile buffer that holds its weights
+    int roll;    // L/2 for pass 1, 0 for pass 2
+    int pre;     // pass 2: the boundary edge; pass 1: -1
+    int e;       // the edge at its next position
+    int buf;     // the history buffer it reads
+    int tile;    // pass 2: the tile whose states and values it writes; pass 1: -1 (it yields the boundary)
+};
+
+// One block encodes its tiles two at a time, so that every traceback runs beside a forward pass instead of
+// after it (tracebacks were a third of the kernel's time at K 2-4 on an H100: bench/encoder_kernel.py, with
+// them cut out). Per pair of tiles a, b the forward passes run F1(a), F1(b), F2(a), F2(b), and during each one
+// warp 0 follows the traceback of the pass before it: T2 of the previous pair's b, T1(a), T1(b), T2(a); T2(b)
+// runs beside the next pair's F1(a). Each traceback position gathers its history minima before warp 0's
+// forward work and resolves after it, so the loads' latency is hidden too. Forward passes write the two
+// history buffers in turn, and a traceback reads the one the pass before wrote. A last tile without a pair
+// traces its pass 1 back on its own; the block's last pass 2 is traced after the loop.
 template <int K, int CB>
 __global__ void __launch_bounds__(NT, 1)
 trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_values,
                       int16_t* __restrict__ out_states, half* __restrict__ history, int num_tiles)
 {
     using Gm = Geometry<K>;
+    constexpr size_t HSIZE = (size_t) Gm::ROWS * Gm::EDGES;    // one history buffer
     extern __shared__ __align__(16) uint8_t smem[];
     half* costs0 = reinterpret_cast<half*>(smem);
     half* costs1 = costs0 + Gm::EDGES;
-    half* sh_w = costs1 + Gm::EDGES;                            // the tile in fp16
-    uint32_t* sh_red = reinterpret_cast<uint32_t*>(sh_w + L);   // one word per warp
-    volatile int* sh_edge = reinterpret_cast<volatile int*>(sh_red + NT / 32);
+    half* sh_w = costs1 + Gm::EDGES;                             // two tiles in fp16, one per slot
+    uint32_t* sh_red = reinterpret_cast<uint32_t*>(sh_w + 2 * L);   // one word per warp
+    int* sh_bound = reinterpret_cast<int*>(sh_red + NT / 32);     // the boundary edge of each slot's tile
+    Trace* sh_tr = reinterpret_cast<Trace*>(sh_bound + 2);
 
     const int t = threadIdx.x;
     const int lane = t & 31;
-    half* hist = history + (size_t) blockIdx.x * Gm::ROWS * Gm::EDGES;
+    half* hists = history + (size_t) blockIdx.x * 2 * HSIZE;
+    const int count = num_tiles > (int) blockIdx.x ? (num_tiles - 1 - (int) blockIdx.x) / (int) gridDim.x + 1 : 0;
+    auto tile_of = [&](int n) { return (int) blockIdx.x + n * (int) gridDim.x; };
 
     // Decoded values of this thread's states, kept for every step of every tile
     half2 dec[Gm::Q][Gm::P];
     decode_thread<K, CB>(t, dec);
+    if (t == 0) sh_tr->active = 0;
 
-    // Forward pass over all L steps (ring rolled by `roll`), from edge `pre` if >= 0; the last step's
-    // minima end in costs1 (L is even)
-    auto forward = [&](int roll, int pre, int keep_from)
+    // Warp 0: the history minima of the pending traceback's position for forward step j (position L-1-j)
+    auto tb_gather = [&](int j, half (&v)[Gm::R][Gm::NV])
     {
-        for (int i = 0; i < L; ++i)
+        if (!sh_tr->active) return;
+        const half* hist = hists + sh_tr->buf * HSIZE;
+        const uint32_t e = (uint32_t) sh_tr->e;
+        #pragma unroll
+        for (int r = 0; r < Gm::R; ++r)
         {
-            half* next = (i & 1) ? costs1 : costs0;
-            const half* prev = i == 0 ? nullptr : ((i & 1) ? costs0 : costs1);
-            forward_thread<K>(t, dec, sh_w[ring(i, roll)], prev, next, kept_row<K>(hist, i, keep_from), pre);
+            const int k = lane + 32 * r;
+            if (k < Gm::Q) gather_candidate<K>((uint32_t) k, e, L - 1 - j, hist, v[r]);
+        }
+    };
+    // Warp 0: that position's least candidate (first on ties), its state and value written in pass 2, the
+    // edge before it kept for the next position; pass 1 stops at ring position 0 with the boundary edge
+    auto tb_resolve = [&](int j, const half (&v)[Gm::R][Gm::NV])
+    {
+        const Trace tr = *sh_tr;
+        if (!tr.active) return;
+        const int i = L - 1 - j;
+        const int ri = ring(i, tr.roll);
+        const half* w = sh_w + tr.slot * L;
+        const half wi = w[ri], w_prev = w[ring(i > 0 ? i - 1 : 0, tr.roll)];
+        uint32_t best = NO_KEY;
+        #pragma unroll
+        for (int r = 0; r < Gm::R; ++r)
+        {
+            const int k = lane + 32 * r;
+            if (k < Gm::Q) best = min(best, candidate_key<K, CB>(k, (uint32_t) tr.e, wi, i, tr.pre, v[r], w_prev));
+        }
+        best = __reduce_min_sync(0xffffffffu, best);
+        const uint32_t s = state_of(best, (uint32_t) tr.e, K);
+        __syncwarp();
+        if (lane == 0)
+        {
+            if (tr.tile >= 0)
+            {
+                out_states[(size_t) tr.tile * L + ri] = (int16_t) (uint16_t) s;
+                out_values[(size_t) tr.tile * L + ri] = __half2float(decode_state<CB>(s));
+            }
+            sh_tr->e = (int) (s >> K);
+            if (tr.tile < 0 && ri == 0)
+            {
+                sh_bound[tr.slot] = (int) (s >> K);
+                sh_tr->active = 0;
+            }
+            else if (i == 0)
+            {
+                sh_tr->active = 0;
+            }
+        }
+        __syncwarp();
+    };
+
+    int buf = 0;  // the history buffer the next forward pass writes
+
+    // A forward pass over all L steps of the tile in `slot` (ring rolled by `roll`), from edge `pre` if >= 0,
+    // keeping the history rows of steps from keep_from on; warp 0 follows the pending traceback beside it.
+    // The last step's minima end in costs1 (L is even)
+    auto forward = [&](int slot, int roll, int pre, int keep_from)
+    {
+        half* hist = hists + buf * HSIZE;
+        const half* w = sh_w + slot * L;
+        for (int j = 0; j < L; ++j)
+        {
+            half v[Gm::R][Gm::NV];
+            if (t < 32) tb_gather(j, v);
+            half* next = (j & 1) ? costs1 : costs0;
+            const half* prev = j == 0 ? nullptr : ((j & 1) ? costs0 : costs1);
+            forward_thread<K>(t, dec, w[ring(j, roll)], prev, next, kept_row<K>(hist, j, keep_from), pre);
+            if (t < 32) tb_resolve(j, v);
             __syncthreads();
         }
     };
-
-    // Traceback by warp 0 from edge `e` at the last step (lane = candidate). Pass 1 (states null) stops at
-    // ring position 0 and returns the edge before it; pass 2 writes states and values for every position
-    auto traceback = [&](int roll, int pre, int e, float* vals, int16_t* states)
+    // The pending traceback alone, where no forward pass is left to run beside it
+    auto drain = [&]()
     {
-        for (int i = L - 1; i >= 0; --i)
+        if (t < 32)
         {
-            const int ri = ring(i, roll);
-            const half w = sh_w[ri];
-            const half w_prev = sh_w[ring(i > 0 ? i - 1 : 0, roll)];
-            uint32_t best = NO_KEY;
-            #pragma unroll
-            for (int r = 0; r < (Gm::Q + 31) / 32; ++r)
+            for (int j = 0; j < L; ++j)
             {
-                const int k = lane + 32 * r;
-                if (k < Gm::Q) best = min(best, candidate_key<K, CB>(k, (uint32_t) e, w, i, pre, hist, w_prev));
+                half v[Gm::R][Gm::NV];
+                tb_gather(j, v);
+                tb_resolve(j, v);
             }
-            best = __reduce_min_sync(0xffffffffu, best);
-            const uint32_t s = state_of(best, (uint32_t) e, K);
-            if (states && lane == 0)
-            {
-                states[ri] = (int16_t) (uint16_t) s;
-                vals[ri] = __half2float(decode_state<CB>(s));
-            }
-            e = (int) (s >> K);
-            if (!states && ri == 0) break;
         }
-        return e;
-    };
-
-    for (int tile = blockIdx.x; tile < num_tiles; tile += gridDim.x)
-    {
-        const float* in = tiles + (size_t) tile * L;
-        for (int i = t; i < L; i += NT) sh_w[i] = __float2half_rn(in[i]);
         __syncthreads();
-
-        // Pass 1: from the ring's middle, unconstrained; then the final edge of least cost
-        forward(L / 2, -1, L / 2 - 1);
+    };
+    // After pass 1 of the tile in `slot`: its traceback is pending, from the final edge of least cost
+    auto pass1_done = [&](int slot)
+    {
         uint32_t best = __reduce_min_sync(0xffffffffu, final_key_thread<K>(t, costs1));
         if (lane == 0) sh_red[t >> 5] = best;
         __syncthreads();
         if (t < 32)
         {
             best = __reduce_min_sync(0xffffffffu, lane < NT / 32 ? sh_red[lane] : NO_KEY);
-            const int boundary = traceback(L / 2, -1, final_edge(best), nullptr, nullptr);
-            if (lane == 0) *sh_edge = boundary;
+            if (lane == 0) *sh_tr = Trace{1, slot, L / 2, -1, final_edge(best), buf, -1};
         }
+        buf ^= 1;
         __syncthreads();
-        const int boundary = *sh_edge;
+    };
+    // After pass 2 of tile n in `slot`: its traceback is pending, from and to its boundary edge
+    auto pass2_done = [&](int slot, int n)
+    {
+        if (t == 0) *sh_tr = Trace{1, slot, 0, sh_bound[slot], sh_bound[slot], buf, tile_of(n)};
+        buf ^= 1;
+        __syncthreads();
+    };
+    auto load_tile = [&](int slot, int n)
+    {
+        const float* in = tiles + (size_t) tile_of(n) * L;
+        for (int i = t; i < L; i += NT) sh_w[slot * L + i] = __float2half_rn(in[i]);
+        __syncthreads();
+    };
 
-        // Pass 2: from position 0, starting and ending in the boundary edge
-        forward(0, boundary, 0);
-        if (t < 32) traceback(0, boundary, boundary, out_values + (size_t) tile * L, out_states + (size_t) tile * L);
-        __syncthreads();
+    for (int n = 0; n < count; n += 2)
+    {
+        load_tile(0, n);                    // slot 0's last traceback (T2 of tile n - 2) ran beside F2(n - 1)
+        forward(0, L / 2, -1, L / 2 - 1);   // F1(n), beside T2(n - 1)
+        pass1_done(0);
+        if (n + 1 < count)
+        {
+            load_tile(1, n + 1);            // T2(n - 1) ran beside F1(n)
+            forward(1, L / 2, -1, L / 2 - 1);   // F1(n + 1), beside T1(n)
+            pass1_done(1);
+            forward(0, 0, sh_bound[0], 0);      // F2(n), beside T1(n + 1)
+            pass2_done(0, n);
+            forward(1, 0, sh_bound[1], 0);      // F2(n + 1), beside T2(n)
+            pass2_done(1, n + 1);
+        }
+        else
+        {
+            drain();                            // T1(n)
+            forward(0, 0, sh_bound[0], 0);      // F2(n)
+            pass2_done(0, n);
+        }
     }
+    drain();
 }
 
 #endif  // !TRELLIS_HOST
@@ -464,8 +634,8 @@ void launch(const torch::Tensor& tiles, torch::Tensor& values, torch::Tensor& st
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     int blocks = std::min(num_tiles, sms);
     if (max_blocks > 0) blocks = (int) std::min<int64_t>(blocks, max_blocks);
-    auto history = torch::empty({(int64_t) blocks * ROWS * EDGES}, tiles.options().dtype(torch::kHalf));
-    const size_t shmem = (2 * EDGES + L) * sizeof(half) + (NT / 32 + 4) * sizeof(uint32_t);
+    auto history = torch::empty({(int64_t) blocks * 2 * ROWS * EDGES}, tiles.options().dtype(torch::kHalf));
+    const size_t shmem = (2 * EDGES + 2 * L) * sizeof(half) + (NT / 32 + 2) * sizeof(uint32_t) + sizeof(Trace);
     auto kernel = trellis_encode_kernel<K, CB>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) shmem));
     kernel<<<blocks, NT, shmem, at::cuda::getCurrentCUDAStream()>>>(
