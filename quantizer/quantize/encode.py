@@ -1,5 +1,5 @@
 """Encoding one work unit: K 16 linears are cast to fp16, the rest go to our CPU codec or to exllamav3
-(with our tile-search kernel by default).
+(its own conversion, or with encoder "ours" our batch loop and tile-search kernel around its steps).
 
 Both encoders get deterministic seeds (CPU: per stored key; GPU: per unit, offset by the member's index
 as exllamav3's batch takes them) and each linear's Hessian when the caller has one (uncalibrated

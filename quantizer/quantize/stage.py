@@ -273,7 +273,7 @@ def _one_per_hessian(members: list[StoredLinear], expert_inputs: bool) -> list[S
 
 def _needs_line(work, linears, units, todo, settings, ram: int, disk: int) -> str:
     weights = sum(u.weights for u in todo)
-    how = (f"exllamav3 on cuda ({'our' if settings.encoder == 'ours' else 'its own'} tile-search kernel)"
+    how = (f"exllamav3's conversion on cuda ({'our loop and tile-search kernel' if settings.encoder == 'ours' else 'its own'})"
            if settings.device == "cuda" else f"our codec on cpu ({settings.encoder} encoder)")
     if settings.device == "cuda":
         by_key = {s.key: s for s in linears}
