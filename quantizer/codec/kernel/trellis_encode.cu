@@ -17,7 +17,11 @@
 //   lowest k first: the same value and the same first-index tie rule as a running strict-less argmin;
 // - at K 1 and 2, where a step's minima are 64 and 32 KiB and writing them bounds the search, the history
 //   keeps every other step's only; the traceback recomputes a skipped step's minimum from the step before
-//   it with the forward pass's operations (a minimum of the same values in any order is the same value).
+//   it with the forward pass's operations (a minimum of the same values in any order is the same value);
+// - the minima are placed to avoid shared-memory bank conflicts (cost_slot) and to coalesce the history
+//   writes (hist_slot): places change, values do not;
+// - a block keeps two tiles in flight, so that each traceback runs beside the next forward pass (see the
+//   kernel); each tile's search is unchanged.
 // The final-edge choice after pass 1 uses exllamav3's tie order over equal costs (bit-reversed warp, then
 // bit-reversed lane, then 1024-state stripe), written out below as `edge_rank`.
 
