@@ -58,6 +58,8 @@ static inline half2 __half2half2(half h) { return {h, h}; }
 static inline half2 __halves2half2(half a, half b) { return {a, b}; }
 static inline half __low2half(half2 h) { return h.a; }
 static inline half __high2half(half2 h) { return h.b; }
+static inline half2 __low2half2(half2 h) { return {h.a, h.a}; }
+static inline half2 __high2half2(half2 h) { return {h.b, h.b}; }
 static inline half2 __hsub2(half2 a, half2 b) { return {__hsub(a.a, b.a), __hsub(a.b, b.b)}; }
 static inline half2 __hmul2(half2 a, half2 b) { return {__hmul(a.a, b.a), __hmul(a.b, b.b)}; }
 static inline half2 __hfma2(half2 a, half2 b, half2 c) { return {__hfma(a.a, b.a, c.a), __hfma(a.b, b.b, c.b)}; }
@@ -91,7 +93,11 @@ static void encode_tile(const float* tile, float* vals, int16_t* states)
             half* next = (i & 1) ? costs1.data() : costs0.data();
             const half* prev = i == 0 ? nullptr : ((i & 1) ? costs0.data() : costs1.data());
             half* hrow = kept_row<K>(hist.data(), i, keep_from);
-            for (int t = 0; t < NT; ++t) forward_thread<K>(t, dec[t], w[ring(i, roll)], prev, next, hrow, pre);
+            for (int t = 0; t < NT; ++t)
+            {
+                if (i == 0) forward_thread<K, true>(t, dec[t], w[ring(i, roll)], prev, next, hrow, pre);
+                else forward_thread<K, false>(t, dec[t], w[ring(i, roll)], prev, next, hrow, pre);
+            }
         }
     };
     auto traceback = [&](int roll, int pre, int e, float* out_vals, int16_t* out_states)
@@ -105,7 +111,8 @@ static void encode_tile(const float* tile, float* vals, int16_t* states)
             {
                 half v[Gm::NV];
                 gather_candidate<K>((uint32_t) k, (uint32_t) e, i, hist.data(), v);
-                const uint32_t key = candidate_key<K, CB>(k, (uint32_t) e, w[ri], i, pre, v, w_prev);
+                const half d = candidate_offset<K, CB>(k, (uint32_t) e, w[ri]);
+                const uint32_t key = candidate_key<K, CB>(k, (uint32_t) e, d, i, pre, v, w_prev);
                 best = key < best ? key : best;
             }
             const uint32_t s = state_of(best, (uint32_t) e, K);

@@ -21,7 +21,9 @@
 // - the minima are placed to avoid shared-memory bank conflicts (cost_slot) and to coalesce the history
 //   writes (hist_slot): places change, values do not;
 // - a block keeps two tiles in flight, so that each traceback runs beside the next forward pass (see the
-//   kernel); each tile's search is unchanged.
+//   kernel); each tile's search is unchanged;
+// - the reconstructed values are decoded from the written states once a block's tiles are done, not by the
+//   traceback as it goes.
 // The final-edge choice after pass 1 uses exllamav3's tie order over equal costs (bit-reversed warp, then
 // bit-reversed lane, then 1024-state stripe), written out below as `edge_rank`.
 
@@ -89,35 +91,29 @@ TE_FN half decode_state(uint32_t s)
 
 TE_FN half inf_half() { return __ushort_as_half(0x7c00); }
 
-// N consecutive halves from shared memory into registers, in the widest aligned pieces
+// N / 2 pairs of consecutive halves from shared memory into registers (N even), in the widest aligned pieces
 template <int N>
-TE_FN void load_halves(half (&dst)[N], const half* src)
+TE_FN void load_pairs(half2* dst, const half* src)
 {
 #ifdef TRELLIS_HOST
-    for (int i = 0; i < N; ++i) dst[i] = src[i];
+    for (int i = 0; i < N / 2; ++i) dst[i] = __halves2half2(src[2 * i], src[2 * i + 1]);
 #else
     if constexpr (N % 8 == 0)
     {
         #pragma unroll
         for (int i = 0; i < N / 8; ++i)
-            *reinterpret_cast<uint4*>(&dst[8 * i]) = reinterpret_cast<const uint4*>(src)[i];
+            *reinterpret_cast<uint4*>(&dst[4 * i]) = reinterpret_cast<const uint4*>(src)[i];
     }
     else if constexpr (N % 4 == 0)
     {
         #pragma unroll
         for (int i = 0; i < N / 4; ++i)
-            *reinterpret_cast<uint2*>(&dst[4 * i]) = reinterpret_cast<const uint2*>(src)[i];
-    }
-    else if constexpr (N % 2 == 0)
-    {
-        #pragma unroll
-        for (int i = 0; i < N / 2; ++i)
-            *reinterpret_cast<uint32_t*>(&dst[2 * i]) = reinterpret_cast<const uint32_t*>(src)[i];
+            *reinterpret_cast<uint2*>(&dst[2 * i]) = reinterpret_cast<const uint2*>(src)[i];
     }
     else
     {
         #pragma unroll
-        for (int i = 0; i < N; ++i) dst[i] = src[i];
+        for (int i = 0; i < N / 2; ++i) dst[i] = reinterpret_cast<const half2*>(src)[i];
     }
 #endif
 }
@@ -168,18 +164,19 @@ TE_FN int cost_slot(int e)
 }
 
 // N minima of consecutive edges from `start` (N a power of two; aligned runs never straddle a unit) out of
-// a shared cost buffer, one unit (or less) at a time
+// a shared cost buffer, as N / 2 pairs (one unit or less at a time), or where N is 1 as that minimum twice
 template <int K, int N>
-TE_FN void load_costs(half (&dst)[N], const half* costs, int start)
+TE_FN void load_cost_pairs(half2 (&dst)[(N + 1) / 2], const half* costs, int start)
 {
-    constexpr int PIECE = N < 8 ? N : 8;
-    #pragma unroll
-    for (int i = 0; i < N / PIECE; ++i)
+    if constexpr (N == 1)
     {
-        alignas(16) half piece[PIECE];
-        load_halves<PIECE>(piece, costs + cost_slot<K>(start + PIECE * i));
+        dst[0] = __half2half2(costs[cost_slot<K>(start)]);
+    }
+    else
+    {
+        constexpr int PIECE = N < 8 ? N : 8;
         #pragma unroll
-        for (int j = 0; j < PIECE; ++j) dst[PIECE * i + j] = piece[j];
+        for (int i = 0; i < N / PIECE; ++i) load_pairs<PIECE>(&dst[PIECE / 2 * i], costs + cost_slot<K>(start + PIECE * i));
     }
 }
 
@@ -275,10 +272,12 @@ TE_FN void decode_thread(int t, half2 (&dec)[Geometry<K>::Q][Geometry<K>::P])
 }
 
 // One forward step for thread t: the minimum over the 2^K predecessors of every edge it owns, into `next`
-// (and `hrow` when not null). prev null: the first step, a plain square, and only from edge `pre` if >= 0.
-// At K 1 the run is done in PARTS pieces, each with its own minima and predecessor costs: a whole run's do
-// not fit in the registers beside the decoded values and the traceback's (the compiler spilled them)
-template <int K>
+// (and `hrow` when not null). FIRST: the first step of a pass, a plain square, only from edge `pre` if >= 0
+// (`prev` unused); a template argument, so that the other 255 steps run without a branch per candidate and
+// take each predecessor cost straight from the loaded pair (docs/encoder.md, "The kernel step by step"). At K 1 the run is done in PARTS pieces, each with its own minima and
+// predecessor costs: a whole run's do not fit in the registers beside the decoded values and the
+// traceback's (the compiler spilled them)
+template <int K, bool FIRST>
 TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<K>::Q][Geometry<K>::P], half w, const half* prev,
                           half* next, half* hrow, int pre)
 {
@@ -295,21 +294,23 @@ TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<K>::Q][Geometry<K>:
         #pragma unroll
         for (int k = 0; k < Gm::Q; ++k)
         {
-            alignas(16) half c[PG];  // aligned for the vector loads of load_costs
-            if (prev) load_costs<K, PG>(c, prev, (k << Gm::KSHIFT) | (e >> K));
+            alignas(16) half2 c[(PG + 1) / 2];  // aligned for the vector loads of load_pairs
+            if constexpr (!FIRST) load_cost_pairs<K, PG>(c, prev, (k << Gm::KSHIFT) | (e >> K));
             #pragma unroll
             for (int j = 0; j < PP; ++j)
             {
                 const half2 d = __hsub2(dec[k][p0 + j], w2);
                 half2 v;
-                if (prev)
-                {
-                    v = __hfma2(d, d, __half2half2(c[(2 * j) >> K]));
-                }
-                else
+                if constexpr (FIRST)
                 {
                     v = __hmul2(d, d);
                     if (pre >= 0 && ((k << Gm::KSHIFT) | ((e + 2 * j) >> K)) != pre) v = __half2half2(inf_half());
+                }
+                else
+                {
+                    // edges 2j and 2j + 1 share their predecessor: cost (2j) >> K of the run, both halves
+                    const int ci = PG == 1 ? 0 : (2 * j) >> K;
+                    v = __hfma2(d, d, (ci & 1) ? __high2half2(c[ci >> 1]) : __low2half2(c[ci >> 1]));
                 }
                 m[j] = k == 0 ? v : __hmin2(m[j], v);
             }
@@ -396,14 +397,20 @@ TE_FN half step_cost(uint32_t x, int r, half w_r, int pre, const half (&v)[Geome
     return m;
 }
 
-// Traceback, candidate k of edge e at position index i: (cost bits << 16 | k), recomputed with the forward
-// pass's operations from step i - 1's minima, gathered into v (`w_prev`: that step's weight; unused at i = 0)
+// Traceback, candidate k of edge e at position index i: its decoded value less the position's weight, the
+// part that needs no history (the kernel computes it before the forward work, the rest after)
 template <int K, int CB>
-TE_FN uint32_t candidate_key(int k, uint32_t e, half w, int i, int pre, const half (&v)[Geometry<K>::NV], half w_prev)
+TE_FN half candidate_offset(int k, uint32_t e, half w)
 {
-    const uint32_t s = ((uint32_t) k << (16 - K)) | e;
-    const uint32_t in = s >> K;
-    const half d = __hsub(decode_state<CB>(s), w);
+    return __hsub(decode_state<CB>(((uint32_t) k << (16 - K)) | e), w);
+}
+
+// and its key (cost bits << 16 | k), recomputed with the forward pass's operations from that offset d and
+// step i - 1's minima, gathered into v (`w_prev`: that step's weight; unused at i = 0)
+template <int K, int CB>
+TE_FN uint32_t candidate_key(int k, uint32_t e, half d, int i, int pre, const half (&v)[Geometry<K>::NV], half w_prev)
+{
+    const uint32_t in = (((uint32_t) k << (16 - K)) | e) >> K;
     half c;
     if (i == 0)
     {
@@ -433,7 +440,7 @@ TE_FN half* kept_row(half* hist, int i, int keep_from)
 
 #ifndef TRELLIS_HOST
 
-// A traceback waiting for, or running in, a forward pass: warp 0 follows it one position per forward step
+// A traceback waiting for a forward pass (in shared memory), or running in one (warp 0's registers)
 struct Trace
 {
     int active;  // 0: none
@@ -442,7 +449,7 @@ struct Trace
     int pre;     // pass 2: the boundary edge; pass 1: -1
     int e;       // the edge at its next position
     int buf;     // the history buffer it reads
-    int tile;    // pass 2: the tile whose states and values it writes; pass 1: -1 (it yields the boundary)
+    int tile;    // pass 2: the tile whose states it writes; pass 1: -1 (it yields the boundary)
 };
 
 // One block encodes its tiles two at a time, so that every traceback runs beside a forward pass instead of
@@ -479,58 +486,59 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
     decode_thread<K, CB>(t, dec);
     if (t == 0) sh_tr->active = 0;
 
-    // Warp 0: the history minima of the pending traceback's position for forward step j (position L-1-j)
-    auto tb_gather = [&](int j, half (&v)[Gm::R][Gm::NV])
+    // Warp 0 takes the pending traceback into its registers (where it stays while it runs: nothing else reads
+    // it) and marks the shared copy taken
+    auto tb_take = [&]()
     {
-        if (!sh_tr->active) return;
-        const half* hist = hists + sh_tr->buf * HSIZE;
-        const uint32_t e = (uint32_t) sh_tr->e;
+        const Trace tr = *sh_tr;
+        __syncwarp();
+        if (lane == 0) sh_tr->active = 0;
+        return tr;
+    };
+    // Warp 0, before its forward work: the history minima of the traceback's position for forward step j
+    // (position L-1-j) and the candidates' offsets, everything that does not wait for those loads
+    auto tb_gather = [&](const Trace& tr, int j, half (&v)[Gm::R][Gm::NV], half (&d)[Gm::R])
+    {
+        const half* hist = hists + tr.buf * HSIZE;
+        const half wi = sh_w[tr.slot * L + ring(L - 1 - j, tr.roll)];
         #pragma unroll
         for (int r = 0; r < Gm::R; ++r)
         {
             const int k = lane + 32 * r;
-            if (k < Gm::Q) gather_candidate<K>((uint32_t) k, e, L - 1 - j, hist, v[r]);
+            if (k < Gm::Q)
+            {
+                gather_candidate<K>((uint32_t) k, (uint32_t) tr.e, L - 1 - j, hist, v[r]);
+                d[r] = candidate_offset<K, CB>(k, (uint32_t) tr.e, wi);
+            }
         }
     };
-    // Warp 0: that position's least candidate (first on ties), its state and value written in pass 2, the
+    // Warp 0, after it: that position's least candidate (first on ties), its state written in pass 2, the
     // edge before it kept for the next position; pass 1 stops at ring position 0 with the boundary edge
-    auto tb_resolve = [&](int j, const half (&v)[Gm::R][Gm::NV])
+    auto tb_resolve = [&](Trace& tr, int j, const half (&v)[Gm::R][Gm::NV], const half (&d)[Gm::R])
     {
-        const Trace tr = *sh_tr;
-        if (!tr.active) return;
         const int i = L - 1 - j;
         const int ri = ring(i, tr.roll);
-        const half* w = sh_w + tr.slot * L;
-        const half wi = w[ri], w_prev = w[ring(i > 0 ? i - 1 : 0, tr.roll)];
+        const half w_prev = Gm::NV > 1 ? sh_w[tr.slot * L + ring(i > 0 ? i - 1 : 0, tr.roll)] : half();
         uint32_t best = NO_KEY;
         #pragma unroll
         for (int r = 0; r < Gm::R; ++r)
         {
             const int k = lane + 32 * r;
-            if (k < Gm::Q) best = min(best, candidate_key<K, CB>(k, (uint32_t) tr.e, wi, i, tr.pre, v[r], w_prev));
+            if (k < Gm::Q) best = min(best, candidate_key<K, CB>(k, (uint32_t) tr.e, d[r], i, tr.pre, v[r], w_prev));
         }
         best = __reduce_min_sync(0xffffffffu, best);
         const uint32_t s = state_of(best, (uint32_t) tr.e, K);
-        __syncwarp();
-        if (lane == 0)
+        tr.e = (int) (s >> K);
+        if (lane == 0 && tr.tile >= 0) out_states[(size_t) tr.tile * L + ri] = (int16_t) (uint16_t) s;
+        if (tr.tile < 0 && ri == 0)
         {
-            if (tr.tile >= 0)
-            {
-                out_states[(size_t) tr.tile * L + ri] = (int16_t) (uint16_t) s;
-                out_values[(size_t) tr.tile * L + ri] = __half2float(decode_state<CB>(s));
-            }
-            sh_tr->e = (int) (s >> K);
-            if (tr.tile < 0 && ri == 0)
-            {
-                sh_bound[tr.slot] = (int) (s >> K);
-                sh_tr->active = 0;
-            }
-            else if (i == 0)
-            {
-                sh_tr->active = 0;
-            }
+            if (lane == 0) sh_bound[tr.slot] = tr.e;
+            tr.active = 0;
         }
-        __syncwarp();
+        else if (i == 0)
+        {
+            tr.active = 0;
+        }
     };
 
     int buf = 0;  // the history buffer the next forward pass writes
@@ -542,14 +550,17 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
     {
         half* hist = hists + buf * HSIZE;
         const half* w = sh_w + slot * L;
+        Trace tr{};
+        if (t < 32) tr = tb_take();
         for (int j = 0; j < L; ++j)
         {
-            half v[Gm::R][Gm::NV];
-            if (t < 32) tb_gather(j, v);
+            half v[Gm::R][Gm::NV], d[Gm::R];
+            if (t < 32 && tr.active) tb_gather(tr, j, v, d);
             half* next = (j & 1) ? costs1 : costs0;
-            const half* prev = j == 0 ? nullptr : ((j & 1) ? costs0 : costs1);
-            forward_thread<K>(t, dec, w[ring(j, roll)], prev, next, kept_row<K>(hist, j, keep_from), pre);
-            if (t < 32) tb_resolve(j, v);
+            half* hrow = kept_row<K>(hist, j, keep_from);
+            if (j == 0) forward_thread<K, true>(t, dec, w[ring(j, roll)], nullptr, next, hrow, pre);
+            else forward_thread<K, false>(t, dec, w[ring(j, roll)], (j & 1) ? costs0 : costs1, next, hrow, pre);
+            if (t < 32 && tr.active) tb_resolve(tr, j, v, d);
             __syncthreads();
         }
     };
@@ -558,11 +569,12 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
     {
         if (t < 32)
         {
-            for (int j = 0; j < L; ++j)
+            Trace tr = tb_take();
+            for (int j = 0; j < L && tr.active; ++j)
             {
-                half v[Gm::R][Gm::NV];
-                tb_gather(j, v);
-                tb_resolve(j, v);
+                half v[Gm::R][Gm::NV], d[Gm::R];
+                tb_gather(tr, j, v, d);
+                tb_resolve(tr, j, v, d);
             }
         }
         __syncthreads();
@@ -618,6 +630,15 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
         }
     }
     drain();
+
+    // The reconstructed values of the states the tracebacks wrote (apart from them, so that no traceback
+    // position waits on a decode and a store; the barrier in drain makes the states visible to the block)
+    for (int n = 0; n < count; ++n)
+        for (int i = t; i < L; i += NT)
+        {
+            const size_t at = (size_t) tile_of(n) * L + i;
+            out_values[at] = __half2float(decode_state<CB>((uint32_t) (uint16_t) out_states[at]));
+        }
 }
 
 #endif  // !TRELLIS_HOST
