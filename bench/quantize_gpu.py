@@ -10,7 +10,7 @@ faster), and their w2 (in 2304, out 5120, a Hessian each under either calibratio
   default: exllamav3's steps with the Hessians kept on the GPU and our tile kernel; exllamav3: its
   `quantize_exl3_batch`), for every K of --ks (the mul1 grid,
   half-integer rates included, by default) and both shapes; written as the encode-rate table the
-  GPU-hours statements of `plan` and `build` read (configs/encode_rates/h200.json has this format);
+  GPU-hours statements of `plan` and `build` read (configs/encode_rates/<encoder>.json);
 - at --compare-ks, on the same w1 tensors: `quantize_exl3_batch` with exllamav3's own kernel (the
   reference every ratio divides by), the same with our kernel, our conversion (and whether both results
   are torch.equal to the reference's), and `quantizer.quantize.quantize` on the checkpoint with a plan naming the 16 w1
@@ -108,6 +108,8 @@ def rate_table(rates: list[dict], device: torch.device, w1_hessians: str, encode
         "source": f"{datetime.date.today().isoformat()}: {EXPERTS} random routed experts of DeepSeek-V4.1-Flash's "
                   f"shapes; w1 (in 5120) with {W1_HESSIANS[w1_hessians]}, w2 (in 2304) with one SPD Hessian each",
         "rates": [{k: r[k] for k in ("K", "in_features", "out_features", "batch", "weights_per_s")} for r in rates],
+        # ours: the K not measured here are priced at exllamav3's own table (quantizer/quantize/encode_hours.py)
+        **({"fallback": "exllamav3"} if encoder == "ours" else {}),
     }
 
 

@@ -16,6 +16,7 @@ from quantizer.contract.loader_profiles import EXLLAMAV3, load_profile
 from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import make_plan
+from quantizer.errors import UserError
 from quantizer.model.targets import ROUTED, targets
 from quantizer.pack.card import bits_text
 from quantizer.pack.manifest import Manifest
@@ -133,10 +134,39 @@ def test_the_shipped_table_prices_the_real_model_in_gpu_hours(real_v41, real_v41
     assert "GPU-hours on H200 at measured rates" in e.line()
 
 
+def test_a_table_prices_the_k_it_lacks_at_its_fallbacks_rate_and_says_so(real_v41_uniform_spec):
+    theirs = RateTable("test GPU", (EncodeRate(2.0, 5120, 2304, 10e6), EncodeRate(2.5, 5120, 2304, 8e6)))
+    ours = RateTable("test GPU", (EncodeRate(2.0, 5120, 2304, 25e6),), "ours", theirs)
+    assert ours.rate(2.0, 5120) == (25e6, "measured")
+    assert ours.rate(2.5, 5120) == (8e6, "fallback")  # not the integer neighbour's 25e6
+    assert ours.rate(3.0, 5120) == (25e6, "nearest")  # neither table has it
+    routed = [s for s in real_v41_uniform_spec(2.5).encoded if s.target.group == ROUTED][:4]
+    e = estimate([routed[0]._replace(K=2.0), routed[1]._replace(K=2.5), routed[2]._replace(K=3.0)], ours)
+    n = routed[0].numel
+    assert e.seconds == pytest.approx(n / 25e6 + n / 8e6 + n / 25e6)
+    assert e.line().endswith("at measured rates (--encoder ours; K 2.5 at exllamav3's own rates, not yet measured "
+                             "with it; K 3 at the nearest measured K's rate)")
+
+
+def test_the_shipped_tables_price_our_encoder_below_exllamav3s(real_v41, real_v41_uniform):
+    plan = real_v41_uniform(2.9)
+    theirs, ours = plan_estimate(real_v41, plan), plan_estimate(real_v41, plan, RateTable.load(encoder="ours"))
+    assert ours.weights == theirs.weights and ours.gpu_hours < 0.75 * theirs.gpu_hours
+    # the plan's K 2.5 experts go to exllamav3's fractional kernel: priced at its own rate, and said so
+    assert ours.fallback == (2.5,) and ours.unmeasured == ()
+    assert ours.line().startswith(f"quantize: {ours.weights / 1e9:,.1f} G weights, ~")
+    assert "(--encoder ours; K 2.5 at exllamav3's own rates" in ours.line()
+    with pytest.raises(UserError, match="not a readable encode-rate table"):
+        RateTable.load(encoder="nonesuch")
+
+
 def test_plan_states_the_gpu_hours_of_its_plan(capsys):
     assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.9", "--loader", "exllamav3"]) == 0
-    assert re.search(r"^quantize: 55\d\.\d G weights, ~\d+\.\d GPU-hours on H200 at measured rates",
-                     capsys.readouterr().out, re.M)
+    out = capsys.readouterr().out
+    assert re.search(r"^quantize: 55\d\.\d G weights, ~\d+\.\d GPU-hours on H200 at measured rates$", out, re.M)
+    # and with --encoder ours, on the GPU its table was measured on
+    assert re.search(r"^quantize: 55\d\.\d G weights, ~\d+\.\d GPU-hours on H100 80GB HBM3 at measured rates "
+                     r"\(--encoder ours", out, re.M)
 
 
 def test_a_cpu_build_states_its_plans_encoding_without_a_gpu_figure_before_quantizing(tiny_v41, tmp_path, capsys):

@@ -58,7 +58,7 @@ from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS, UNIFORM, planner
 from quantizer.plan.recipe import write_recipe
 from quantizer.plan.sensitivity import synthetic_summary
-from quantizer.quantize.encode_hours import plan_estimate
+from quantizer.quantize.encode_hours import RateTable, plan_estimate
 from quantizer.quantize.results import measured_encodings
 from quantizer.quantize.settings import QuantizeSettings
 from quantizer.quantize.stage import QuantizeResult, check_cuda, measured_proxies, quantize
@@ -215,7 +215,8 @@ def plan_and_state(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSumm
     of a one-Spark target); the GPU time it implies stated (the tune stage's too, with --tune, for a job
     of `ranks` GPUs)."""
     plan, report, launch = (req.plan, None, Launch()) if req.plan else choose_plan(cfg, req, summary)
-    print(plan_estimate(cfg, plan).line(req.quantize.device), file=sys.stderr)
+    table = RateTable.load(encoder=req.quantize.encoder) if req.quantize.device == "cuda" else None
+    print(plan_estimate(cfg, plan, table).line(req.quantize.device), file=sys.stderr)
     if req.tune is not None:
         print(tune_line(cfg, *req.calibration_rows.shape, req.tune, (ranks,)), file=sys.stderr)
     return plan, report, launch

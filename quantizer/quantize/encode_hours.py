@@ -1,8 +1,11 @@
 """How many GPU-hours a plan's quantize stage takes, from encode rates measured per K.
 
 exllamav3's encoder speed depends on K (a half-integer rate costs about a third more time per weight
-than its integer neighbours) and a little on the tensor's shape. `configs/encode_rates/<device>.json`
-holds rates measured by bench/quantize_gpu.py, with where they came from. A K the table lacks is
+than its integer neighbours) and a little on the tensor's shape. `configs/encode_rates/<encoder>.json`
+holds the rates of one quantize encoder (`exllamav3`, `ours`) measured by bench/quantize_gpu.py on the GPU
+it names, with where they came from. A table may name a `fallback` table for the K it has not measured
+(ours: the K its kernel leaves to exllamav3's kernels, until they are measured with our loop); those K are
+priced at the fallback's rates and the statement names them. Any other K the table lacks is
 priced at the nearest measured K of the same kind (integer or half-integer), a shape at the nearest
 measured input width, and the statement names the K so priced.
 """
@@ -20,10 +23,11 @@ from quantizer.contract.plan import Plan
 from quantizer.contract.stored_linear import StoredLinear
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED
+from quantizer.quantize.settings import ENCODERS
 from quantizer.shipped import shipped
 
 RATES_FORMAT = "quantizer-encode-rates"
-DEFAULT_DEVICE = "h200"
+DEFAULT_ENCODER = ENCODERS["cuda"][0]  # the quantize stage's default on CUDA
 
 
 @dataclass(frozen=True)
@@ -38,10 +42,12 @@ class EncodeRate:
 class RateTable:
     device: str  # "NVIDIA H200"
     rates: tuple[EncodeRate, ...]
+    encoder: str = DEFAULT_ENCODER
+    fallback: "RateTable | None" = None  # prices the K this table has not measured
 
     @classmethod
-    def load(cls, name: str = DEFAULT_DEVICE) -> "RateTable":
-        path = shipped("configs", "encode_rates", f"{name}.json")
+    def load(cls, encoder: str = DEFAULT_ENCODER) -> "RateTable":
+        path = shipped("configs", "encode_rates", f"{encoder}.json")
         try:
             data = json.loads(path.read_text())
             rates = tuple(EncodeRate(float(r["K"]), int(r["in_features"]), int(r["out_features"]),
@@ -50,16 +56,20 @@ class RateTable:
             raise UserError(f"{path}: not a readable encode-rate table ({e})") from None
         if data.get("format") != RATES_FORMAT or not rates or min(r.weights_per_s for r in rates) <= 0:
             raise UserError(f"{path}: not a {RATES_FORMAT} table with positive rates")
-        return cls(str(data["device"]), rates)
+        fallback = cls.load(data["fallback"]) if data.get("fallback") else None  # an encoder's table
+        return cls(str(data["device"]), rates, encoder, fallback)
 
-    def rate(self, K: float, in_features: int) -> tuple[float, bool]:
-        """(weights/s for a linear of this K and input width, whether this K was measured)."""
+    def rate(self, K: float, in_features: int) -> tuple[float, str]:
+        """(weights/s for a linear of this K and input width, how it was priced: "measured", "fallback" (the
+        fallback table's rate at this K) or "nearest" (a neighbouring K's))."""
+        if self.fallback and K not in {r.K for r in self.rates} and K in {r.K for r in self.fallback.rates}:
+            return self.fallback.rate(K, in_features)[0], "fallback"
         half = not float(K).is_integer()
         same_kind = [r for r in self.rates if (not r.K.is_integer()) == half] or list(self.rates)
         nearest_k = min(same_kind, key=lambda r: abs(r.K - K)).K
         at_k = [r for r in same_kind if r.K == nearest_k]
         best = min(at_k, key=lambda r: abs(math.log(r.in_features / in_features)))
-        return best.weights_per_s, nearest_k == K
+        return best.weights_per_s, "measured" if nearest_k == K else "nearest"
 
 
 @dataclass(frozen=True)
@@ -68,6 +78,8 @@ class QuantizeEstimate:
     seconds: float  # on one GPU
     device: str
     unmeasured: tuple[float, ...]  # K values priced at a neighbouring K's rate
+    encoder: str = DEFAULT_ENCODER
+    fallback: tuple[float, ...] = ()  # K values priced at the fallback table's (exllamav3's own) rates
 
     @property
     def gpu_hours(self) -> float:
@@ -83,24 +95,32 @@ class QuantizeEstimate:
                     f"(encode rates are measured on {gpu} GPUs only)")
         hours = f"~{self.gpu_hours:,.1f}" if self.gpu_hours >= 0.05 else "under 0.1"
         text = f"quantize: {weights} weights, {hours} GPU-hours on {gpu} at measured rates"
+        notes = [f"--encoder {self.encoder}"] if self.encoder != DEFAULT_ENCODER else []
+        if self.fallback:
+            notes.append(f"K {_ks(self.fallback)} at exllamav3's own rates, not yet measured with it")
         if self.unmeasured:
-            text += f" (K {', '.join(f'{k:g}' for k in self.unmeasured)} at the nearest measured K's rate)"
-        return text
+            notes.append(f"K {_ks(self.unmeasured)} at the nearest measured K's rate")
+        return text + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _ks(ks: tuple[float, ...]) -> str:
+    return ", ".join(f"{k:g}" for k in ks)
 
 
 def estimate(linears: Iterable[StoredLinear], table: RateTable) -> QuantizeEstimate:
-    weights, seconds, unmeasured = 0, 0.0, set()
+    weights, seconds, priced = 0, 0.0, {"nearest": set(), "fallback": set()}
     for s in linears:
         if s.K == UNQUANTIZED:
             continue
-        rate, measured = table.rate(s.K, s.in_features)
+        rate, how = table.rate(s.K, s.in_features)
         weights += s.numel
         seconds += s.numel / rate
-        if not measured:
-            unmeasured.add(s.K)
-    return QuantizeEstimate(weights, seconds, table.device, tuple(sorted(unmeasured)))
+        if how in priced:
+            priced[how].add(s.K)
+    return QuantizeEstimate(weights, seconds, table.device, tuple(sorted(priced["nearest"])), table.encoder,
+                            tuple(sorted(priced["fallback"])))
 
 
 def plan_estimate(cfg: ModelConfig, plan: Plan, table: RateTable | None = None) -> QuantizeEstimate:
-    """The GPU time of quantizing every linear `plan` stores as EXL3."""
+    """The GPU time of quantizing every linear `plan` stores as EXL3 (default: with exllamav3's own encoder)."""
     return estimate((s for s in stored_linears(cfg, plan) if s.K is not None), table or RateTable.load())

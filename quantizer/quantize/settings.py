@@ -11,8 +11,8 @@ DEVICES = ("cpu", "cuda")
 # Per device, its encoders, the default first. cpu: our codec's Viterbi first pass, fast or exact. cuda:
 # exllamav3's own conversion, or ours: our batch loop around its steps with the Hessians kept on the GPU
 # and our tile-search kernel (quantizer/codec/exllamav3_batch.py, quantizer/codec/kernel; the same codes).
-# Ours becomes the default once the encode-rate table the GPU-hour estimates read and the stage's RAM
-# estimate are measured with it on an H200 (docs/encoder.md, "In the quantize stage").
+# Ours becomes the default once the stage's RAM estimate is measured with it (its encode rates are:
+# configs/encode_rates/ours.json; docs/encoder.md, "In the quantize stage").
 ENCODERS = {"cpu": ("fast", "exact"), "cuda": ("exllamav3", "ours")}
 
 

@@ -277,7 +277,7 @@ def _needs_line(work, linears, units, todo, settings, ram: int, disk: int) -> st
            if settings.device == "cuda" else f"our codec on cpu ({settings.encoder} encoder)")
     if settings.device == "cuda":
         by_key = {s.key: s for s in linears}
-        hours = estimate((by_key[k] for u in todo for k in u.keys), RateTable.load()).gpu_hours
+        hours = estimate((by_key[k] for u in todo for k in u.keys), RateTable.load(encoder=settings.encoder)).gpu_hours
         how += f" (~{hours:,.2f} GPU-hours at measured rates)"
     return (
         f"quantize: {len(linears):,} linears in {len(units):,} units, {len(units) - len(todo):,} already in the cache; "
