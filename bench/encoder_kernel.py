@@ -6,7 +6,9 @@ default), by its optimized kernel (EXL3_QT_OPTIMIZED=1, switched in-process as b
 does: the variable is read per launch, the scratch-buffer cache is cleared) and by ours
 (quantizer/codec/kernel). Each is warmed up once, then timed --repeat times (torch.cuda.synchronize
 and perf_counter around the call; the best is kept), in weights per second; the ratio ours / generic and
-ours / optimized; and whether our states and values are torch.equal to each of theirs.
+ours / optimized; and whether our states and values are torch.equal to each of theirs. `--also NAME=PATH`
+builds another version of our kernel (an earlier commit's, `git show REV:quantizer/codec/kernel/
+trellis_encode.cu > PATH`) and times it beside them, with the ratio ours / NAME and its codes compared too.
 
 On the GPU machine (about a minute plus our kernel's first build, about 1-2 minutes):
 
@@ -63,6 +65,12 @@ def ours(tiles, K, codebook):
     return kernel.encode_tiles(tiles, K, kernel.CODEBOOKS[codebook])
 
 
+def other_version(path: Path):
+    """Another version of our kernel, built from `path`, called as ours is."""
+    module = kernel.build(path)
+    return lambda tiles, K, codebook: module.encode_tiles(tiles, K, kernel.CODEBOOKS[codebook], 0)
+
+
 def timed(fn, repeat: int):
     fn()  # warm-up: builds, scratch buffers
     torch.cuda.synchronize()
@@ -75,8 +83,9 @@ def timed(fn, repeat: int):
     return best, out
 
 
-def measure(ks, codebooks, n_tiles: int, repeat: int, seed: int = 0, log=print) -> list[dict]:
-    encoders = {"generic": exllamav3_encoder("generic"), "optimized": exllamav3_encoder("optimized"), "ours": ours}
+def measure(ks, codebooks, n_tiles: int, repeat: int, seed: int = 0, log=print, also: dict | None = None) -> list[dict]:
+    encoders = {"generic": exllamav3_encoder("generic"), "optimized": exllamav3_encoder("optimized"), "ours": ours,
+                **{name: other_version(path) for name, path in (also or {}).items()}}
     rows = []
     for codebook in codebooks:
         for K in ks:
@@ -88,7 +97,7 @@ def measure(ks, codebooks, n_tiles: int, repeat: int, seed: int = 0, log=print) 
                 sec, outs[name] = timed(lambda enc=enc: enc(tiles, K, codebook), repeat)
                 row[f"{name}_s"] = sec
                 row[f"{name}_weights_per_s"] = n_tiles * 256 / sec
-            for ref in ("generic", "optimized"):
+            for ref in ("generic", "optimized", *(also or {})):
                 row[f"ours_over_{ref}"] = row[f"{ref}_s"] / row["ours_s"]
                 row[f"equal_{ref}"] = bool(torch.equal(outs["ours"][1], outs[ref][1]) and
                                            torch.equal(outs["ours"][0], outs[ref][0]))
@@ -118,7 +127,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--tiles", type=int, default=8448, help="tiles per call (8448 = 64 per SM on an H100/H200)")
     ap.add_argument("--repeat", type=int, default=3, help="timed calls per encoder (the best is kept)")
     ap.add_argument("--json", type=Path, default=None, help="report file (default: $OUT/encoder_kernel.json)")
+    ap.add_argument("--also", nargs="*", default=[], metavar="NAME=PATH",
+                    help="another version of our kernel's source to time beside it (e.g. an earlier commit's)")
     args = ap.parse_args(argv)
+    also = {}
+    for item in args.also:
+        name, _, path = item.partition("=")
+        if not name.isidentifier() or name in ("generic", "optimized", "ours") or not Path(path).is_file():
+            ap.error(f"--also {item!r}: NAME=PATH with a new name and an existing .cu file")
+        also[name] = Path(path)
     if bad := [k for k in args.ks if k not in kernel.KS]:
         ap.error(f"--ks {bad}: our kernel does K {kernel.KS[0]}-{kernel.KS[-1]}")
     path = args.json or (Path(os.environ["OUT"]) / "encoder_kernel.json" if os.environ.get("OUT") else None)
@@ -129,17 +146,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"our kernel ready in {time.perf_counter() - t0:.0f} s (build or load)", flush=True)
     from importlib.metadata import version
 
-    rows = measure(args.ks, args.codebooks, args.tiles, args.repeat, log=lambda s: print(s, flush=True))
+    rows = measure(args.ks, args.codebooks, args.tiles, args.repeat, log=lambda s: print(s, flush=True), also=also)
     report = {"bench": "bench/encoder_kernel.py", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "exllamav3": version("exllamav3"), "repeat": args.repeat, "rows": rows}
     if path:
         path.write_text(json.dumps(report, indent=1) + "\n")
     print(table(["K", "codebook", "generic M w/s", "optimized M w/s", "ours M w/s", "ours/generic", "ours/optimized",
-                 "codes equal"],
+                 *(f"{n} M w/s" for n in also), *(f"ours/{n}" for n in also), "codes equal"],
                 [[r["K"], r["codebook"], f"{r['generic_weights_per_s'] / 1e6:.2f}",
                   f"{r['optimized_weights_per_s'] / 1e6:.2f}", f"{r['ours_weights_per_s'] / 1e6:.2f}",
                   f"{r['ours_over_generic']:.2f}", f"{r['ours_over_optimized']:.2f}",
-                  "yes" if r["equal_generic"] and r["equal_optimized"] else
+                  *(f"{r[f'{n}_weights_per_s'] / 1e6:.2f}" for n in also), *(f"{r[f'ours_over_{n}']:.2f}" for n in also),
+                  "yes" if all(r[f"equal_{n}"] for n in ("generic", "optimized", *also)) else
                   f"NO ({r['differing_tiles_generic']} tiles)"] for r in rows]))
     return rows
 

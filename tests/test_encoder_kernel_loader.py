@@ -48,9 +48,14 @@ def test_non_finite_refused_before_any_build(bad):
         kernel.encode_tiles(tiles, 2, 2)
 
 
-def test_source_hash_names_the_build():
-    name = kernel._module_name()
+def test_source_hash_names_the_build(tmp_path):
+    """An edited kernel (or another commit's, as bench/encoder_kernel.py --also builds) is its own build."""
+    name = kernel._module_name(kernel.SOURCE)
     assert name.startswith("quantizer_trellis_") and len(name) == len("quantizer_trellis_") + 12
+    edited = tmp_path / "trellis_encode.cu"
+    edited.write_text(kernel.SOURCE.read_text() + "\n// edited\n")
+    assert kernel._module_name(edited) != name
+    assert kernel._module_name(edited) == kernel._module_name(edited)
 
 
 def test_in_exllamav3_routes_tile_searches_through_ours_and_restores_theirs(monkeypatch):

@@ -40,13 +40,19 @@ class KernelUnavailable(RuntimeError):
     """Our kernel cannot be built or run here; the message says why in one line."""
 
 
-def _module_name() -> str:
-    return "quantizer_trellis_" + hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+def _module_name(source: Path) -> str:
+    return "quantizer_trellis_" + hashlib.sha256(source.read_bytes()).hexdigest()[:12]
 
 
 @process_cache(maxsize=1)
 def _extension():
     """The compiled extension (built on the first call of a process, then loaded from torch's cache)."""
+    return build(SOURCE)
+
+
+def build(source: Path):
+    """The extension compiled from `source`, this kernel or another version of it (bench/encoder_kernel.py
+    times an earlier commit's beside it); named by a hash of the text, so each version is its own build."""
     if not torch.cuda.is_available():
         raise KernelUnavailable("no CUDA device")
     from torch.utils import cpp_extension
@@ -54,10 +60,10 @@ def _extension():
     if cpp_extension.CUDA_HOME is None:
         raise KernelUnavailable("no CUDA toolkit (nvcc) to build it")
     try:
-        return cpp_extension.load(name=_module_name(), sources=[str(SOURCE)],
-                                  extra_cuda_cflags=["-O3"], verbose=False)
+        return cpp_extension.load(name=_module_name(source), sources=[str(source)], extra_cuda_cflags=["-O3"],
+                                  verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure becomes the one-line reason for the fallback
-        raise KernelUnavailable(f"building {SOURCE.name} failed: {type(e).__name__}: {_build_error(str(e))}") from e
+        raise KernelUnavailable(f"building {source.name} failed: {type(e).__name__}: {_build_error(str(e))}") from e
 
 
 def _build_error(text: str) -> str:
