@@ -3,8 +3,10 @@ quantize stage's --encoder picks it on cuda."""
 
 from __future__ import annotations
 
+import runpy
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,3 +99,14 @@ def test_a_failed_build_names_the_compilers_error():
              "trellis_encode.cu(212): error: identifier \"__hmin\" is undefined\n1 error detected")
     assert kernel._build_error(ninja) == 'trellis_encode.cu(212): error: identifier "__hmin" is undefined'
     assert kernel._build_error("linker said no") == "linker said no"
+
+
+@pytest.mark.parametrize("spec", ["ours={cu}", "prev={missing}", "not a name={cu}", "prev"])
+def test_the_kernel_bench_refuses_an_earlier_version_it_cannot_build(tmp_path, capsys, spec):
+    """bench/encoder_kernel.py --also NAME=PATH: a new identifier and an existing source, said before any GPU work."""
+    cu = tmp_path / "trellis_encode.cu"
+    cu.write_text(kernel.SOURCE.read_text())
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "encoder_kernel.py"))
+    with pytest.raises(SystemExit) as e:
+        bench["main"](["--also", spec.format(cu=cu, missing=tmp_path / "none.cu")])
+    assert e.value.code == 2 and "NAME=PATH with a new name and an existing .cu file" in capsys.readouterr().err
