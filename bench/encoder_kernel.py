@@ -84,8 +84,9 @@ def timed(fn, repeat: int):
 
 
 def measure(ks, codebooks, n_tiles: int, repeat: int, seed: int = 0, log=print, also: dict | None = None) -> list[dict]:
+    """`also`: name -> encoder (other_version) of further versions of our kernel."""
     encoders = {"generic": exllamav3_encoder("generic"), "optimized": exllamav3_encoder("optimized"), "ours": ours,
-                **{name: other_version(path) for name, path in (also or {}).items()}}
+                **(also or {})}
     rows = []
     for codebook in codebooks:
         for K in ks:
@@ -143,6 +144,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if why := environment_error():
         print(f"encoder_kernel: {why}", file=sys.stderr)
         raise SystemExit(2)
+    try:
+        also = {name: other_version(source) for name, source in also.items()}
+    except kernel.KernelUnavailable as e:
+        print(f"encoder_kernel: --also: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"our kernel ready in {time.perf_counter() - t0:.0f} s (build or load)", flush=True)
     from importlib.metadata import version
 

@@ -160,6 +160,25 @@ def test_the_shipped_tables_price_our_encoder_below_exllamav3s(real_v41, real_v4
         RateTable.load(encoder="nonesuch")
 
 
+@pytest.mark.parametrize("text, says", [
+    ('{"format": "quantizer-encode-rates", "device": "X", "rates": [{"K": 2', "not a readable encode-rate table"),
+    ('{"format": "quantizer-encode-rates", "device": "X", "fallback": "ours", "rates": '
+     '[{"K": 2, "in_features": 5120, "out_features": 2304, "weights_per_s": 1e7}]}', "only to exllamav3's"),
+    ('{"format": "quantizer-encode-rates", "device": "X", "rates": '
+     '[{"K": 2, "in_features": 5120, "out_features": 2304, "weights_per_s": 0}]}', "with positive rates"),
+])
+def test_a_bad_rate_table_is_refused_in_one_line(tmp_path, monkeypatch, text, says):
+    """A truncated table, one that falls back to itself (or to anything but exllamav3's), a zero rate."""
+    import quantizer.quantize.encode_hours as encode_hours
+
+    (tmp_path / "encode_rates").mkdir()
+    (tmp_path / "encode_rates" / "ours.json").write_text(text)
+    monkeypatch.setattr(encode_hours, "shipped", lambda folder, *parts: tmp_path.joinpath(*parts))
+    with pytest.raises(UserError, match=says) as e:
+        RateTable.load(encoder="ours")
+    assert "\n" not in str(e.value)
+
+
 def test_plan_states_the_gpu_hours_of_its_plan(capsys):
     assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.9", "--loader", "exllamav3"]) == 0
     out = capsys.readouterr().out

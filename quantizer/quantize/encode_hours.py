@@ -3,11 +3,11 @@
 exllamav3's encoder speed depends on K (a half-integer rate costs about a third more time per weight
 than its integer neighbours) and a little on the tensor's shape. `configs/encode_rates/<encoder>.json`
 holds the rates of one quantize encoder (`exllamav3`, `ours`) measured by bench/quantize_gpu.py on the GPU
-it names, with where they came from. A table may name a `fallback` table for the K it has not measured
-(ours: the K its kernel leaves to exllamav3's kernels, until they are measured with our loop); those K are
-priced at the fallback's rates and the statement names them. Any other K the table lacks is
-priced at the nearest measured K of the same kind (integer or half-integer), a shape at the nearest
-measured input width, and the statement names the K so priced.
+it names, with where they came from. Another encoder's table may name exllamav3's as its `fallback` for
+the K it has not measured (ours: the K its kernel leaves to exllamav3's kernels, until they are measured
+with our loop); those K are priced at exllamav3's rates and the statement names them. Any other K a table
+lacks is priced at the nearest measured K of the same kind (integer or half-integer), a shape at the
+nearest measured input width, and the statement names the K so priced.
 """
 
 from __future__ import annotations
@@ -56,8 +56,11 @@ class RateTable:
             raise UserError(f"{path}: not a readable encode-rate table ({e})") from None
         if data.get("format") != RATES_FORMAT or not rates or min(r.weights_per_s for r in rates) <= 0:
             raise UserError(f"{path}: not a {RATES_FORMAT} table with positive rates")
-        fallback = cls.load(data["fallback"]) if data.get("fallback") else None  # an encoder's table
-        return cls(str(data["device"]), rates, encoder, fallback)
+        fallback = data.get("fallback")
+        if fallback is not None and (fallback != DEFAULT_ENCODER or encoder == DEFAULT_ENCODER):
+            raise UserError(f"{path}: fallback {fallback!r}; only another encoder's table may fall back, and only "
+                            f"to {DEFAULT_ENCODER}'s")
+        return cls(str(data["device"]), rates, encoder, cls.load() if fallback else None)
 
     def rate(self, K: float, in_features: int) -> tuple[float, str]:
         """(weights/s for a linear of this K and input width, how it was priced: "measured", "fallback" (the

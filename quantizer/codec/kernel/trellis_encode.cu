@@ -274,9 +274,9 @@ TE_FN void decode_thread(int t, half2 (&dec)[Geometry<K>::Q][Geometry<K>::P])
 // One forward step for thread t: the minimum over the 2^K predecessors of every edge it owns, into `next`
 // (and `hrow` when not null). FIRST: the first step of a pass, a plain square, only from edge `pre` if >= 0
 // (`prev` unused); a template argument, so that the other 255 steps run without a branch per candidate and
-// take each predecessor cost straight from the loaded pair (docs/encoder.md, "The kernel step by step"). At K 1 the run is done in PARTS pieces, each with its own minima and
-// predecessor costs: a whole run's do not fit in the registers beside the decoded values and the
-// traceback's (the compiler spilled them)
+// take each predecessor cost straight from the loaded pair (docs/encoder.md, "What limited it next"). At K 1
+// the run is done in PARTS pieces, each with its own minima and predecessor costs: a whole run's do not fit
+// in the registers beside the decoded values and the traceback's (the compiler spilled them)
 template <int K, bool FIRST>
 TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<K>::Q][Geometry<K>::P], half w, const half* prev,
                           half* next, half* hrow, int pre)
