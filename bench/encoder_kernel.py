@@ -3,7 +3,8 @@
 For each K of --ks and codebook of --codebooks: --tiles i.i.d. N(0,1) 16x16 tiles (the LDLQ inputs are
 near that after the Hadamard rotations), encoded by exllamav3 1.6.5's generic kernel (what sm_90 runs by
 default), by its optimized kernel (EXL3_QT_OPTIMIZED=1, switched in-process as bench/encoder_variants.py
-does: the variable is read per launch, the scratch-buffer cache is cleared) and by ours
+does: the variable is read per launch, the scratch-buffer cache is cleared; at the half rates 1.5, 2.5
+and 3.5, mul1 only, exllamav3 has one kernel, `quantize_tiles_frac`, timed as "generic") and by ours
 (quantizer/codec/kernel). Each is warmed up once, then timed --repeat times (torch.cuda.synchronize
 and perf_counter around the call; the best is kept), in weights per second; the ratio ours / generic and
 ours / optimized; and whether our states and values are torch.equal to each of theirs. `--also NAME=PATH`
@@ -66,9 +67,20 @@ def ours(tiles, K, codebook):
 
 
 def other_version(path: Path):
-    """Another version of our kernel, built from `path`, called as ours is."""
+    """Another version of our kernel, built from `path`, called as ours is. Versions before the half rates
+    (2026-12-06) take (tiles, K, codebook, max_blocks), later ones (tiles, KA, KB, codebook, max_blocks);
+    pybind's docstring gives the count."""
     module = kernel.build(path)
-    return lambda tiles, K, codebook: module.encode_tiles(tiles, K, kernel.CODEBOOKS[codebook], 0)
+    params = module.encode_tiles.__doc__.split("(", 1)[1].split(")", 1)[0].count(",") + 1
+
+    def run(tiles, K, codebook):
+        if params == 4:
+            if K in kernel.HALF_RATES:
+                raise ValueError(f"{path.name}: a version without half rates")
+            return module.encode_tiles(tiles, int(K), kernel.CODEBOOKS[codebook], 0)
+        return module.encode_tiles(tiles, int(K), int(K) + (K != int(K)), kernel.CODEBOOKS[codebook], 0)
+    run.half_rates = params != 4
+    return run
 
 
 def timed(fn, repeat: int):
@@ -90,24 +102,28 @@ def measure(ks, codebooks, n_tiles: int, repeat: int, seed: int = 0, log=print, 
     rows = []
     for codebook in codebooks:
         for K in ks:
-            g = torch.Generator(device="cuda").manual_seed(seed + K)
+            half = K in kernel.HALF_RATES
+            if half and codebook != "mul1":
+                continue  # half rates are mul1-only, in exllamav3 and ours
+            g = torch.Generator(device="cuda").manual_seed(seed + int(2 * K))
             tiles = torch.randn(n_tiles, 256, device="cuda", generator=g)
             row = {"K": K, "codebook": codebook, "tiles": n_tiles, "weights": n_tiles * 256}
             outs = {}
             for name, enc in encoders.items():
+                if (half and name == "optimized") or (half and not getattr(enc, "half_rates", True)):
+                    continue  # exllamav3 has one half-rate kernel; an earlier version of ours none
                 sec, outs[name] = timed(lambda enc=enc: enc(tiles, K, codebook), repeat)
                 row[f"{name}_s"] = sec
                 row[f"{name}_weights_per_s"] = n_tiles * 256 / sec
-            for ref in ("generic", "optimized", *(also or {})):
+            for ref in (n for n in encoders if n != "ours" and n in outs):
                 row[f"ours_over_{ref}"] = row[f"{ref}_s"] / row["ours_s"]
                 row[f"equal_{ref}"] = bool(torch.equal(outs["ours"][1], outs[ref][1]) and
                                            torch.equal(outs["ours"][0], outs[ref][0]))
                 row[f"differing_tiles_{ref}"] = int((outs["ours"][1] != outs[ref][1]).any(dim=1).sum())
             rows.append(row)
-            log(f"K {K} {codebook}: generic {row['generic_weights_per_s'] / 1e6:.1f}, optimized "
-                f"{row['optimized_weights_per_s'] / 1e6:.1f}, ours {row['ours_weights_per_s'] / 1e6:.1f} M weights/s; "
-                f"ours/generic {row['ours_over_generic']:.2f}, ours/optimized {row['ours_over_optimized']:.2f}; "
-                f"equal {row['equal_generic']}/{row['equal_optimized']}")
+            log(f"K {K:g} {codebook}: " + ", ".join(f"{n} {row[f'{n}_weights_per_s'] / 1e6:.1f}" for n in outs)
+                + " M weights/s; " + ", ".join(f"ours/{n} {row[f'ours_over_{n}']:.2f}" for n in outs if n != "ours")
+                + f"; codes equal {all(row[f'equal_{n}'] for n in outs if n != 'ours')}")
     return rows
 
 
@@ -123,7 +139,8 @@ def environment_error() -> str | None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4], help=f"integer K ({kernel.KS[0]}-{kernel.KS[-1]})")
+    ap.add_argument("--ks", type=float, nargs="+", default=[2, 3, 4, 2.5],
+                    help="K 1-6, or the half rates 1.5, 2.5, 3.5 (mul1)")
     ap.add_argument("--codebooks", nargs="+", choices=sorted(CODEBOOK_ARGS), default=["mul1"])
     ap.add_argument("--tiles", type=int, default=8448, help="tiles per call (8448 = 64 per SM on an H100/H200)")
     ap.add_argument("--repeat", type=int, default=3, help="timed calls per encoder (the best is kept)")
@@ -137,8 +154,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not name.isidentifier() or name in ("generic", "optimized", "ours") or not Path(path).is_file():
             ap.error(f"--also {item!r}: NAME=PATH with a new name and an existing .cu file")
         also[name] = Path(path)
-    if bad := [k for k in args.ks if k not in kernel.KS]:
-        ap.error(f"--ks {bad}: our kernel does K {kernel.KS[0]}-{kernel.KS[-1]}")
+    if bad := [f"{k:g}" for k in args.ks if k not in kernel.KS]:
+        ap.error(f"--ks {' '.join(bad)}: our kernel does K 1-6, 1.5, 2.5 and 3.5")
+    args.ks = [int(k) if k.is_integer() else k for k in args.ks]
     path = args.json or (Path(os.environ["OUT"]) / "encoder_kernel.json" if os.environ.get("OUT") else None)
     t0 = time.perf_counter()
     if why := environment_error():
@@ -157,13 +175,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
               "exllamav3": version("exllamav3"), "repeat": args.repeat, "rows": rows}
     if path:
         path.write_text(json.dumps(report, indent=1) + "\n")
-    print(table(["K", "codebook", "generic M w/s", "optimized M w/s", "ours M w/s", "ours/generic", "ours/optimized",
-                 *(f"{n} M w/s" for n in also), *(f"ours/{n}" for n in also), "codes equal"],
-                [[r["K"], r["codebook"], f"{r['generic_weights_per_s'] / 1e6:.2f}",
-                  f"{r['optimized_weights_per_s'] / 1e6:.2f}", f"{r['ours_weights_per_s'] / 1e6:.2f}",
-                  f"{r['ours_over_generic']:.2f}", f"{r['ours_over_optimized']:.2f}",
-                  *(f"{r[f'{n}_weights_per_s'] / 1e6:.2f}" for n in also), *(f"{r[f'ours_over_{n}']:.2f}" for n in also),
-                  "yes" if all(r[f"equal_{n}"] for n in ("generic", "optimized", *also)) else
+    names = ["generic", "optimized", *also]
+
+    def cell(r, key, fmt):
+        return fmt(r[key]) if key in r else "-"
+
+    print(table(["K", "codebook", *(f"{n} M w/s" for n in names), "ours M w/s", *(f"ours/{n}" for n in names),
+                 "codes equal"],
+                [[f"{r['K']:g}", r["codebook"], *(cell(r, f"{n}_weights_per_s", lambda v: f"{v / 1e6:.2f}") for n in names),
+                  f"{r['ours_weights_per_s'] / 1e6:.2f}", *(cell(r, f"ours_over_{n}", lambda v: f"{v:.2f}") for n in names),
+                  "yes" if all(r.get(f"equal_{n}", True) for n in names) else
                   f"NO ({r['differing_tiles_generic']} tiles)"] for r in rows]))
     return rows
 

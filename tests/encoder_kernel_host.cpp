@@ -7,7 +7,8 @@
 // fp16 values are exact in double and rounded once; a fused multiply-add rounds the exact a*b + c once (its
 // double sum plus the exact rounding error of that sum decide a tie).
 //
-// stdin: int32 n, K, codebook (0 3INST, 1 mcg, 2 mul1), then n x 256 float32 tiles.
+// stdin: int32 n, KA, KB (KB = KA at integer K, KA + 1 at the half rate KA + 0.5), codebook (0 3INST, 1 mcg,
+// 2 mul1), then n x 256 float32 tiles.
 // stdout: n x 256 int16 states, then n x 256 float32 reconstructed values.
 
 #include <cmath>
@@ -72,18 +73,18 @@ static inline half2 __hmin2(half2 a, half2 b) { return {hmin(a.a, b.a), hmin(a.b
 using namespace trellis;
 
 // The kernel's tile loop body, with its threads run in turn between barriers and warp 0's lanes in turn
-template <int K, int CB>
+template <int KA, int KB, int CB>
 static void encode_tile(const float* tile, float* vals, int16_t* states)
 {
-    using Gm = Geometry<K>;
+    using Gm = Geometry<KA, KB>;
     using Dec = half2[Gm::Q][Gm::P];
     static std::unique_ptr<Dec[]> dec;
     if (!dec)
     {
         dec.reset(new Dec[NT]);
-        for (int t = 0; t < NT; ++t) decode_thread<K, CB>(t, dec[t]);
+        for (int t = 0; t < NT; ++t) decode_thread<KA, KB, CB>(t, dec[t]);
     }
-    std::vector<half> costs0(Gm::EDGES), costs1(Gm::EDGES), hist((size_t) Gm::ROWS * Gm::EDGES), w(L);
+    std::vector<half> costs0(Gm::WIDE), costs1(Gm::WIDE), hist((size_t) Gm::ROWS * Gm::ROW), w(L);
     for (int i = 0; i < L; ++i) w[i] = __float2half_rn(tile[i]);
 
     auto forward = [&](int roll, int pre, int keep_from)
@@ -92,11 +93,13 @@ static void encode_tile(const float* tile, float* vals, int16_t* states)
         {
             half* next = (i & 1) ? costs1.data() : costs0.data();
             const half* prev = i == 0 ? nullptr : ((i & 1) ? costs0.data() : costs1.data());
-            half* hrow = kept_row<K>(hist.data(), i, keep_from);
+            half* hrow = kept_row<KA, KB>(hist.data(), i, keep_from);
+            const half wi = w[ring(i, roll)];
             for (int t = 0; t < NT; ++t)
             {
-                if (i == 0) forward_thread<K, true>(t, dec[t], w[ring(i, roll)], prev, next, hrow, pre);
-                else forward_thread<K, false>(t, dec[t], w[ring(i, roll)], prev, next, hrow, pre);
+                if (KA != KB && (i & 1)) forward_thread<KA, KB, true, false>(t, dec[t], wi, prev, next, hrow, pre);
+                else if (i == 0) forward_thread<KA, KB, false, true>(t, dec[t], wi, prev, next, hrow, pre);
+                else forward_thread<KA, KB, false, false>(t, dec[t], wi, prev, next, hrow, pre);
             }
         }
     };
@@ -107,31 +110,31 @@ static void encode_tile(const float* tile, float* vals, int16_t* states)
             const int ri = ring(i, roll);
             const half w_prev = w[ring(i > 0 ? i - 1 : 0, roll)];
             uint32_t best = NO_KEY;
-            for (int k = 0; k < Gm::Q; ++k)
+            for (int k = 0; k < (1 << width_out<KA, KB>(i)); ++k)
             {
                 half v[Gm::NV];
-                gather_candidate<K>((uint32_t) k, (uint32_t) e, i, hist.data(), v);
-                const half d = candidate_offset<K, CB>(k, (uint32_t) e, w[ri]);
-                const uint32_t key = candidate_key<K, CB>(k, (uint32_t) e, d, i, pre, v, w_prev);
+                gather_candidate<KA, KB>((uint32_t) k, (uint32_t) e, i, hist.data(), v);
+                const half d = candidate_offset<KA, KB, CB>(k, (uint32_t) e, i, w[ri]);
+                const uint32_t key = candidate_key<KA, KB, CB>(k, (uint32_t) e, d, i, pre, v, w_prev);
                 best = key < best ? key : best;
             }
-            const uint32_t s = state_of(best, (uint32_t) e, K);
+            const uint32_t s = state_of(best, (uint32_t) e, width_out<KA, KB>(i));
             if (out_states)
             {
                 out_states[ri] = (int16_t) (uint16_t) s;
                 out_vals[ri] = __half2float(decode_state<CB>(s));
             }
-            e = (int) (s >> K);
+            e = (int) (s >> width_in<KA, KB>(i));
             if (!out_states && ri == 0) break;
         }
         return e;
     };
 
-    forward(L / 2, -1, L / 2 - 1);
+    forward(L / 2, -1, pass1_keep_from<KA, KB>());
     uint32_t best = NO_KEY;
     for (int t = 0; t < NT; ++t)
     {
-        const uint32_t key = final_key_thread<K>(t, costs1.data());
+        const uint32_t key = final_key_thread<KA, KB>(t, costs1.data());
         best = key < best ? key : best;
     }
     const int boundary = traceback(L / 2, -1, final_edge(best), nullptr, nullptr);
@@ -139,44 +142,53 @@ static void encode_tile(const float* tile, float* vals, int16_t* states)
     traceback(0, boundary, boundary, vals, states);
 }
 
-template <int K>
+template <int KA, int KB>
 static bool run_cb(int cb, const float* tile, float* vals, int16_t* states)
 {
+    if constexpr (KA != KB)
+    {
+        if (cb != 2) return false;  // half rates are mul1-only
+        encode_tile<KA, KB, 2>(tile, vals, states);
+        return true;
+    }
     switch (cb)
     {
-        case 0: encode_tile<K, 0>(tile, vals, states); return true;
-        case 1: encode_tile<K, 1>(tile, vals, states); return true;
-        case 2: encode_tile<K, 2>(tile, vals, states); return true;
+        case 0: encode_tile<KA, KB, 0>(tile, vals, states); return true;
+        case 1: encode_tile<KA, KB, 1>(tile, vals, states); return true;
+        case 2: encode_tile<KA, KB, 2>(tile, vals, states); return true;
         default: return false;
     }
 }
 
-static bool run(int K, int cb, const float* tile, float* vals, int16_t* states)
+static bool run(int ka, int kb, int cb, const float* tile, float* vals, int16_t* states)
 {
-    switch (K)
+    switch (ka * 10 + kb)
     {
-        case 1: return run_cb<1>(cb, tile, vals, states);
-        case 2: return run_cb<2>(cb, tile, vals, states);
-        case 3: return run_cb<3>(cb, tile, vals, states);
-        case 4: return run_cb<4>(cb, tile, vals, states);
-        case 5: return run_cb<5>(cb, tile, vals, states);
-        case 6: return run_cb<6>(cb, tile, vals, states);
+        case 11: return run_cb<1, 1>(cb, tile, vals, states);
+        case 22: return run_cb<2, 2>(cb, tile, vals, states);
+        case 33: return run_cb<3, 3>(cb, tile, vals, states);
+        case 44: return run_cb<4, 4>(cb, tile, vals, states);
+        case 55: return run_cb<5, 5>(cb, tile, vals, states);
+        case 66: return run_cb<6, 6>(cb, tile, vals, states);
+        case 12: return run_cb<1, 2>(cb, tile, vals, states);
+        case 23: return run_cb<2, 3>(cb, tile, vals, states);
+        case 34: return run_cb<3, 4>(cb, tile, vals, states);
         default: return false;
     }
 }
 
 int main()
 {
-    int32_t hdr[3];
-    if (std::fread(hdr, sizeof(int32_t), 3, stdin) != 3) { std::fprintf(stderr, "no header\n"); return 2; }
-    const int n = hdr[0], K = hdr[1], cb = hdr[2];
+    int32_t hdr[4];
+    if (std::fread(hdr, sizeof(int32_t), 4, stdin) != 4) { std::fprintf(stderr, "no header\n"); return 2; }
+    const int n = hdr[0], ka = hdr[1], kb = hdr[2], cb = hdr[3];
     std::vector<float> tiles((size_t) n * L), vals((size_t) n * L);
     std::vector<int16_t> states((size_t) n * L);
     if (std::fread(tiles.data(), sizeof(float), tiles.size(), stdin) != tiles.size()) { std::fprintf(stderr, "short input\n"); return 2; }
     for (int i = 0; i < n; ++i)
-        if (!run(K, cb, &tiles[(size_t) i * L], &vals[(size_t) i * L], &states[(size_t) i * L]))
+        if (!run(ka, kb, cb, &tiles[(size_t) i * L], &vals[(size_t) i * L], &states[(size_t) i * L]))
         {
-            std::fprintf(stderr, "K %d codebook %d not built\n", K, cb);
+            std::fprintf(stderr, "rate (%d, %d) codebook %d not built\n", ka, kb, cb);
             return 2;
         }
     std::fwrite(states.data(), sizeof(int16_t), states.size(), stdout);

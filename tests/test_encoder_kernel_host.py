@@ -41,23 +41,34 @@ def rank(e: np.ndarray) -> np.ndarray:
     return (rev5(low >> 5) << 10) | (rev5(low & 31) << 5) | (e >> 10)
 
 
-def reference_encode(tile: np.ndarray, K: int, codebook: str) -> tuple[np.ndarray, np.ndarray]:
+def rate_widths(K: float) -> tuple[int, int]:
+    """(KA, KB): bits shifted in at even and odd positions (KB = KA at integer K, KA + 1 at KA + 0.5)."""
+    ka = int(K)
+    return ka, ka + (K != ka)
+
+
+def reference_encode(tile: np.ndarray, K: float, codebook: str) -> tuple[np.ndarray, np.ndarray]:
     """(states uint16 [256], values float32 [256]) by the argmin-recording two-pass search."""
     values = codebook_values(codebook).numpy()  # float16 [65536]
-    edges, q = 65536 >> K, 1 << K
-    e = np.arange(edges)
-    s = (np.arange(q)[:, None] << (16 - K)) | e  # (q, edges): candidate states of every edge
-    pred = s >> K
-    dec = values[s]
+    ka, kb = rate_widths(K)
     w = tile.astype(np.float16)
     inf = np.float16(np.inf)
 
+    def width(p: int) -> int:  # D(p): the bits position p shifts in
+        return kb if p % 2 else ka
+
+    def candidates(p: int):  # out-edges of position p, their candidate states and predecessors
+        kin, kout = width(p), width((p + 1) % L)
+        e = np.arange(65536 >> kout)
+        s = (np.arange(1 << kout)[:, None] << (16 - kout)) | e
+        return e, s, s >> kin
+
     def forward(roll: int, pre: int):
-        record = np.zeros((L, edges), dtype=np.int64)
-        cost = None
+        record, cost = {}, None
         for i in range(L):
             ri = (i + roll) % L
-            d = dec - w[ri]  # float16 op: exact difference rounded once
+            e, s, pred = candidates(ri)
+            d = values[s] - w[ri]  # float16 op: exact difference rounded once
             if cost is None:  # (|d| above 256 squares to inf in fp16, as on the GPU)
                 with np.errstate(over="ignore"):
                     c = (d.astype(np.float32) * d.astype(np.float32)).astype(np.float16)
@@ -75,8 +86,8 @@ def reference_encode(tile: np.ndarray, K: int, codebook: str) -> tuple[np.ndarra
         states, vals = np.zeros(L, np.uint16), np.zeros(L, np.float32)
         for i in range(L - 1, -1, -1):
             ri = (i + roll) % L
-            prev = int(record[ri, edge])
-            state = (prev << K) | edge
+            prev = int(record[ri][edge])
+            state = ((prev << width(ri)) | edge) & 0xFFFF
             edge = prev
             if write:
                 states[ri], vals[ri] = state, values[state]
@@ -85,6 +96,7 @@ def reference_encode(tile: np.ndarray, K: int, codebook: str) -> tuple[np.ndarra
         return edge, states, vals
 
     record, cost = forward(L // 2, -1)
+    e = np.arange(len(cost))
     key = (cost.view(np.uint16).astype(np.int64) << 16) | rank(e)
     best = int(key.min())
     last = 0 if best >= 0x7C000000 else int(e[np.argmin(key)])
@@ -105,9 +117,9 @@ def host_kernel(tmp_path_factory) -> Path:
     return exe
 
 
-def host_encode(exe: Path, tiles: np.ndarray, K: int, codebook: str) -> tuple[np.ndarray, np.ndarray]:
+def host_encode(exe: Path, tiles: np.ndarray, K: float, codebook: str) -> tuple[np.ndarray, np.ndarray]:
     n = len(tiles)
-    data = struct.pack("<3i", n, K, CODEBOOKS[codebook]) + tiles.astype("<f4").tobytes()
+    data = struct.pack("<4i", n, *rate_widths(K), CODEBOOKS[codebook]) + tiles.astype("<f4").tobytes()
     out = subprocess.run([str(exe)], input=data, capture_output=True, check=True).stdout
     states = np.frombuffer(out[: n * L * 2], dtype="<i2").view(np.uint16).reshape(n, L)
     vals = np.frombuffer(out[n * L * 2:], dtype="<f4").reshape(n, L)
@@ -128,7 +140,7 @@ def tiles_for(seed: int, codebook: str, random: int = 2) -> np.ndarray:
     return np.concatenate([gauss, zero, on_codebook, coarse, big]).astype(np.float32)
 
 
-def check(exe: Path, K: int, codebook: str, seed: int, random: int = 2) -> None:
+def check(exe: Path, K: float, codebook: str, seed: int, random: int = 2) -> None:
     tiles = tiles_for(seed, codebook, random)
     states, vals = host_encode(exe, tiles, K, codebook)
     for n, tile in enumerate(tiles):
@@ -142,24 +154,40 @@ def test_mul1_k2_matches_reference(host_kernel):
     check(host_kernel, 2, "mul1", seed=2, random=1)
 
 
+def test_mul1_half_rate_matches_reference(host_kernel):
+    """K 2.5: KA-wide and KB-wide steps in turn, the history keeping the even (narrower) steps only."""
+    check(host_kernel, 2.5, "mul1", seed=25, random=1)
+
+
+def test_half_rate_needs_mul1(host_kernel):
+    data = struct.pack("<4i", 1, 2, 3, CODEBOOKS["mcg"]) + np.zeros(L, "<f4").tobytes()
+    out = subprocess.run([str(host_kernel)], input=data, capture_output=True)
+    assert out.returncode == 2 and out.stderr == b"rate (2, 3) codebook 1 not built\n"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get(FULL_GRID), reason=f"the whole K and codebook grid takes about 6 minutes on "
                     f"2 cores; {FULL_GRID}=1 runs it (docs/encoder.md)")
-@pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
-@pytest.mark.parametrize("K", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize(("K", "codebook"), [(K, cb) for K in (1, 2, 3, 4, 5, 6) for cb in ("3inst", "mcg", "mul1")]
+                         + [(K, "mul1") for K in (1.5, 2.5, 3.5)])
 def test_every_k_and_codebook_matches_reference(host_kernel, K, codebook):
-    check(host_kernel, K, codebook, seed=100 + K)
+    check(host_kernel, K, codebook, seed=100 + int(2 * K))
 
 
-def test_reference_search_is_a_viterbi(host_kernel):
-    """The reference is worth comparing with: on a tile that is itself a valid ring of codebook states, the
-    two-pass search finds a zero-error encoding (every value reproduced exactly)."""
+@pytest.mark.parametrize("K", [2, 2.5])
+def test_reference_search_is_a_viterbi(K):
+    """The reference is worth comparing with: on a tile that is itself a valid ring of codebook states (random
+    trellis words unpacked), the two-pass search finds a zero-error encoding (every value reproduced
+    exactly), and its states form a ring of the rate's widths."""
+    import torch
+
+    from quantizer.codec.trellis import step_bits, unpack_trellis, words_per_tile
+
     values = codebook_values("mul1").numpy()
-    rng = np.random.default_rng(5)
-    K = 2
-    new = rng.integers(0, 1 << K, L)  # the K new bits of every position, around the ring
-    ring_states = [sum(int(new[(p - j) % L]) << (K * j) for j in range(16 // K)) for p in range(L)]
-    tile = values[ring_states].astype(np.float32)
+    g = torch.Generator().manual_seed(5)
+    words = torch.randint(-(1 << 15), 1 << 15, (words_per_tile(K),), dtype=torch.int16, generator=g)
+    tile = values[unpack_trellis(words, K).numpy()].astype(np.float32)
     states, vals = reference_encode(tile, K, "mul1")
     assert np.array_equal(vals, tile)
-    assert all(((int(states[p - 1]) << K) & 0xFFFF) >> K == int(states[p]) >> K for p in range(L))
+    shift = step_bits(K)
+    assert all(((int(states[p - 1]) << shift[p]) & 0xFFFF) >> shift[p] == int(states[p]) >> shift[p] for p in range(L))

@@ -18,8 +18,9 @@ from quantizer.quantize.settings import QuantizeSettings
 
 def test_fallback_reasons_one_line_each():
     tiles = torch.zeros(4, 256)
-    assert kernel.fallback_reason(tiles, {"K": 2.5, "mul1": True}) == "K 2.5 is half-integer (our kernel does integer K only)"
-    assert kernel.fallback_reason(tiles, {"K": 7}) == "K 7 is outside our kernel's K 1-6"
+    assert kernel.fallback_reason(tiles, {"K": 7}) == "K 7 is outside our kernel's K 1-6, 1.5, 2.5 and 3.5"
+    assert kernel.fallback_reason(tiles, {"K": 3.25, "mul1": True}).startswith("K 3.25 is outside")
+    assert kernel.fallback_reason(tiles, {"K": 2.5, "mcg": True}) == "K 2.5 needs the mul1 codebook"
     assert kernel.fallback_reason(torch.zeros(4, 160), {"K": 3, "mul1": True}) == "tiles of length 160 (our kernel does 256)"
     if not torch.cuda.is_available():
         assert kernel.fallback_reason(tiles, {"K": 3}) == "tiles are not on a CUDA device"
@@ -29,10 +30,10 @@ def test_fallback_reasons_one_line_each():
 def test_said_once_per_reason(capsys, monkeypatch):
     monkeypatch.setattr(kernel, "_said", set())
     for _ in range(3):
-        kernel._say_once("K 2.5 is half-integer")
+        kernel._say_once("K 7 is outside our kernel's K")
     kernel._say_once("no CUDA device")
     err = capsys.readouterr().err.splitlines()
-    assert err == ["encoder kernel: K 2.5 is half-integer; using exllamav3's quantize_tiles",
+    assert err == ["encoder kernel: K 7 is outside our kernel's K; using exllamav3's quantize_tiles",
                    "encoder kernel: no CUDA device; using exllamav3's quantize_tiles"]
 
 
@@ -50,6 +51,14 @@ def test_non_finite_refused_before_any_build(bad):
         kernel.encode_tiles(tiles, 2, 2)
 
 
+def test_bad_rate_or_codebook_refused_before_any_build():
+    tiles = torch.zeros(2, 256)
+    with pytest.raises(ValueError, match="K 7; our kernel does K 1-6, 1.5, 2.5 and 3.5"):
+        kernel.encode_tiles(tiles, 7, 2)
+    with pytest.raises(ValueError, match="K 2.5 needs the mul1 codebook"):
+        kernel.encode_tiles(tiles, 2.5, kernel.CODEBOOKS["mcg"])
+
+
 def test_source_hash_names_the_build(tmp_path):
     """An edited kernel (or another commit's, as bench/encoder_kernel.py --also builds) is its own build."""
     name = kernel._module_name(kernel.SOURCE)
@@ -61,25 +70,32 @@ def test_source_hash_names_the_build(tmp_path):
 
 
 def test_in_exllamav3_routes_tile_searches_through_ours_and_restores_theirs(monkeypatch):
-    """exllamav3's conversion looks its quantize_tiles up in its module at each call: inside the block that
-    name is ours (falling back to theirs where ours cannot run), after it theirs again, on error too."""
+    """exllamav3's conversion looks its quantize_tiles (integer K) and quantize_tiles_frac (half rates) up in
+    its module at each call: inside the block both names are ours (falling back to the matching one of theirs
+    where ours cannot run), after it theirs again, on error too."""
     calls = []
 
     def theirs(tiles, quant_args):
-        calls.append(quant_args["K"])
+        calls.append(("tiles", quant_args["K"]))
+        return tiles, torch.zeros(tiles.shape, dtype=torch.int16)
+
+    def theirs_frac(tiles, quant_args):
+        calls.append(("frac", quant_args["K"]))
         return tiles, torch.zeros(tiles.shape, dtype=torch.int16)
 
     module = types.ModuleType(kernel.EXLLAMAV3_ENCODER)
-    module.quantize_tiles = theirs
+    module.quantize_tiles, module.quantize_tiles_frac = theirs, theirs_frac
     monkeypatch.setitem(sys.modules, kernel.EXLLAMAV3_ENCODER, module)
     monkeypatch.setattr(kernel, "_said", set())
     with kernel.in_exllamav3():
-        assert module.quantize_tiles is not theirs
-        module.quantize_tiles(torch.zeros(3, 256), {"K": 2.5, "mul1": True})  # half-integer: theirs
-    assert module.quantize_tiles is theirs and calls == [2.5]
+        assert module.quantize_tiles is not theirs and module.quantize_tiles_frac is not theirs_frac
+        module.quantize_tiles(torch.zeros(3, 160), {"K": 3, "mul1": True})  # rows of 160: theirs
+        module.quantize_tiles_frac(torch.zeros(3, 256), {"K": 2.5, "mul1": True})  # on a CPU: theirs
+    assert calls == [("tiles", 3), ("frac", 2.5)]
+    assert module.quantize_tiles is theirs and module.quantize_tiles_frac is theirs_frac
     with pytest.raises(RuntimeError, match="boom"), kernel.in_exllamav3():
         raise RuntimeError("boom")
-    assert module.quantize_tiles is theirs
+    assert module.quantize_tiles is theirs and module.quantize_tiles_frac is theirs_frac
 
 
 def test_each_device_has_its_encoders_and_a_cuda_job_pins_exllamav3_codes():

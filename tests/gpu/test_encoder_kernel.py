@@ -1,7 +1,8 @@
 """Our CUDA tile encoder (quantizer/codec/kernel) writes exactly exllamav3 1.6.5's codes.
 
-For every integer K and codebook the kernel does, the states and the reconstructed values must be
-torch.equal to exllamav3's `quantize_tiles` on the same tiles: random N(0,1) tiles (more tiles than the
+For every integer K and codebook the kernel does, and the half rates 1.5, 2.5 and 3.5 (mul1), the states
+and the reconstructed values must be torch.equal to exllamav3's `quantize_tiles` (its
+`quantize_tiles_frac` at half rates) on the same tiles: random N(0,1) tiles (more tiles than the
 GPU has SMs, so blocks take several tiles each), scaled tiles (up to costs that overflow to inf), all-zero
 tiles, constant tiles, "coarse" tiles (|w| about 13, where fp16 path costs are so coarse that many candidates
 tie exactly and only the same first-index rule gives the same codes), and tiles made of codebook values
@@ -23,7 +24,7 @@ from quantizer.codec import kernel  # noqa: E402
 CODEBOOKS = {"3inst": {}, "mcg": {"mcg": True}, "mul1": {"mul1": True}}
 
 
-def theirs(tiles: torch.Tensor, K: int, codebook: str):
+def theirs(tiles: torch.Tensor, K: float, codebook: str):
     from exllamav3.modules.quant.exl3_lib.quantize import quantize_tiles
 
     return quantize_tiles(tiles, {"K": K, **CODEBOOKS[codebook]})
@@ -47,10 +48,13 @@ def built():
         pytest.fail(f"our kernel did not build on a CUDA machine: {why}")
 
 
-@pytest.mark.parametrize("codebook", sorted(CODEBOOKS))
-@pytest.mark.parametrize("K", kernel.KS)
+RATES = [(K, cb) for K in kernel.KS if K not in kernel.HALF_RATES for cb in sorted(CODEBOOKS)]
+RATES += [(K, "mul1") for K in kernel.HALF_RATES]
+
+
+@pytest.mark.parametrize(("K", "codebook"), RATES)
 def test_codes_equal_exllamav3(built, K, codebook):
-    tiles = tile_set(1000 + K)
+    tiles = tile_set(1000 + int(2 * K))
     ref_values, ref_states = theirs(tiles, K, codebook)
     values, states = kernel.encode_tiles(tiles, K, kernel.CODEBOOKS[codebook])
     differ = (states != ref_states).any(dim=1)
@@ -67,14 +71,14 @@ def test_codes_equal_exllamav3(built, K, codebook):
 
 
 def test_quantize_tiles_takes_exllamav3_arguments(built):
-    """The drop-in: exllamav3's argument dict in, its outputs out, ours where it runs; exllamav3's own
-    encoder at half-integer K (said once on stderr)."""
+    """The drop-in: exllamav3's argument dict in, its outputs out, ours where it runs (K as exllamav3 may
+    hold it, 3.0 too); exllamav3's own encoder at K 8."""
     tiles = tile_set(7)[:40]
-    for qa in ({"K": 3, "mul1": True}, {"K": 2, "mcg": True}):
+    for qa in ({"K": 3, "mul1": True}, {"K": 3.0, "mul1": True}, {"K": 2, "mcg": True}, {"K": 2.5, "mul1": True}):
+        assert kernel.fallback_reason(tiles, qa) is None
         out = kernel.quantize_tiles(tiles, qa)
         ref = theirs(tiles, qa["K"], "mul1" if qa.get("mul1") else "mcg")
         assert all(torch.equal(a, b) for a, b in zip(out, ref))
-    assert kernel.fallback_reason(tiles, {"K": 2.5, "mul1": True}).startswith("K 2.5 is half-integer")
     assert kernel.fallback_reason(tiles, {"K": 8, "mul1": True}).startswith("K 8 is outside")
 
 
@@ -108,11 +112,11 @@ def expert_inputs(seed: int, experts: int = 2, out_f: int = 2304, in_f: int = 51
     return weights, [x.T @ x for x in rows]
 
 
-@pytest.mark.parametrize("K", [1, 2, 3, 4, 2.5])
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 1.5, 2.5, 3.5])
 def test_our_conversion_stores_exllamav3s_tensors(built, K):
     """What the quantize stage runs (quantize_batch) on two routed-expert w1 of V4.1's shape with a Hessian
-    each: with --encoder ours (our loop, the Hessians kept on the GPU, our kernel; at K 2.5 exllamav3's
-    fractional search) every stored tensor and the proxy error equal exllamav3's own conversion."""
+    each: with --encoder ours (our loop, the Hessians kept on the GPU, our kernel, at half rates too) every
+    stored tensor and the proxy error equal exllamav3's own conversion."""
     from quantizer.codec.exllamav3_adapter import quantize_batch
 
     weights, hessians = expert_inputs(int(K * 10))

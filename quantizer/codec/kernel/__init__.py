@@ -3,15 +3,16 @@
 `trellis_encode.cu` is compiled with torch.utils.cpp_extension on first use and cached by torch in its
 extensions folder ($TORCH_EXTENSIONS_DIR, else torch's default under the user's cache); the module name
 carries a hash of the source, so an edited kernel is a new build, never a stale one. It encodes 16x16 tiles
-at integer K 1-6 with the 3INST, mcg or mul1 codebook and returns the same codes as exllamav3 1.6.5's
-`quantize_tiles` (checked by tests/gpu/test_encoder_kernel.py).
+at integer K 1-6 with the 3INST, mcg or mul1 codebook and at the half rates 1.5, 2.5 and 3.5 (mul1 only, as
+in exllamav3), and returns the same codes as exllamav3 1.6.5's `quantize_tiles` and `quantize_tiles_frac`
+(checked by tests/gpu/test_encoder_kernel.py).
 
 `quantize_tiles(tiles, quant_args)` takes exllamav3's arguments and returns its outputs (reconstructed
-tiles, int16 states); where our kernel cannot run (no CUDA, no compiler, a half-integer K, K above 6) it
-says why in one line, once per reason, and calls exllamav3's own function. `in_exllamav3()` puts it in
-place of exllamav3's for the length of a `with` block, so exllamav3's whole conversion (scale search,
-LDLQ, packing) runs unchanged around our tile search: one GPU's calls of `quantize_tiles` go through that
-module's global, and half-integer K takes exllamav3's own fractional path before it.
+tiles, int16 states); where our kernel cannot run (no CUDA, no compiler, K 7 or 8, rows of 160) it says why
+in one line, once per reason, and calls exllamav3's own function. `in_exllamav3()` puts it in place of
+exllamav3's two tile searches for the length of a `with` block, so exllamav3's whole conversion (scale
+search, LDLQ, packing) runs unchanged around ours: one GPU's calls go through that module's globals,
+`quantize_tiles` at integer K and `quantize_tiles_frac` at half rates.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from quantizer.caches import process_cache
 
 SOURCE = Path(__file__).with_name("trellis_encode.cu")
 EXLLAMAV3_ENCODER = "exllamav3.modules.quant.exl3_lib.quantize"  # the module whose quantize_tiles we stand in for
-KS = (1, 2, 3, 4, 5, 6)
+KS = (1, 2, 3, 4, 5, 6, 1.5, 2.5, 3.5)
+HALF_RATES = (1.5, 2.5, 3.5)  # mul1 only, as in exllamav3
 TILE = 256
 CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
@@ -88,20 +90,23 @@ def codebook_index(quant_args: dict) -> int:
     return CODEBOOKS["mul1"] if quant_args.get("mul1") else CODEBOOKS["mcg"] if quant_args.get("mcg") else CODEBOOKS["3inst"]
 
 
-def encode_tiles(tiles: torch.Tensor, K: int, codebook: int, *, max_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_tiles(tiles: torch.Tensor, K: float, codebook: int, *, max_blocks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Our kernel on (N, 256) float32 CUDA tiles: (reconstructed values float32, states int16), each (N, 256).
-    `max_blocks` > 0 caps the blocks per launch (each block's history scratch is two buffers of 256 x
-    2^(16-K) fp16 minima, 8 MiB at K 3; at K 1 and 2 half as many rows, 16 and 8 MiB)."""
+    `max_blocks` > 0 caps the blocks per launch (each block's history scratch: docs/encoder.md, "Our tile
+    kernel"; 8 MiB at K 3)."""
     if K not in KS:
-        raise ValueError(f"encode_tiles: K {K!r}; our kernel does integer K {KS[0]}-{KS[-1]}")
+        raise ValueError(f"encode_tiles: K {K!r}; our kernel does K 1-6, 1.5, 2.5 and 3.5")
     if codebook not in CODEBOOKS.values():
         raise ValueError(f"encode_tiles: codebook {codebook!r}; 0 (3INST), 1 (mcg) or 2 (mul1)")
+    if K in HALF_RATES and codebook != CODEBOOKS["mul1"]:
+        raise ValueError(f"encode_tiles: K {K:g} needs the mul1 codebook (2), got {codebook}")
     if tiles.dim() != 2 or tiles.shape[1] != TILE:
         raise ValueError(f"encode_tiles: tiles must be (N, {TILE}), got {tuple(tiles.shape)}")
     if not torch.isfinite(tiles).all():
         raise ValueError("tiles contain NaN or inf")
     tiles = tiles.to(torch.float32).contiguous()
-    values, states = _extension().encode_tiles(tiles, int(K), int(codebook), int(max_blocks))
+    ka = int(K)
+    values, states = _extension().encode_tiles(tiles, ka, ka + (K != ka), int(codebook), int(max_blocks))
     return values, states
 
 
@@ -114,10 +119,10 @@ def _say_once(reason: str) -> None:
 def fallback_reason(tiles: torch.Tensor, quant_args: dict) -> str | None:
     """Why these tiles go to exllamav3's encoder instead of ours (None: ours runs)."""
     K = quant_args["K"]
-    if not float(K).is_integer():
-        return f"K {K:g} is half-integer (our kernel does integer K only)"
-    if int(K) not in KS:
-        return f"K {K:g} is outside our kernel's K {KS[0]}-{KS[-1]}"
+    if K not in KS:
+        return f"K {K:g} is outside our kernel's K 1-6, 1.5, 2.5 and 3.5"
+    if K in HALF_RATES and codebook_index(quant_args) != CODEBOOKS["mul1"]:
+        return f"K {K:g} needs the mul1 codebook"
     if tiles.dim() != 2 or tiles.shape[1] != TILE:
         return f"tiles of length {tiles.shape[-1]} (our kernel does {TILE})"
     if tiles.device.type != "cuda":
@@ -131,18 +136,26 @@ def quantize_tiles(tiles: torch.Tensor, quant_args: dict, theirs=None) -> tuple[
     on (default: its module's current one)."""
     if (why := fallback_reason(tiles, quant_args)) is None:
         with torch.cuda.device(tiles.device):
-            return encode_tiles(tiles, int(quant_args["K"]), codebook_index(quant_args))
+            return encode_tiles(tiles, _rate(quant_args["K"]), codebook_index(quant_args))
     _say_once(why)
     return (theirs or importlib.import_module(EXLLAMAV3_ENCODER).quantize_tiles)(tiles, quant_args)
 
 
+def _rate(K: float) -> int | float:
+    """K as the kernel takes it: an int at integer rates (exllamav3's quant_args may hold 3.0)."""
+    return int(K) if float(K).is_integer() else float(K)
+
+
 @contextlib.contextmanager
 def in_exllamav3():
-    """Within the block exllamav3's conversion calls our `quantize_tiles` for its tile searches."""
+    """Within the block exllamav3's conversion calls our `quantize_tiles` for its tile searches, at integer K
+    (its `quantize_tiles`) and at half rates (its `quantize_tiles_frac`, which its batch code calls by name)."""
     module = importlib.import_module(EXLLAMAV3_ENCODER)
-    original = module.quantize_tiles
-    module.quantize_tiles = functools.partial(quantize_tiles, theirs=original)
+    originals = {name: getattr(module, name) for name in ("quantize_tiles", "quantize_tiles_frac")}
+    for name, original in originals.items():
+        setattr(module, name, functools.partial(quantize_tiles, theirs=original))
     try:
         yield
     finally:
-        module.quantize_tiles = original
+        for name, original in originals.items():
+            setattr(module, name, original)

@@ -1,23 +1,31 @@
 // The project's own Viterbi tile encoder for EXL3 (issue 39; docs/encoder.md, "Our tile kernel").
 //
-// One 16x16 tile is a tail-biting ring of L = 256 positions. The state after position p is 16 bits; each
-// step shifts K new bits in at the bottom, so the cost of a state depends only on its low 16 - K bits
-// ("edge" e), and its 2^K predecessors are the states whose top K bits are any k: state s = (k << (16-K)) | e,
-// predecessor edge s >> K. The search runs twice, as exllamav3 1.6.5 does (docs/exl3-format.md, encoder):
-// pass 1 starts at the ring's middle without constraint and traces back to position 0 to find a boundary
-// edge; pass 2 starts at position 0 from that edge and ends in it.
+// One 16x16 tile is a tail-biting ring of L = 256 positions, and the state after position p is a 16-bit
+// window of the ring's bits. Position p shifts D(p) new bits in at the bottom: K at integer rates; at the
+// half rates K = KA + 0.5 (mul1 only), KA at even p and KB = KA + 1 at odd p (exllamav3 1.6.5's `frac_k`,
+// mask 0xAAAA). Step p's cost of a state depends only on the state's low 16 - D(p + 1) bits, its out-edge
+// x, and its predecessor is the state shifted right by D(p): the 2^D(p+1) states of out-edge x are
+// s = (k << (16 - D(p + 1))) | x, each from edge s >> D(p). At integer K every step is K wide (D(p) = D(p+1)).
+// The search runs twice, as exllamav3 1.6.5 does (docs/exl3-format.md, encoder): pass 1 starts at the ring's
+// middle without constraint and traces back to position 0 to find a boundary edge; pass 2 starts at
+// position 0 from that edge and ends in it.
 //
-// What differs from exllamav3's generic kernel, and why the codes stay the same:
-// - every thread owns a fixed run of edges, so the decoded codebook values of its 2^16 / NT states are
-//   computed once per kernel launch and kept in registers;
+// What differs from exllamav3's kernels (`quantize_tiles`, `quantize_tiles_frac`), and why the codes stay
+// the same:
+// - every thread owns a fixed run of the states' low 16 - KB bits with all their top KB bits, 128 states,
+//   so the decoded codebook values of its states are computed once per kernel launch and kept in registers.
+//   At a KB-wide step (every step at integer K, the even ones at half rates) those are the out-edges of its
+//   run with 2^KB candidates each; at a KA-wide step (the odd ones at half rates) the lowest of the top KB
+//   bits joins the out-edge, so the thread owns two runs of out-edges, each with 2^KA candidates;
 // - the forward pass keeps only the minimum cost per edge (half2 sub, fma, min per pair of edges and
-//   candidate), no argmin index; each step's minima go to a global history;
-// - the traceback recomputes, for the edge on the path, the 2^K candidate costs with the same fp16 operations
+//   candidate), no argmin index; the kept steps' minima go to a global history;
+// - the traceback recomputes, for the edge on the path, the candidate costs with the same fp16 operations
 //   (sub, then fma with the stored predecessor cost; a plain square at step 0) and takes the smallest cost,
 //   lowest k first: the same value and the same first-index tie rule as a running strict-less argmin;
-// - at K 1 and 2, where a step's minima are 64 and 32 KiB and writing them bounds the search, the history
-//   keeps every other step's only; the traceback recomputes a skipped step's minimum from the step before
-//   it with the forward pass's operations (a minimum of the same values in any order is the same value);
+// - where KA is 1 or 2 (K 1, 1.5, 2, 2.5), where a step's minima are 16-64 KiB and writing them bounds the
+//   search, the history keeps the even steps' minima only (the narrower ones at half rates); the traceback
+//   recomputes an odd step's minimum from the step before it with the forward pass's operations (a
+//   minimum of the same values in any order is the same value);
 // - the minima are placed to avoid shared-memory bank conflicts (cost_slot) and to coalesce the history
 //   writes (hist_slot): places change, values do not;
 // - a block keeps two tiles in flight, so that each traceback runs beside the next forward pass (see the
@@ -26,7 +34,6 @@
 //   traceback as it goes.
 // The final-edge choice after pass 1 uses exllamav3's tie order over equal costs (bit-reversed warp, then
 // bit-reversed lane, then 1024-state stripe), written out below as `edge_rank`.
-
 //
 // The per-thread work (decode, one forward step, the final-edge key, one traceback candidate) is written as
 // plain functions and the kernel only orders them between barriers. Built with TRELLIS_HOST defined (and a
@@ -50,24 +57,46 @@ constexpr int L = 256;          // positions per tile (ring)
 constexpr int NT = 512;         // threads per block; all run the forward pass, warp 0 also traces back
 constexpr uint32_t NO_KEY = 0xffffffffu;
 
-template <int K>
+// A rate's thread layout: KB = KA for integer K, KB = KA + 1 for the half rate KA + 0.5
+template <int KA, int KB = KA>
 struct Geometry
 {
-    static constexpr int EDGES = 65536 >> K;                  // cost entries per step
-    static constexpr int E = EDGES / NT;                      // edges per thread, a contiguous run
-    static constexpr int P = E / 2;                           // edge pairs (one half2 each)
-    static constexpr int Q = 1 << K;                          // predecessors per edge
-    static constexpr int KSHIFT = 16 - 2 * K;                 // where k sits in a predecessor edge
-    static constexpr int G = (E >> K) > 0 ? (E >> K) : 1;     // distinct predecessor groups (e >> K) per thread
-    static constexpr int STRIDE = K <= 2 ? 2 : 1;             // the history keeps every STRIDE-th step's minima
+    static_assert(KB == KA || KB == KA + 1, "an integer rate (KB = KA) or a half rate (KB = KA + 1)");
+    static constexpr int NARROW = 65536 >> KB;                // out-edges of a KB-wide step
+    static constexpr int WIDE = 65536 >> KA;                  // out-edges of a KA-wide step: a cost buffer's size
+    static constexpr int E = NARROW / NT;                     // a thread's run of low 16 - KB state bits
+    static constexpr int P = E / 2;                           // pairs of them (one half2 each)
+    static constexpr int Q = 1 << KB;                         // top bits of a thread's states
+    static constexpr int STRIDE = KA <= 2 ? 2 : 1;            // the history keeps every STRIDE-th step's minima
     static constexpr int ROWS = L / STRIDE;                   // history rows per block
-    static constexpr int NV = STRIDE == 2 ? Q : 1;            // history minima a traceback candidate reads
+    static constexpr int ROW = STRIDE == 2 ? NARROW : WIDE;   // and their size (stride 2 keeps KB-wide steps only)
+    static constexpr int NV = STRIDE == 2 ? 1 << KA : 1;      // history minima a traceback candidate reads
     static constexpr int R = (Q + 31) / 32;                   // traceback candidates per lane of warp 0
-    static constexpr int PARTS = K == 1 ? 2 : 1;              // pieces of a run per forward step
+    static constexpr int PARTS = (P << (KB - KA)) > 16 ? 2 : 1;  // pieces of a run per forward step
     static constexpr int UNITS = E / 8;                       // 16-byte units in a thread's run of minima
     static constexpr int SPREAD = UNITS >= 8 ? 0 : UNITS == 4 ? 1 : 2;  // log2(8 / UNITS), see cost_slot
-    static_assert(E >= 2 && (E % 2) == 0 && KSHIFT >= 0, "K outside this thread layout");
+    static_assert(E >= 2 && (E % 2) == 0 && 16 - KA - KB >= 0, "K outside this thread layout");
 };
+
+// Step j of a pass at ring position j + roll (the roll is even, so both have j's parity): its widths D(p) and
+// D(p + 1), and how a thread's states map onto its out-edges and their predecessors
+template <int KA, int KB, bool ODD>
+struct Step
+{
+    using Gm = Geometry<KA, KB>;
+    static constexpr int KIN = ODD ? KB : KA;                 // bits shifted in at this position
+    static constexpr int KOUT = ODD ? KA : KB;                // and at the next: the out-edge is 16 - KOUT bits
+    static constexpr int NG = 1 << (KB - KOUT);               // out-edges per run entry: the low KB - KOUT top bits
+    static constexpr int SHIFT = 16 - KB - KIN;               // where a state's top KB bits sit in its predecessor
+    static constexpr int PE = Gm::E / Gm::PARTS;              // run entries per part
+    static constexpr int PG = (PE >> KIN) > 0 ? (PE >> KIN) : 1;  // distinct predecessors per part and top bits
+};
+
+// The same at a step index known only at run time (the traceback's)
+template <int KA, int KB>
+TE_FN int width_in(int i) { return (i & 1) ? KB : KA; }
+template <int KA, int KB>
+TE_FN int width_out(int i) { return (i & 1) ? KA : KB; }
 
 // Codebooks (docs/exl3-format.md, decode step 4): 0 = 3INST, 1 = mcg, 2 = mul1
 template <int CB>
@@ -144,64 +173,67 @@ TE_FN void store_pairs(half* dst, const half2 (&src)[P])
 #endif
 }
 
-// Where edge e's minimum sits in the shared cost buffers. A thread stores its run of E minima as UNITS
+// Where edge x's minimum sits in the shared cost buffers. A thread stores its run of E minima as UNITS
 // 16-byte units, and a warp stores 16-byte pieces eight threads at a time: where a run is 2, 4 or 8 units
-// (K 3, 2, 1) those eight threads' pieces would fall in 4, 2 or 1 of the 8 bank groups, so every store
+// (KB 3, 2, 1) those eight threads' pieces would fall in 4, 2 or 1 of the 8 bank groups, so every store
 // would wait 2, 4 or 8 times over. Each thread's units are therefore XOR-permuted by its index, spreading
 // the eight threads over all 8 groups; loads of any aligned run of 8 units stay within one permuted run.
+// A KA-wide buffer (half rates) is two KB-wide halves, x = (g << (16 - KB)) | e, each placed the same way.
 // Only the place changes, never a value (the history in global memory has its own order, hist_slot).
-template <int K>
-TE_FN int cost_slot(int e)
+template <int KA, int KB>
+TE_FN int cost_slot(int x)
 {
-    using Gm = Geometry<K>;
-    if constexpr (Gm::UNITS < 2) return e;
+    using Gm = Geometry<KA, KB>;
+    if constexpr (Gm::UNITS < 2) return x;
     else
     {
+        const int e = x & (Gm::NARROW - 1);
         const int unit = e >> 3;
         const int owner = unit / Gm::UNITS;
-        return ((unit ^ ((owner >> Gm::SPREAD) & (Gm::UNITS - 1))) << 3) | (e & 7);
+        return (x & ~(Gm::NARROW - 1)) | ((unit ^ ((owner >> Gm::SPREAD) & (Gm::UNITS - 1))) << 3) | (e & 7);
     }
 }
 
 // N minima of consecutive edges from `start` (N a power of two; aligned runs never straddle a unit) out of
 // a shared cost buffer, as N / 2 pairs (one unit or less at a time), or where N is 1 as that minimum twice
-template <int K, int N>
+template <int KA, int KB, int N>
 TE_FN void load_cost_pairs(half2 (&dst)[(N + 1) / 2], const half* costs, int start)
 {
     if constexpr (N == 1)
     {
-        dst[0] = __half2half2(costs[cost_slot<K>(start)]);
+        dst[0] = __half2half2(costs[cost_slot<KA, KB>(start)]);
     }
     else
     {
         constexpr int PIECE = N < 8 ? N : 8;
         #pragma unroll
-        for (int i = 0; i < N / PIECE; ++i) load_pairs<PIECE>(&dst[PIECE / 2 * i], costs + cost_slot<K>(start + PIECE * i));
+        for (int i = 0; i < N / PIECE; ++i)
+            load_pairs<PIECE>(&dst[PIECE / 2 * i], costs + cost_slot<KA, KB>(start + PIECE * i));
     }
 }
 
 // Where edge x's minimum sits in a history row (global memory). Stored in a thread's plain order, each of a
-// warp's 16-byte stores would touch 32 separate lines wherever a run is 2 units or more (K 1-3): cutting
+// warp's 16-byte stores would touch 32 separate lines wherever a run is 2 units or more (KB 1-3): cutting
 // the history writes out of the kernel made it 3.5x faster at K 1 and 1.6x at K 2 (H100). So a row is laid
 // out unit-major: unit 0 of every thread's run, then unit 1, ..., and each warp store writes 512
-// contiguous bytes. The traceback reads single minima, through this same map.
-template <int K>
+// contiguous bytes; a KA-wide row is two such halves. The traceback reads single minima, through this map.
+template <int KA, int KB>
 TE_FN int hist_slot(int x)
 {
-    using Gm = Geometry<K>;
+    using Gm = Geometry<KA, KB>;
     if constexpr (Gm::UNITS < 2) return x;
     else
     {
-        const int unit = x >> 3;
-        return (((unit % Gm::UNITS) * NT + unit / Gm::UNITS) << 3) | (x & 7);
+        const int unit = (x & (Gm::NARROW - 1)) >> 3;
+        return (x & ~(Gm::NARROW - 1)) | ((((unit % Gm::UNITS) * NT + unit / Gm::UNITS) << 3) | (x & 7));
     }
 }
 
-// Thread t's P pairs of minima from its pair p0 on into a history row, in hist_slot's order
-template <int K, int P>
+// Thread t's P pairs of minima from its pair p0 on into a history row (or its half), in hist_slot's order
+template <int KA, int KB, int P>
 TE_FN void store_history(half* row, int t, const half2 (&src)[P], int p0 = 0)
 {
-    using Gm = Geometry<K>;
+    using Gm = Geometry<KA, KB>;
     if constexpr (Gm::UNITS < 2) store_pairs<P>(row + t * Gm::E + 2 * p0, src);
     else
     {
@@ -216,9 +248,9 @@ TE_FN void store_history(half* row, int t, const half2 (&src)[P], int p0 = 0)
     }
 }
 
-// Thread t's P pairs of minima into a shared cost buffer, one unit (or less) at a time
-template <int K, int P>
-TE_FN void store_costs(half* costs, int e0, const half2 (&src)[P])
+// Thread t's P pairs of minima of consecutive edges from x0 into a shared cost buffer, a unit (or less) at a time
+template <int KA, int KB, int P>
+TE_FN void store_costs(half* costs, int x0, const half2 (&src)[P])
 {
     constexpr int PIECE = P < 4 ? P : 4;  // pairs per store
     #pragma unroll
@@ -227,7 +259,7 @@ TE_FN void store_costs(half* costs, int e0, const half2 (&src)[P])
         alignas(16) half2 piece[PIECE];
         #pragma unroll
         for (int j = 0; j < PIECE; ++j) piece[j] = src[PIECE * i + j];
-        store_pairs<PIECE>(costs + cost_slot<K>(e0 + 2 * PIECE * i), piece);
+        store_pairs<PIECE>(costs + cost_slot<KA, KB>(x0 + 2 * PIECE * i), piece);
     }
 }
 
@@ -253,11 +285,11 @@ TE_FN uint32_t rank_edge(uint32_t r)
     return ((r & 31u) << 10) | (rev5(r >> 10) << 5) | rev5((r >> 5) & 31u);
 }
 
-// Thread t's decoded values: dec[k][j] holds the states (k << (16-K)) | e for its edge pair j
-template <int K, int CB>
-TE_FN void decode_thread(int t, half2 (&dec)[Geometry<K>::Q][Geometry<K>::P])
+// Thread t's decoded values: dec[k][j] holds the states (k << (16 - KB)) | e for its pair j of run entries e
+template <int KA, int KB, int CB>
+TE_FN void decode_thread(int t, half2 (&dec)[Geometry<KA, KB>::Q][Geometry<KA, KB>::P])
 {
-    using Gm = Geometry<K>;
+    using Gm = Geometry<KA, KB>;
     const int e0 = t * Gm::E;
     #pragma unroll
     for (int k = 0; k < Gm::Q; ++k)
@@ -265,37 +297,39 @@ TE_FN void decode_thread(int t, half2 (&dec)[Geometry<K>::Q][Geometry<K>::P])
         #pragma unroll
         for (int j = 0; j < Gm::P; ++j)
         {
-            const uint32_t s = ((uint32_t) k << (16 - K)) | (uint32_t) (e0 + 2 * j);
+            const uint32_t s = ((uint32_t) k << (16 - KB)) | (uint32_t) (e0 + 2 * j);
             dec[k][j] = __halves2half2(decode_state<CB>(s), decode_state<CB>(s + 1));
         }
     }
 }
 
-// One forward step for thread t: the minimum over the 2^K predecessors of every edge it owns, into `next`
-// (and `hrow` when not null). FIRST: the first step of a pass, a plain square, only from edge `pre` if >= 0
-// (`prev` unused); a template argument, so that the other 255 steps run without a branch per candidate and
-// take each predecessor cost straight from the loaded pair (docs/encoder.md, "What limited it next"). At K 1
-// the run is done in PARTS pieces, each with its own minima and predecessor costs: a whole run's do not fit
-// in the registers beside the decoded values and the traceback's (the compiler spilled them)
-template <int K, bool FIRST>
-TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<K>::Q][Geometry<K>::P], half w, const half* prev,
-                          half* next, half* hrow, int pre)
+// One forward step for thread t: the minimum over the candidates of every out-edge it owns, into `next` (and
+// `hrow` when not null). ODD: a KA-wide step of a half rate (Step). FIRST: the first step of a pass, a plain
+// square, only from edge `pre` if >= 0 (`prev` unused); a template argument, so that the other 255 steps
+// run without a branch per candidate and take each predecessor cost straight from the loaded pair
+// (docs/encoder.md, "What limited it next"). Where a run's minima would not fit in the registers beside the
+// decoded values and the traceback's (K 1 and 1.5: the compiler spilled them), the run is done in PARTS
+// pieces, each with its own minima and predecessor costs
+template <int KA, int KB, bool ODD, bool FIRST>
+TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<KA, KB>::Q][Geometry<KA, KB>::P], half w,
+                          const half* prev, half* next, half* hrow, int pre)
 {
-    using Gm = Geometry<K>;
-    constexpr int PP = Gm::P / Gm::PARTS;   // edge pairs per part
-    constexpr int PG = Gm::G / Gm::PARTS;   // predecessor costs per part and k (G is a multiple of PARTS)
+    using Gm = Geometry<KA, KB>;
+    using St = Step<KA, KB, ODD>;
+    constexpr int PP = Gm::P / Gm::PARTS;   // pairs per part
     const half2 w2 = __half2half2(w);
     #pragma unroll
     for (int part = 0; part < Gm::PARTS; ++part)
     {
         const int p0 = part * PP;             // the part's first pair
-        const int e = t * Gm::E + 2 * p0;     // and its first edge (a multiple of 2^K)
-        alignas(16) half2 m[PP];  // aligned for the vector stores of store_costs
+        const int e = t * Gm::E + 2 * p0;     // and its first run entry (a multiple of 2^KIN)
+        alignas(16) half2 m[St::NG][PP];  // aligned for the vector stores of store_costs
         #pragma unroll
         for (int k = 0; k < Gm::Q; ++k)
         {
-            alignas(16) half2 c[(PG + 1) / 2];  // aligned for the vector loads of load_pairs
-            if constexpr (!FIRST) load_cost_pairs<K, PG>(c, prev, (k << Gm::KSHIFT) | (e >> K));
+            const int g = k & (St::NG - 1);   // which of the thread's out-edge runs state k of an entry ends in
+            alignas(16) half2 c[(St::PG + 1) / 2];  // aligned for the vector loads of load_pairs
+            if constexpr (!FIRST) load_cost_pairs<KA, KB, St::PG>(c, prev, (k << St::SHIFT) | (e >> St::KIN));
             #pragma unroll
             for (int j = 0; j < PP; ++j)
             {
@@ -304,35 +338,43 @@ TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<K>::Q][Geometry<K>:
                 if constexpr (FIRST)
                 {
                     v = __hmul2(d, d);
-                    if (pre >= 0 && ((k << Gm::KSHIFT) | ((e + 2 * j) >> K)) != pre) v = __half2half2(inf_half());
+                    if (pre >= 0 && ((k << St::SHIFT) | ((e + 2 * j) >> St::KIN)) != pre) v = __half2half2(inf_half());
                 }
                 else
                 {
-                    // edges 2j and 2j + 1 share their predecessor: cost (2j) >> K of the run, both halves
-                    const int ci = PG == 1 ? 0 : (2 * j) >> K;
+                    // entries 2j and 2j + 1 share their predecessor: cost (2j) >> KIN of the part, both halves
+                    const int ci = St::PG == 1 ? 0 : (2 * j) >> St::KIN;
                     v = __hfma2(d, d, (ci & 1) ? __high2half2(c[ci >> 1]) : __low2half2(c[ci >> 1]));
                 }
-                m[j] = k == 0 ? v : __hmin2(m[j], v);
+                m[g][j] = k < St::NG ? v : __hmin2(m[g][j], v);
             }
         }
-        store_costs<K, PP>(next, e, m);
-        if (hrow) store_history<K, PP>(hrow, t, m, p0);
+        #pragma unroll
+        for (int g = 0; g < St::NG; ++g)
+        {
+            store_costs<KA, KB, PP>(next, (g << (16 - KB)) | e, m[g]);
+            if (hrow) store_history<KA, KB, PP>(hrow + g * Gm::NARROW, t, m[g], p0);
+        }
     }
 }
 
-// Thread t's smallest (cost bits << 16 | rank) over its edges of the final step
-template <int K>
+// Thread t's smallest (cost bits << 16 | rank) over its out-edges of the final step (an odd one)
+template <int KA, int KB>
 TE_FN uint32_t final_key_thread(int t, const half* costs)
 {
-    using Gm = Geometry<K>;
+    using Gm = Geometry<KA, KB>;
     const int e0 = t * Gm::E;
     uint32_t best = NO_KEY;
     #pragma unroll
-    for (int j = 0; j < Gm::E; ++j)
+    for (int g = 0; g < Step<KA, KB, true>::NG; ++g)
     {
-        const uint32_t e = (uint32_t) (e0 + j);
-        const uint32_t key = ((uint32_t) __half_as_ushort(costs[cost_slot<K>((int) e)]) << 16) | edge_rank(e);
-        best = key < best ? key : best;
+        #pragma unroll
+        for (int j = 0; j < Gm::E; ++j)
+        {
+            const uint32_t x = ((uint32_t) g << (16 - KB)) | (uint32_t) (e0 + j);
+            const uint32_t key = ((uint32_t) __half_as_ushort(costs[cost_slot<KA, KB>((int) x)]) << 16) | edge_rank(x);
+            best = key < best ? key : best;
+        }
     }
     return best;
 }
@@ -340,77 +382,68 @@ TE_FN uint32_t final_key_thread(int t, const half* costs)
 // The final edge from the block's smallest key; every cost infinite: edge 0, as exllamav3 does
 TE_FN int final_edge(uint32_t best) { return best >= 0x7c000000u ? 0 : (int) rank_edge(best & 0xffffu); }
 
-// The history row that keeps step i's minima, or -1 for a step it skips (STRIDE 2: the even ones)
-template <int K>
-TE_FN int history_row(int i) { return Geometry<K>::STRIDE == 1 ? i : ((i & 1) ? (i >> 1) : -1); }
+// The history row that keeps step i's minima, or -1 for a step it skips (STRIDE 2: the odd ones)
+template <int KA, int KB>
+TE_FN int history_row(int i) { return Geometry<KA, KB>::STRIDE == 1 ? i : ((i & 1) ? -1 : (i >> 1)); }
 
-// The history minima the traceback needs for candidate k of edge e at position i (see candidate_key): step
-// i - 1's minimum of the candidate's predecessor edge, or where the history skips step i - 1, step i - 2's
-// minima of that edge's 2^K predecessors (none at i = 0, nor where step i - 1 is step 0). Gathered apart from
-// the arithmetic, so that the kernel can load them one forward step before it needs them
-template <int K>
-TE_FN void gather_candidate(uint32_t k, uint32_t e, int i, const half* hist, half (&v)[Geometry<K>::NV])
+// The history minima the traceback needs for candidate k of edge e at position index i (see candidate_key):
+// step i - 1's minimum of the candidate's predecessor edge, or where the history skips step i - 1 (odd, so
+// KB bits in and KA out), step i - 2's minima of that edge's 2^KA predecessors (none at i = 0). Gathered
+// apart from the arithmetic, so that the kernel can load them one forward step before it needs them
+template <int KA, int KB>
+TE_FN void gather_candidate(uint32_t k, uint32_t e, int i, const half* hist, half (&v)[Geometry<KA, KB>::NV])
 {
-    using Gm = Geometry<K>;
+    using Gm = Geometry<KA, KB>;
     if (i == 0) return;
-    const uint32_t in = (((uint32_t) k << (16 - K)) | e) >> K;
+    const uint32_t in = (((uint32_t) k << (16 - width_out<KA, KB>(i))) | e) >> width_in<KA, KB>(i);
     const int r = i - 1;
-    if (history_row<K>(r) >= 0)
+    if (history_row<KA, KB>(r) >= 0)
     {
-        v[0] = hist[(size_t) history_row<K>(r) * Gm::EDGES + hist_slot<K>((int) in)];
+        v[0] = hist[(size_t) history_row<KA, KB>(r) * Gm::ROW + hist_slot<KA, KB>((int) in)];
         return;
     }
     if constexpr (Gm::NV > 1)
     {
-        if (r == 0) return;
         #pragma unroll
-        for (int j = 0; j < Gm::Q; ++j)
-            v[j] = hist[(size_t) history_row<K>(r - 1) * Gm::EDGES + hist_slot<K>((int) ((((uint32_t) j << (16 - K)) | in) >> K))];
+        for (int j = 0; j < Gm::NV; ++j)
+            v[j] = hist[(size_t) history_row<KA, KB>(r - 1) * Gm::ROW
+                        + hist_slot<KA, KB>((int) ((((uint32_t) j << (16 - KA)) | in) >> KB))];
     }
 }
 
 // The minimum cost of edge x after step r as the forward pass computed it, from the gathered minima: the
-// kept one, or for a step the history skips, recomputed over x's 2^K predecessors (a plain square at step 0)
-template <int K, int CB>
-TE_FN half step_cost(uint32_t x, int r, half w_r, int pre, const half (&v)[Geometry<K>::NV])
+// kept one, or for a step the history skips, recomputed over x's 2^KA predecessors
+template <int KA, int KB, int CB>
+TE_FN half step_cost(uint32_t x, int r, half w_r, const half (&v)[Geometry<KA, KB>::NV])
 {
-    using Gm = Geometry<K>;
-    if (history_row<K>(r) >= 0) return v[0];
+    using Gm = Geometry<KA, KB>;
+    if (history_row<KA, KB>(r) >= 0) return v[0];
     half m = inf_half();
     #pragma unroll
-    for (int k = 0; k < Gm::Q; ++k)
+    for (int j = 0; j < Gm::NV; ++j)
     {
-        const uint32_t s = ((uint32_t) k << (16 - K)) | x;
-        const half d = __hsub(decode_state<CB>(s), w_r);
-        half c;
-        if (r == 0)
-        {
-            c = __hmul(d, d);
-            if (pre >= 0 && (int) (s >> K) != pre) c = inf_half();
-        }
-        else
-        {
-            c = __hfma(d, d, v[Gm::NV > 1 ? k : 0]);
-        }
-        m = k == 0 ? c : __hmin(m, c);
+        const half d = __hsub(decode_state<CB>(((uint32_t) j << (16 - KA)) | x), w_r);
+        const half c = __hfma(d, d, v[j]);
+        m = j == 0 ? c : __hmin(m, c);
     }
     return m;
 }
 
 // Traceback, candidate k of edge e at position index i: its decoded value less the position's weight, the
 // part that needs no history (the kernel computes it before the forward work, the rest after)
-template <int K, int CB>
-TE_FN half candidate_offset(int k, uint32_t e, half w)
+template <int KA, int KB, int CB>
+TE_FN half candidate_offset(int k, uint32_t e, int i, half w)
 {
-    return __hsub(decode_state<CB>(((uint32_t) k << (16 - K)) | e), w);
+    return __hsub(decode_state<CB>(((uint32_t) k << (16 - width_out<KA, KB>(i))) | e), w);
 }
 
 // and its key (cost bits << 16 | k), recomputed with the forward pass's operations from that offset d and
 // step i - 1's minima, gathered into v (`w_prev`: that step's weight; unused at i = 0)
-template <int K, int CB>
-TE_FN uint32_t candidate_key(int k, uint32_t e, half d, int i, int pre, const half (&v)[Geometry<K>::NV], half w_prev)
+template <int KA, int KB, int CB>
+TE_FN uint32_t candidate_key(int k, uint32_t e, half d, int i, int pre, const half (&v)[Geometry<KA, KB>::NV],
+                             half w_prev)
 {
-    const uint32_t in = (((uint32_t) k << (16 - K)) | e) >> K;
+    const uint32_t in = (((uint32_t) k << (16 - width_out<KA, KB>(i))) | e) >> width_in<KA, KB>(i);
     half c;
     if (i == 0)
     {
@@ -419,23 +452,27 @@ TE_FN uint32_t candidate_key(int k, uint32_t e, half d, int i, int pre, const ha
     }
     else
     {
-        c = __hfma(d, d, step_cost<K, CB>(in, i - 1, w_prev, pre, v));
+        c = __hfma(d, d, step_cost<KA, KB, CB>(in, i - 1, w_prev, v));
     }
     return ((uint32_t) __half_as_ushort(c) << 16) | (uint32_t) k;
 }
 
-TE_FN uint32_t state_of(uint32_t best, uint32_t e, int K) { return ((best & 0xffffu) << (16 - K)) | e; }
+// The state of the least key's candidate for out-edge e of a step whose next position is `kout` bits wide
+TE_FN uint32_t state_of(uint32_t best, uint32_t e, int kout) { return ((best & 0xffffu) << (16 - kout)) | e; }
 
 TE_FN int ring(int i, int roll) { return i + roll >= L ? i + roll - L : i + roll; }
 
 // Which steps' minima the traceback reads: pass 1 (roll L/2) traces back to ring position 0, index L/2,
 // and reads steps L/2 - 1 .. L - 2; pass 2 reads steps 0 .. L - 2. The history keeps those of them that
-// history_row gives a row (L/2 - 1 is odd, so pass 1's first read step is kept at either stride)
-template <int K>
+// history_row gives a row, and at stride 2 step L/2 - 2 too (step L/2 - 1 is odd: recomputed from it)
+template <int KA, int KB>
+constexpr int pass1_keep_from() { return Geometry<KA, KB>::STRIDE == 2 ? L / 2 - 2 : L / 2 - 1; }
+
+template <int KA, int KB>
 TE_FN half* kept_row(half* hist, int i, int keep_from)
 {
-    return i >= keep_from && i <= L - 2 && history_row<K>(i) >= 0
-        ? hist + (size_t) history_row<K>(i) * Geometry<K>::EDGES : nullptr;
+    return i >= keep_from && i <= L - 2 && history_row<KA, KB>(i) >= 0
+        ? hist + (size_t) history_row<KA, KB>(i) * Geometry<KA, KB>::ROW : nullptr;
 }
 
 #ifndef TRELLIS_HOST
@@ -460,17 +497,17 @@ struct Trace
 // forward work and resolves after it, so the loads' latency is hidden too. Forward passes write the two
 // history buffers in turn, and a traceback reads the one the pass before wrote. A last tile without a pair
 // traces its pass 1 back on its own; the block's last pass 2 is traced after the loop.
-template <int K, int CB>
+template <int KA, int KB, int CB>
 __global__ void __launch_bounds__(NT, 1)
 trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_values,
                       int16_t* __restrict__ out_states, half* __restrict__ history, int num_tiles)
 {
-    using Gm = Geometry<K>;
-    constexpr size_t HSIZE = (size_t) Gm::ROWS * Gm::EDGES;    // one history buffer
+    using Gm = Geometry<KA, KB>;
+    constexpr size_t HSIZE = (size_t) Gm::ROWS * Gm::ROW;      // one history buffer
     extern __shared__ __align__(16) uint8_t smem[];
     half* costs0 = reinterpret_cast<half*>(smem);
-    half* costs1 = costs0 + Gm::EDGES;
-    half* sh_w = costs1 + Gm::EDGES;                             // two tiles in fp16, one per slot
+    half* costs1 = costs0 + Gm::WIDE;
+    half* sh_w = costs1 + Gm::WIDE;                             // two tiles in fp16, one per slot
     uint32_t* sh_red = reinterpret_cast<uint32_t*>(sh_w + 2 * L);   // one word per warp
     int* sh_bound = reinterpret_cast<int*>(sh_red + NT / 32);     // the boundary edge of each slot's tile
     Trace* sh_tr = reinterpret_cast<Trace*>(sh_bound + 2);
@@ -483,7 +520,7 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
 
     // Decoded values of this thread's states, kept for every step of every tile
     half2 dec[Gm::Q][Gm::P];
-    decode_thread<K, CB>(t, dec);
+    decode_thread<KA, KB, CB>(t, dec);
     if (t == 0) sh_tr->active = 0;
 
     // Warp 0 takes the pending traceback into its registers (where it stays while it runs: nothing else reads
@@ -500,15 +537,16 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
     auto tb_gather = [&](const Trace& tr, int j, half (&v)[Gm::R][Gm::NV], half (&d)[Gm::R])
     {
         const half* hist = hists + tr.buf * HSIZE;
-        const half wi = sh_w[tr.slot * L + ring(L - 1 - j, tr.roll)];
+        const int i = L - 1 - j;
+        const half wi = sh_w[tr.slot * L + ring(i, tr.roll)];
         #pragma unroll
         for (int r = 0; r < Gm::R; ++r)
         {
             const int k = lane + 32 * r;
-            if (k < Gm::Q)
+            if (k < (1 << width_out<KA, KB>(i)))
             {
-                gather_candidate<K>((uint32_t) k, (uint32_t) tr.e, L - 1 - j, hist, v[r]);
-                d[r] = candidate_offset<K, CB>(k, (uint32_t) tr.e, wi);
+                gather_candidate<KA, KB>((uint32_t) k, (uint32_t) tr.e, i, hist, v[r]);
+                d[r] = candidate_offset<KA, KB, CB>(k, (uint32_t) tr.e, i, wi);
             }
         }
     };
@@ -524,11 +562,12 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
         for (int r = 0; r < Gm::R; ++r)
         {
             const int k = lane + 32 * r;
-            if (k < Gm::Q) best = min(best, candidate_key<K, CB>(k, (uint32_t) tr.e, d[r], i, tr.pre, v[r], w_prev));
+            if (k < (1 << width_out<KA, KB>(i)))
+                best = min(best, candidate_key<KA, KB, CB>(k, (uint32_t) tr.e, d[r], i, tr.pre, v[r], w_prev));
         }
         best = __reduce_min_sync(0xffffffffu, best);
-        const uint32_t s = state_of(best, (uint32_t) tr.e, K);
-        tr.e = (int) (s >> K);
+        const uint32_t s = state_of(best, (uint32_t) tr.e, width_out<KA, KB>(i));
+        tr.e = (int) (s >> width_in<KA, KB>(i));
         if (lane == 0 && tr.tile >= 0) out_states[(size_t) tr.tile * L + ri] = (int16_t) (uint16_t) s;
         if (tr.tile < 0 && ri == 0)
         {
@@ -557,9 +596,12 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
             half v[Gm::R][Gm::NV], d[Gm::R];
             if (t < 32 && tr.active) tb_gather(tr, j, v, d);
             half* next = (j & 1) ? costs1 : costs0;
-            half* hrow = kept_row<K>(hist, j, keep_from);
-            if (j == 0) forward_thread<K, true>(t, dec, w[ring(j, roll)], nullptr, next, hrow, pre);
-            else forward_thread<K, false>(t, dec, w[ring(j, roll)], (j & 1) ? costs0 : costs1, next, hrow, pre);
+            half* hrow = kept_row<KA, KB>(hist, j, keep_from);
+            const half* prev = (j & 1) ? costs0 : costs1;
+            // at integer K odd and even steps are the same step, one instantiation
+            if (KA != KB && (j & 1)) forward_thread<KA, KB, true, false>(t, dec, w[ring(j, roll)], prev, next, hrow, pre);
+            else if (j == 0) forward_thread<KA, KB, false, true>(t, dec, w[ring(j, roll)], nullptr, next, hrow, pre);
+            else forward_thread<KA, KB, false, false>(t, dec, w[ring(j, roll)], prev, next, hrow, pre);
             if (t < 32 && tr.active) tb_resolve(tr, j, v, d);
             __syncthreads();
         }
@@ -582,7 +624,7 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
     // After pass 1 of the tile in `slot`: its traceback is pending, from the final edge of least cost
     auto pass1_done = [&](int slot)
     {
-        uint32_t best = __reduce_min_sync(0xffffffffu, final_key_thread<K>(t, costs1));
+        uint32_t best = __reduce_min_sync(0xffffffffu, final_key_thread<KA, KB>(t, costs1));
         if (lane == 0) sh_red[t >> 5] = best;
         __syncthreads();
         if (t < 32)
@@ -610,12 +652,12 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
     for (int n = 0; n < count; n += 2)
     {
         load_tile(0, n);                    // slot 0's last traceback (T2 of tile n - 2) ran beside F2(n - 1)
-        forward(0, L / 2, -1, L / 2 - 1);   // F1(n), beside T2(n - 1)
+        forward(0, L / 2, -1, pass1_keep_from<KA, KB>());   // F1(n), beside T2(n - 1)
         pass1_done(0);
         if (n + 1 < count)
         {
             load_tile(1, n + 1);            // T2(n - 1) ran beside F1(n)
-            forward(1, L / 2, -1, L / 2 - 1);   // F1(n + 1), beside T1(n)
+            forward(1, L / 2, -1, pass1_keep_from<KA, KB>());   // F1(n + 1), beside T1(n)
             pass1_done(1);
             forward(0, 0, sh_bound[0], 0);      // F2(n), beside T1(n + 1)
             pass2_done(0, n);
@@ -649,19 +691,20 @@ namespace {
 
 using namespace trellis;
 
-template <int K, int CB>
+template <int KA, int KB, int CB>
 void launch(const torch::Tensor& tiles, torch::Tensor& values, torch::Tensor& states, int64_t max_blocks)
 {
-    constexpr int EDGES = Geometry<K>::EDGES;
-    constexpr int ROWS = Geometry<K>::ROWS;  // a plain constant: a dependent one would make `history` a dependent type
+    constexpr int WIDE = Geometry<KA, KB>::WIDE;
+    // plain constants: dependent ones would make `history` a dependent type
+    constexpr int64_t HSIZE = (int64_t) Geometry<KA, KB>::ROWS * Geometry<KA, KB>::ROW;
     const int num_tiles = (int) tiles.size(0);
     if (num_tiles == 0) return;
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     int blocks = std::min(num_tiles, sms);
     if (max_blocks > 0) blocks = (int) std::min<int64_t>(blocks, max_blocks);
-    auto history = torch::empty({(int64_t) blocks * 2 * ROWS * EDGES}, tiles.options().dtype(torch::kHalf));
-    const size_t shmem = (2 * EDGES + 2 * L) * sizeof(half) + (NT / 32 + 2) * sizeof(uint32_t) + sizeof(Trace);
-    auto kernel = trellis_encode_kernel<K, CB>;
+    auto history = torch::empty({(int64_t) blocks * 2 * HSIZE}, tiles.options().dtype(torch::kHalf));
+    const size_t shmem = (2 * WIDE + 2 * L) * sizeof(half) + (NT / 32 + 2) * sizeof(uint32_t) + sizeof(Trace);
+    auto kernel = trellis_encode_kernel<KA, KB, CB>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) shmem));
     kernel<<<blocks, NT, shmem, at::cuda::getCurrentCUDAStream()>>>(
         tiles.data_ptr<float>(), values.data_ptr<float>(), states.data_ptr<int16_t>(),
@@ -669,37 +712,49 @@ void launch(const torch::Tensor& tiles, torch::Tensor& values, torch::Tensor& st
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int K>
+template <int KA, int KB>
 void launch_cb(int64_t cb, const torch::Tensor& tiles, torch::Tensor& values, torch::Tensor& states, int64_t mb)
 {
-    switch (cb)
+    if constexpr (KA != KB)
     {
-        case 0: launch<K, 0>(tiles, values, states, mb); break;
-        case 1: launch<K, 1>(tiles, values, states, mb); break;
-        case 2: launch<K, 2>(tiles, values, states, mb); break;
-        default: TORCH_CHECK(false, "trellis_encode: codebook must be 0 (3INST), 1 (mcg) or 2 (mul1), got ", cb);
+        TORCH_CHECK(cb == 2, "trellis_encode: half rates need the mul1 codebook (2), got ", cb);
+        launch<KA, KB, 2>(tiles, values, states, mb);
+    }
+    else
+    {
+        switch (cb)
+        {
+            case 0: launch<KA, KB, 0>(tiles, values, states, mb); break;
+            case 1: launch<KA, KB, 1>(tiles, values, states, mb); break;
+            case 2: launch<KA, KB, 2>(tiles, values, states, mb); break;
+            default: TORCH_CHECK(false, "trellis_encode: codebook must be 0 (3INST), 1 (mcg) or 2 (mul1), got ", cb);
+        }
     }
 }
 
 }  // namespace
 
-// tiles: (N, 256) float32, contiguous, on a CUDA device. Returns (values float32 (N, 256), states int16 (N, 256)).
-std::vector<torch::Tensor> encode_tiles(torch::Tensor tiles, int64_t K, int64_t cb, int64_t max_blocks)
+// tiles: (N, 256) float32, contiguous, on a CUDA device; rate KA bits per step (kb = ka), or the half rate
+// ka + 0.5 (kb = ka + 1). Returns (values float32 (N, 256), states int16 (N, 256)).
+std::vector<torch::Tensor> encode_tiles(torch::Tensor tiles, int64_t ka, int64_t kb, int64_t cb, int64_t max_blocks)
 {
     TORCH_CHECK(tiles.is_cuda() && tiles.scalar_type() == torch::kFloat && tiles.dim() == 2 && tiles.size(1) == L
                 && tiles.is_contiguous(), "trellis_encode: tiles must be a contiguous CUDA float32 (N, 256) tensor");
     const c10::cuda::CUDAGuard guard(tiles.device());
     auto values = torch::empty_like(tiles);
     auto states = torch::empty(tiles.sizes(), tiles.options().dtype(torch::kShort));
-    switch (K)
+    switch (ka * 10 + kb)
     {
-        case 1: launch_cb<1>(cb, tiles, values, states, max_blocks); break;
-        case 2: launch_cb<2>(cb, tiles, values, states, max_blocks); break;
-        case 3: launch_cb<3>(cb, tiles, values, states, max_blocks); break;
-        case 4: launch_cb<4>(cb, tiles, values, states, max_blocks); break;
-        case 5: launch_cb<5>(cb, tiles, values, states, max_blocks); break;
-        case 6: launch_cb<6>(cb, tiles, values, states, max_blocks); break;
-        default: TORCH_CHECK(false, "trellis_encode: K must be 1..6, got ", K);
+        case 11: launch_cb<1, 1>(cb, tiles, values, states, max_blocks); break;
+        case 22: launch_cb<2, 2>(cb, tiles, values, states, max_blocks); break;
+        case 33: launch_cb<3, 3>(cb, tiles, values, states, max_blocks); break;
+        case 44: launch_cb<4, 4>(cb, tiles, values, states, max_blocks); break;
+        case 55: launch_cb<5, 5>(cb, tiles, values, states, max_blocks); break;
+        case 66: launch_cb<6, 6>(cb, tiles, values, states, max_blocks); break;
+        case 12: launch_cb<1, 2>(cb, tiles, values, states, max_blocks); break;
+        case 23: launch_cb<2, 3>(cb, tiles, values, states, max_blocks); break;
+        case 34: launch_cb<3, 4>(cb, tiles, values, states, max_blocks); break;
+        default: TORCH_CHECK(false, "trellis_encode: rate (", ka, ", ", kb, ") is not K 1-6 or 1.5, 2.5, 3.5");
     }
     return {values, states};
 }
