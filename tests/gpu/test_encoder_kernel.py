@@ -71,10 +71,10 @@ def test_codes_equal_exllamav3(built, K, codebook):
 
 
 def test_quantize_tiles_takes_exllamav3_arguments(built):
-    """The drop-in: exllamav3's argument dict in, its outputs out, ours where it runs (K as exllamav3 may
-    hold it, 3.0 too); exllamav3's own encoder at K 8."""
+    """The drop-in: exllamav3's argument dict in, its outputs out, ours where it runs; exllamav3's own
+    encoder at K 8."""
     tiles = tile_set(7)[:40]
-    for qa in ({"K": 3, "mul1": True}, {"K": 3.0, "mul1": True}, {"K": 2, "mcg": True}, {"K": 2.5, "mul1": True}):
+    for qa in ({"K": 3, "mul1": True}, {"K": 2, "mcg": True}, {"K": 2.5, "mul1": True}):
         assert kernel.fallback_reason(tiles, qa) is None
         out = kernel.quantize_tiles(tiles, qa)
         ref = theirs(tiles, qa["K"], "mul1" if qa.get("mul1") else "mcg")

@@ -72,7 +72,7 @@ struct Geometry
     static constexpr int ROW = STRIDE == 2 ? NARROW : WIDE;   // and their size (stride 2 keeps KB-wide steps only)
     static constexpr int NV = STRIDE == 2 ? 1 << KA : 1;      // history minima a traceback candidate reads
     static constexpr int R = (Q + 31) / 32;                   // traceback candidates per lane of warp 0
-    static constexpr int PARTS = (P << (KB - KA)) > 16 ? 2 : 1;  // pieces of a run per forward step
+    static constexpr int PARTS = P >= 16 ? P / 8 : 1;        // pieces of a run per forward step (forward_thread)
     static constexpr int UNITS = E / 8;                       // 16-byte units in a thread's run of minima
     static constexpr int SPREAD = UNITS >= 8 ? 0 : UNITS == 4 ? 1 : 2;  // log2(8 / UNITS), see cost_slot
     static_assert(E >= 2 && (E % 2) == 0 && 16 - KA - KB >= 0, "K outside this thread layout");
@@ -307,9 +307,10 @@ TE_FN void decode_thread(int t, half2 (&dec)[Geometry<KA, KB>::Q][Geometry<KA, K
 // `hrow` when not null). ODD: a KA-wide step of a half rate (Step). FIRST: the first step of a pass, a plain
 // square, only from edge `pre` if >= 0 (`prev` unused); a template argument, so that the other 255 steps
 // run without a branch per candidate and take each predecessor cost straight from the loaded pair
-// (docs/encoder.md, "What limited it next"). Where a run's minima would not fit in the registers beside the
-// decoded values and the traceback's (K 1 and 1.5: the compiler spilled them), the run is done in PARTS
-// pieces, each with its own minima and predecessor costs
+// (docs/encoder.md, "What limited it next"). A run of more than 8 pairs (K 1, 1.5 and 2) is done in
+// pieces of 8, each with its own minima and predecessor costs: a whole run's minima beside the decoded
+// values and the traceback's did not fit in the registers at K 1 (the compiler spilled them), and pieces
+// of 8 pairs were 5-6% faster at K 1 and 2 than pieces of 16 (H100, bench/encoder_kernel.py)
 template <int KA, int KB, bool ODD, bool FIRST>
 TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<KA, KB>::Q][Geometry<KA, KB>::P], half w,
                           const half* prev, half* next, half* hrow, int pre)
