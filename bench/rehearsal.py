@@ -217,7 +217,7 @@ def printed_estimates(ck: Checkpoint, plan, args, work: Path) -> dict[str, dict[
     linears = pack_spec(ck.config, plan).encoded
     by_key = {s.key: s for s in linears}
     ram, disk = quantize_needs(work_units(linears, "cuda"), by_key, plan.codebook, PREFETCH_UNITS, "cuda",
-                               settings.expert_inputs)
+                               settings.expert_inputs, QuantizeSettings(device="cuda").encoder)
     return {
         "calibrate": {"GPU memory": calib.device, "RAM above start": calib.ram("cuda"), "disk kept": calib.layer_files},
         "quantize": {"RAM": ram, "disk added": disk, "seconds": plan_estimate(ck.config, plan).seconds},

@@ -100,10 +100,10 @@ def test_in_exllamav3_routes_tile_searches_through_ours_and_restores_theirs(monk
 
 def test_each_device_has_its_encoders_and_a_cuda_job_pins_exllamav3_codes():
     assert QuantizeSettings().encoder == "fast"
-    assert QuantizeSettings(device="cuda").encoder == "exllamav3"
-    assert QuantizeSettings(device="cuda", encoder="ours").record()["encoder"] == "exllamav3"  # same codes
-    assert QuantizeSettings(device="cuda").record()["encoder"] == "exllamav3"  # so caches resume either way
-    with pytest.raises(UserError, match=r"^--encoder fast is not an encoder of --device cuda; choose exllamav3 or ours$"):
+    assert QuantizeSettings(device="cuda").encoder == "ours"
+    assert QuantizeSettings(device="cuda").record()["encoder"] == "exllamav3"  # same codes
+    assert QuantizeSettings(device="cuda", encoder="exllamav3").record()["encoder"] == "exllamav3"  # so caches resume either way
+    with pytest.raises(UserError, match=r"^--encoder fast is not an encoder of --device cuda; choose ours or exllamav3$"):
         QuantizeSettings(device="cuda", encoder="fast")
     with pytest.raises(UserError, match=r"^--encoder ours is not an encoder of --device cpu; choose fast or exact$"):
         QuantizeSettings(encoder="ours")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 16  # the LDL block: LDLQ quantizes 16 rows at a time
+ORIGINAL_ON_HOST_ABOVE = 5e7  # weights: exllamav3 keeps a larger tensor's original for the refit on the CPU
 
 
 @dataclass
@@ -163,7 +164,7 @@ def _regularize(x, weight: torch.Tensor, f: _Factored, quant_args: dict, device:
     _seed(quant_args)
     weight = weight.to(device).float()
     sv = (torch.randn(weight.shape[1], device=device).sign() + 1e-5).sign().to(torch.float).unsqueeze(0)
-    original = weight.clone() if weight.numel() <= 5e7 else weight.cpu()
+    original = weight.clone() if weight.numel() <= ORIGINAL_ON_HOST_ABOVE else weight.cpu()
     apply_out_scales, weight_r, _, su, sv = x.regularize(weight, f.su, sv, quant_args, False, f.diag, None,
                                                          skip_g_scale=True)
     return [weight_r, su, sv, apply_out_scales, original]

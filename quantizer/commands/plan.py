@@ -50,6 +50,7 @@ from quantizer.plan.sensitivity import synthetic_summary
 from quantizer.plan.summary import plan_summary
 from quantizer.plots import plot_path, save_figure
 from quantizer.quantize.encode_hours import RateTable, plan_estimate
+from quantizer.quantize.settings import ENCODERS
 from quantizer.report import gib
 from quantizer.tune.settings import TuneSettings
 from quantizer.tune.stage import tune_line
@@ -133,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
         plan = fitted.plan
     report = fitted.report if fitted else None
     print(plan_summary(cfg, plan))
-    print(plan_estimate(cfg, plan).line())
-    print(plan_estimate(cfg, plan, RateTable.load(encoder="ours")).line())
+    for encoder in ENCODERS["cuda"]:  # the default's hours, then the other's (its line names it)
+        print(plan_estimate(cfg, plan, RateTable.load(encoder=encoder)).line())
     print(tune_line(cfg, DEFAULT_ROWS, DEFAULT_COLS, TuneSettings()))
     if report:
         print("\n" + render_fit(report))

@@ -2,10 +2,9 @@
 
 exllamav3's encoder speed depends on K (a half-integer rate costs about a third more time per weight
 than its integer neighbours) and a little on the tensor's shape. `configs/encode_rates/<encoder>.json`
-holds the rates of one quantize encoder (`exllamav3`, `ours`) measured by bench/quantize_gpu.py on the GPU
+holds the rates of one quantize encoder (`ours`, `exllamav3`) measured by bench/quantize_gpu.py on the GPU
 it names, with where they came from. Another encoder's table may name exllamav3's as its `fallback` for
-the K it has not measured (ours: the K its kernel leaves to exllamav3's kernels, until they are measured
-with our loop); those K are priced at exllamav3's rates and the statement names them. Any other K a table
+the K it has not measured; those K are priced at exllamav3's rates and the statement names them. Any other K a table
 lacks is priced at the nearest measured K of the same kind (integer or half-integer), a shape at the
 nearest measured input width, and the statement names the K so priced.
 """
@@ -28,6 +27,7 @@ from quantizer.shipped import shipped
 
 RATES_FORMAT = "quantizer-encode-rates"
 DEFAULT_ENCODER = ENCODERS["cuda"][0]  # the quantize stage's default on CUDA
+REFERENCE_ENCODER = "exllamav3"  # the format owner's own conversion: the table any other may fall back to
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,10 @@ class RateTable:
         if data.get("format") != RATES_FORMAT or not rates or min(r.weights_per_s for r in rates) <= 0:
             raise UserError(f"{path}: not a {RATES_FORMAT} table with positive rates")
         fallback = data.get("fallback")
-        if fallback is not None and (fallback != DEFAULT_ENCODER or encoder == DEFAULT_ENCODER):
+        if fallback is not None and (fallback != REFERENCE_ENCODER or encoder == REFERENCE_ENCODER):
             raise UserError(f"{path}: fallback {fallback!r}; only another encoder's table may fall back, and only "
-                            f"to {DEFAULT_ENCODER}'s")
-        return cls(str(data["device"]), rates, encoder, cls.load() if fallback else None)
+                            f"to {REFERENCE_ENCODER}'s")
+        return cls(str(data["device"]), rates, encoder, cls.load(REFERENCE_ENCODER) if fallback else None)
 
     def rate(self, K: float, in_features: int) -> tuple[float, str]:
         """(weights/s for a linear of this K and input width, how it was priced: "measured", "fallback" (the
@@ -125,5 +125,5 @@ def estimate(linears: Iterable[StoredLinear], table: RateTable) -> QuantizeEstim
 
 
 def plan_estimate(cfg: ModelConfig, plan: Plan, table: RateTable | None = None) -> QuantizeEstimate:
-    """The GPU time of quantizing every linear `plan` stores as EXL3 (default: with exllamav3's own encoder)."""
+    """The GPU time of quantizing every linear `plan` stores as EXL3 (default: with the default encoder's rates)."""
     return estimate((s for s in stored_linears(cfg, plan) if s.K is not None), table or RateTable.load())

@@ -9,17 +9,16 @@ from quantizer.errors import UserError
 
 DEVICES = ("cpu", "cuda")
 # Per device, its encoders, the default first. cpu: our codec's Viterbi first pass, fast or exact. cuda:
-# exllamav3's own conversion, or ours: our batch loop around its steps with the Hessians kept on the GPU
-# and our tile-search kernel (quantizer/codec/exllamav3_batch.py, quantizer/codec/kernel; the same codes).
-# Ours becomes the default once the stage's RAM estimate is measured with it (its encode rates are:
-# configs/encode_rates/ours.json; docs/encoder.md, "In the quantize stage").
-ENCODERS = {"cpu": ("fast", "exact"), "cuda": ("exllamav3", "ours")}
+# ours, our batch loop around exllamav3's conversion steps with the Hessians kept on the GPU and our
+# tile-search kernel (quantizer/codec/exllamav3_batch.py, quantizer/codec/kernel), or exllamav3's own
+# conversion: the same codes (docs/encoder.md, "In the quantize stage").
+ENCODERS = {"cpu": ("fast", "exact"), "cuda": ("ours", "exllamav3")}
 
 
 @dataclass(frozen=True)
 class QuantizeSettings:
     seed: int = 0
-    device: str = "cpu"  # cpu: our codec; cuda: exllamav3
+    device: str = "cpu"  # cpu: our codec; cuda: exllamav3's conversion (ours or its own loop)
     encoder: str | None = None  # one of ENCODERS[device]; None: the device's default
     calibration: dict | None = None  # {"fingerprint", "rows", "cols"} of the Hessians; None: uncalibrated
 

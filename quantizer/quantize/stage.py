@@ -32,6 +32,7 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec.exllamav3_adapter import release_encoder_buffers
+from quantizer.codec.exllamav3_batch import ORIGINAL_ON_HOST_ABOVE
 from quantizer.contract.pack_spec import REPLACED_LEAVES, pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.contract.stored_linear import StoredLinear
@@ -116,7 +117,7 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
     ranks = current()
     todo = ranks.on_main(lambda: _todo(store, units))
     expert_inputs = bool((settings.calibration or {}).get("expert_inputs"))
-    ram, disk = quantize_needs(todo, by_key, plan.codebook, depth, settings.device, expert_inputs)
+    ram, disk = quantize_needs(todo, by_key, plan.codebook, depth, settings.device, expert_inputs, settings.encoder)
     if ranks.main:
         print(_needs_line(work, linears, units, todo, settings, ram, disk), file=sys.stderr)
     ranks.on_main(lambda: require_free_space(work, disk, "the quantized results"))
@@ -240,22 +241,35 @@ class UnitInputs:
         return PreparedUnit(members, weights, hessians, made)
 
 
-def quantize_needs(todo, by_key, codebook, depth: int, device: str, expert_inputs: bool = False) -> tuple[int, int]:
+def quantize_needs(todo, by_key, codebook, depth: int, device: str, expert_inputs: bool = False,
+                   encoder: str | None = None) -> tuple[int, int]:
     """(RAM, disk) of encoding `todo`. Disk: the results still to write. RAM on a CPU: the process plus
     the largest unit (its fp32 weights and Hessians) times the encoder's working copies and the units
-    prepared ahead. On CUDA the weights are read and encoded on the GPU, but exllamav3's batch keeps
-    host copies (its Cholesky factors move to the CPU, docs/exl3-format.md): the process with its CUDA
-    context plus, for the unit encoding and each one prepared ahead, 4 bytes per weight and its float32
-    Hessians (a shared one once): 1.04x and 1.09x the peaks bench/rehearsal.py measured on one layer of
-    32 and of 64 experts. expert_inputs: routed gate/up projections have one H per expert (calibrate/groups.py)."""
+    prepared ahead. On CUDA the weights are read and encoded on the GPU: the process with its CUDA context
+    plus what the conversion keeps on the host for the largest unit (_host_bytes_cuda), for the unit
+    encoding and each one prepared ahead. expert_inputs: routed gate/up projections have one H per expert
+    (calibrate/groups.py). `encoder`: the CUDA encoder (default: the device's default)."""
     members = [[by_key[k] for k in u.keys] for u in todo]
     disk = sum(exl3_bytes(s.in_features, s.out_features, s.K, codebook) for m in members for s in m)
     if device == "cuda":
-        largest = max((4 * sum(s.numel for s in m) + sum(4 * s.in_features**2 for s in _one_per_hessian(m, expert_inputs))
-                       for m in members), default=0)
+        encoder = encoder or QuantizeSettings(device="cuda").encoder
+        largest = max((_host_bytes_cuda(m, expert_inputs, encoder) for m in members), default=0)
         return BASE_RAM_CUDA + (depth + 1) * largest, disk
     largest = max((4 * sum(s.numel + s.in_features**2 for s in m) for m in members), default=0)
     return BASE_RAM + (WORKING_COPIES + depth) * largest, disk
+
+
+def _host_bytes_cuda(members: list[StoredLinear], expert_inputs: bool, encoder: str) -> int:
+    """Host bytes the CUDA conversion keeps for one unit: its float32 Hessians (one per group, read from the
+    calibration on the CPU), and with exllamav3's `quantize_exl3_batch`, which moves each Hessian and factor
+    to the CPU (docs/exl3-format.md), 4 bytes per weight: 1.04x and 1.09x the peaks bench/rehearsal.py
+    measured on one layer of 32 and of 64 experts. Ours keeps the factors on the GPU, and on the host only
+    the original of a tensor above ORIGINAL_ON_HOST_ABOVE weights, as exllamav3 does; a unit with a member
+    no calibration covers goes to exllamav3's batch whole (quantizer/codec/exllamav3_batch.py)."""
+    hessians = sum(4 * s.in_features**2 for s in _one_per_hessian(members, expert_inputs))
+    if encoder == "ours" and all(stored_group(s.key, s.target, expert_inputs) is not None for s in members):
+        return hessians + sum(4 * s.numel for s in members if s.numel > ORIGINAL_ON_HOST_ABOVE)
+    return hessians + 4 * sum(s.numel for s in members)
 
 
 def _one_per_hessian(members: list[StoredLinear], expert_inputs: bool) -> list[StoredLinear]:
