@@ -76,7 +76,7 @@ from quantizer.quantize.encode_hours import plan_estimate  # noqa: E402
 from quantizer.quantize.linears import work_units  # noqa: E402
 from quantizer.quantize.pipeline import PREFETCH_UNITS  # noqa: E402
 from quantizer.quantize.settings import QuantizeSettings  # noqa: E402
-from quantizer.quantize.stage import WeightReader, quantize_needs  # noqa: E402
+from quantizer.quantize.stage import WeightReader, quantize_disk, quantize_ram  # noqa: E402
 from quantizer.report import GIB, table  # noqa: E402
 from quantizer.shipped import model_config_path  # noqa: E402
 from quantizer.tiny.make import random_values  # noqa: E402
@@ -216,8 +216,9 @@ def printed_estimates(ck: Checkpoint, plan, args, work: Path) -> dict[str, dict[
     calib = calibration_needs(ck.config, args.rows, args.cols, settings)
     linears = pack_spec(ck.config, plan).encoded
     by_key = {s.key: s for s in linears}
-    ram, disk = quantize_needs(work_units(linears, "cuda"), by_key, plan.codebook, PREFETCH_UNITS, "cuda",
-                               settings.expert_inputs, QuantizeSettings(device="cuda").encoder)
+    units = work_units(linears, "cuda")
+    ram = quantize_ram(units, by_key, PREFETCH_UNITS, "cuda", settings.expert_inputs, QuantizeSettings(device="cuda").encoder)
+    disk = quantize_disk(units, by_key, plan.codebook)
     return {
         "calibrate": {"GPU memory": calib.device, "RAM above start": calib.ram("cuda"), "disk kept": calib.layer_files},
         "quantize": {"RAM": ram, "disk added": disk, "seconds": plan_estimate(ck.config, plan).seconds},

@@ -117,11 +117,12 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
     ranks = current()
     todo = ranks.on_main(lambda: _todo(store, units))
     expert_inputs = bool((settings.calibration or {}).get("expert_inputs"))
-    ram, disk = quantize_needs(todo, by_key, plan.codebook, depth, settings.device, expert_inputs, settings.encoder)
+    mine = [todo[i] for i in ranks.spread([u.weights for u in todo])]
+    ram = quantize_ram(mine, by_key, depth, settings.device, expert_inputs, settings.encoder)
+    disk = quantize_disk(todo, by_key, plan.codebook)
     if ranks.main:
         print(_needs_line(work, linears, units, todo, settings, ram, disk), file=sys.stderr)
     ranks.on_main(lambda: require_free_space(work, disk, "the quantized results"))
-    mine = [todo[i] for i in ranks.spread([u.weights for u in todo])]
     start = time.monotonic()
     prepare = UnitInputs(ck, by_key, hessian, settings.device)
 
@@ -241,35 +242,60 @@ class UnitInputs:
         return PreparedUnit(members, weights, hessians, made)
 
 
-def quantize_needs(todo, by_key, codebook, depth: int, device: str, expert_inputs: bool = False,
-                   encoder: str | None = None) -> tuple[int, int]:
-    """(RAM, disk) of encoding `todo`. Disk: the results still to write. RAM on a CPU: the process plus
-    the largest unit (its fp32 weights and Hessians) times the encoder's working copies and the units
-    prepared ahead. On CUDA the weights are read and encoded on the GPU: the process with its CUDA context
-    plus what the conversion keeps on the host for the largest unit (_host_bytes_cuda), for the unit
-    encoding and each one prepared ahead. expert_inputs: routed gate/up projections have one H per expert
-    (calibrate/groups.py). `encoder`: the CUDA encoder (default: the device's default)."""
-    members = [[by_key[k] for k in u.keys] for u in todo]
-    disk = sum(exl3_bytes(s.in_features, s.out_features, s.K, codebook) for m in members for s in m)
-    if device == "cuda":
-        encoder = encoder or QuantizeSettings(device="cuda").encoder
-        largest = max((_host_bytes_cuda(m, expert_inputs, encoder) for m in members), default=0)
-        return BASE_RAM_CUDA + (depth + 1) * largest, disk
-    largest = max((4 * sum(s.numel + s.in_features**2 for s in m) for m in members), default=0)
-    return BASE_RAM + (WORKING_COPIES + depth) * largest, disk
+def quantize_disk(todo, by_key, codebook) -> int:
+    """Disk of encoding `todo`: the results still to write."""
+    return sum(exl3_bytes(by_key[k].in_features, by_key[k].out_features, by_key[k].K, codebook)
+               for u in todo for k in u.keys)
 
 
-def _host_bytes_cuda(members: list[StoredLinear], expert_inputs: bool, encoder: str) -> int:
-    """Host bytes the CUDA conversion keeps for one unit: its float32 Hessians (one per group, read from the
-    calibration on the CPU), and with exllamav3's `quantize_exl3_batch`, which moves each Hessian and factor
-    to the CPU (docs/exl3-format.md), 4 bytes per weight: 1.04x and 1.09x the peaks bench/rehearsal.py
-    measured on one layer of 32 and of 64 experts. Ours keeps the factors on the GPU, and on the host only
-    the original of a tensor above ORIGINAL_ON_HOST_ABOVE weights, as exllamav3 does; a unit with a member
-    no calibration covers goes to exllamav3's batch whole (quantizer/codec/exllamav3_batch.py)."""
-    hessians = sum(4 * s.in_features**2 for s in _one_per_hessian(members, expert_inputs))
-    if encoder == "ours" and all(stored_group(s.key, s.target, expert_inputs) is not None for s in members):
-        return hessians + sum(4 * s.numel for s in members if s.numel > ORIGINAL_ON_HOST_ABOVE)
-    return hessians + 4 * sum(s.numel for s in members)
+def quantize_ram(units, by_key, depth: int, device: str, expert_inputs: bool = False, encoder: str | None = None) -> int:
+    """Host RAM of encoding `units` in this order, `depth` of them prepared ahead of the one encoding
+    (quantize/pipeline.py). On a CPU: the process plus the largest unit (its fp32 weights and Hessians)
+    times the encoder's working copies and the units prepared ahead. On CUDA the weights are read and
+    encoded on the GPU; the process with its CUDA context plus what the conversion keeps on the host:
+    with exllamav3's own conversion the largest unit's (_host_bytes_cuda) for the unit encoding and each
+    one prepared ahead; with ours the most that any unit encoding and the `depth` after it hold at once
+    (_held_by_ours), since ours keeps so little of a unit encoding that the next units' Hessians weigh as
+    much. expert_inputs: routed gate/up projections have one H per expert (calibrate/groups.py).
+    `encoder`: the CUDA encoder (default: the device's default)."""
+    members = [[by_key[k] for k in u.keys] for u in units]
+    if device != "cuda":
+        largest = max((4 * sum(s.numel + s.in_features**2 for s in m) for m in members), default=0)
+        return BASE_RAM + (WORKING_COPIES + depth) * largest
+    encoder = encoder or QuantizeSettings(device="cuda").encoder
+    if encoder != "ours":
+        return BASE_RAM_CUDA + (depth + 1) * max((_host_bytes_cuda(m, expert_inputs) for m in members), default=0)
+    return BASE_RAM_CUDA + _held_by_ours(members, depth, expert_inputs)
+
+
+def _host_bytes_cuda(members: list[StoredLinear], expert_inputs: bool) -> int:
+    """Host bytes exllamav3's `quantize_exl3_batch` keeps for one unit: it moves each Hessian and factor to
+    the CPU (docs/exl3-format.md), 4 bytes per weight and its float32 Hessians (a shared one once): 1.04x
+    and 1.09x the peaks bench/rehearsal.py measured on one layer of 32 and of 64 experts."""
+    return 4 * sum(s.numel for s in members) + _hessian_bytes(members, expert_inputs)
+
+
+def _hessian_bytes(members: list[StoredLinear], expert_inputs: bool) -> int:
+    """A unit's float32 Hessians, one per group, as the calibration store reads them onto the CPU."""
+    return sum(4 * s.in_features**2 for s in _one_per_hessian(members, expert_inputs))
+
+
+def _held_by_ours(members: list[list[StoredLinear]], depth: int, expert_inputs: bool) -> int:
+    """The most host memory our conversion holds at once: the unit encoding (its Hessians, read on the CPU
+    and copied to the GPU, and the original of a tensor above ORIGINAL_ON_HOST_ABOVE weights, which
+    exllamav3's steps keep on the CPU; a unit with a member no calibration covers goes to exllamav3's batch
+    whole, quantizer/codec/exllamav3_batch.py, and holds what that does), the `depth` units prepared after
+    it (their Hessians) and the results of the one before it, which the saver writes."""
+    held = [_hessian_bytes(m, expert_inputs) for m in members]
+    results = [sum(exl3_bytes(s.in_features, s.out_features, s.K) for s in m) for m in members]
+    peak = 0
+    for i, m in enumerate(members):
+        if all(stored_group(s.key, s.target, expert_inputs) is not None for s in m):
+            encoding = held[i] + sum(4 * s.numel for s in m if s.numel > ORIGINAL_ON_HOST_ABOVE)
+        else:
+            encoding = _host_bytes_cuda(m, expert_inputs)
+        peak = max(peak, encoding + sum(held[i + 1:i + 1 + depth]) + (results[i - 1] if i else 0))
+    return peak
 
 
 def _one_per_hessian(members: list[StoredLinear], expert_inputs: bool) -> list[StoredLinear]:
