@@ -126,3 +126,12 @@ def test_the_kernel_bench_refuses_an_earlier_version_it_cannot_build(tmp_path, c
     with pytest.raises(SystemExit) as e:
         bench["main"](["--also", spec.format(cu=cu, missing=tmp_path / "none.cu")])
     assert e.value.code == 2 and "NAME=PATH with a new name and an existing .cu file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ks", [["7"], ["2", "2.25"]])
+def test_the_kernel_bench_refuses_a_k_our_kernel_does_not_encode(capsys, ks):
+    """bench/encoder_kernel.py --ks: K 1-6 and the half rates 1.5, 2.5, 3.5, said before any GPU work."""
+    bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "encoder_kernel.py"))
+    with pytest.raises(SystemExit) as e:
+        bench["main"](["--ks", *ks])
+    assert e.value.code == 2 and "our kernel does K 1-6, 1.5, 2.5 and 3.5" in capsys.readouterr().err
