@@ -46,7 +46,7 @@ from quantizer.quantize.job import JobSpec, job_differences
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.pipeline import PREFETCH_UNITS, run_pipeline
 from quantizer.quantize.results import ResultStore, Unit
-from quantizer.quantize.settings import QuantizeSettings
+from quantizer.quantize.settings import ENCODERS, QuantizeSettings
 from quantizer.report import size_text
 from quantizer.workdir import FINGERPRINT_CACHE, open_job, require_free_space
 
@@ -254,16 +254,15 @@ def quantize_ram(units, by_key, depth: int, device: str, expert_inputs: bool = F
     times the encoder's working copies and the units prepared ahead. On CUDA the weights are read and
     encoded on the GPU; the process with its CUDA context plus what the conversion keeps on the host:
     with exllamav3's own conversion the largest unit's (_host_bytes_cuda) for the unit encoding and each
-    one prepared ahead; with ours the most that any unit encoding and the `depth` after it hold at once
-    (_held_by_ours), since ours keeps so little of a unit encoding that the next units' Hessians weigh as
-    much. expert_inputs: routed gate/up projections have one H per expert (calibrate/groups.py).
+    one prepared ahead; with ours, which keeps little of the unit encoding, the most that it and the
+    `depth` units after it hold at once (_held_by_ours). expert_inputs: routed gate/up projections have one
+    H per expert (calibrate/groups.py).
     `encoder`: the CUDA encoder (default: the device's default)."""
     members = [[by_key[k] for k in u.keys] for u in units]
     if device != "cuda":
         largest = max((4 * sum(s.numel + s.in_features**2 for s in m) for m in members), default=0)
         return BASE_RAM + (WORKING_COPIES + depth) * largest
-    encoder = encoder or QuantizeSettings(device="cuda").encoder
-    if encoder != "ours":
+    if (encoder or ENCODERS["cuda"][0]) != "ours":
         return BASE_RAM_CUDA + (depth + 1) * max((_host_bytes_cuda(m, expert_inputs) for m in members), default=0)
     return BASE_RAM_CUDA + _held_by_ours(members, depth, expert_inputs)
 

@@ -136,14 +136,9 @@ def quantize_tiles(tiles: torch.Tensor, quant_args: dict, theirs=None) -> tuple[
     on (default: its module's current one)."""
     if (why := fallback_reason(tiles, quant_args)) is None:
         with torch.cuda.device(tiles.device):
-            return encode_tiles(tiles, _rate(quant_args["K"]), codebook_index(quant_args))
+            return encode_tiles(tiles, quant_args["K"], codebook_index(quant_args))
     _say_once(why)
     return (theirs or importlib.import_module(EXLLAMAV3_ENCODER).quantize_tiles)(tiles, quant_args)
-
-
-def _rate(K: float) -> int | float:
-    """K as the kernel takes it: an int at integer rates (exllamav3's quant_args may hold 3.0)."""
-    return int(K) if float(K).is_integer() else float(K)
 
 
 @contextlib.contextmanager
