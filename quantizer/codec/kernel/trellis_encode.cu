@@ -180,6 +180,8 @@ TE_FN void store_pairs(half* dst, const half2 (&src)[P])
 // the eight threads over all 8 groups; loads of any aligned run of 8 units stay within one permuted run.
 // A KA-wide buffer (half rates) is two KB-wide halves, x = (g << (16 - KB)) | e, each placed the same way.
 // Only the place changes, never a value (the history in global memory has its own order, hist_slot).
+// At integer K every x is below NARROW, and the half's bit is not masked at all: that mask alone made the
+// K 3 kernel 4% slower (docs/encoder.md, "The half rates").
 template <int KA, int KB>
 TE_FN int cost_slot(int x)
 {
@@ -187,10 +189,11 @@ TE_FN int cost_slot(int x)
     if constexpr (Gm::UNITS < 2) return x;
     else
     {
-        const int e = x & (Gm::NARROW - 1);
+        const int e = KA == KB ? x : x & (Gm::NARROW - 1);
+        const int half_bit = KA == KB ? 0 : x & ~(Gm::NARROW - 1);
         const int unit = e >> 3;
         const int owner = unit / Gm::UNITS;
-        return (x & ~(Gm::NARROW - 1)) | ((unit ^ ((owner >> Gm::SPREAD) & (Gm::UNITS - 1))) << 3) | (e & 7);
+        return half_bit | ((unit ^ ((owner >> Gm::SPREAD) & (Gm::UNITS - 1))) << 3) | (e & 7);
     }
 }
 
@@ -224,8 +227,9 @@ TE_FN int hist_slot(int x)
     if constexpr (Gm::UNITS < 2) return x;
     else
     {
-        const int unit = (x & (Gm::NARROW - 1)) >> 3;
-        return (x & ~(Gm::NARROW - 1)) | ((((unit % Gm::UNITS) * NT + unit / Gm::UNITS) << 3) | (x & 7));
+        const int unit = (KA == KB ? x : x & (Gm::NARROW - 1)) >> 3;
+        const int half_bit = KA == KB ? 0 : x & ~(Gm::NARROW - 1);
+        return half_bit | ((((unit % Gm::UNITS) * NT + unit / Gm::UNITS) << 3) | (x & 7));
     }
 }
 
