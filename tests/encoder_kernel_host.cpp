@@ -72,11 +72,14 @@ static inline half2 __hmin2(half2 a, half2 b) { return {hmin(a.a, b.a), hmin(a.b
 
 using namespace trellis;
 
-// The kernel's tile loop body, with its threads run in turn between barriers and warp 0's lanes in turn
+// The kernel's work on one unit of T tiles (Geometry::T; a unit short of T repeats its first tile, as the
+// kernel does), with its threads run in turn between barriers and warp 0's lanes in turn; `count` is how
+// many of the unit's tiles are real
 template <int KA, int KB, int CB>
-static void encode_tile(const float* tile, float* vals, int16_t* states)
+static void encode_unit(const float* tiles, int count, float* vals, int16_t* states)
 {
     using Gm = Geometry<KA, KB>;
+    constexpr int T = Gm::T;
     using Dec = half2[Gm::Q][Gm::P];
     static std::unique_ptr<Dec[]> dec;
     if (!dec)
@@ -84,17 +87,20 @@ static void encode_tile(const float* tile, float* vals, int16_t* states)
         dec.reset(new Dec[NT]);
         for (int t = 0; t < NT; ++t) decode_thread<KA, KB, CB>(t, dec[t]);
     }
-    std::vector<half> costs0(Gm::WIDE), costs1(Gm::WIDE), hist((size_t) Gm::ROWS * Gm::ROW), w(L);
-    for (int i = 0; i < L; ++i) w[i] = __float2half_rn(tile[i]);
+    std::vector<half> costs0((size_t) T * Gm::WIDE), costs1((size_t) T * Gm::WIDE), hist((size_t) T * Gm::HSIZE);
+    std::vector<half> w((size_t) T * L);
+    for (int u = 0; u < T; ++u)
+        for (int i = 0; i < L; ++i) w[u * L + i] = __float2half_rn(tiles[(u < count ? u : 0) * L + i]);
 
-    auto forward = [&](int roll, int pre, int keep_from)
+    auto forward = [&](int roll, const int* pre, int keep_from)
     {
         for (int i = 0; i < L; ++i)
         {
             half* next = (i & 1) ? costs1.data() : costs0.data();
             const half* prev = i == 0 ? nullptr : ((i & 1) ? costs0.data() : costs1.data());
             half* hrow = kept_row<KA, KB>(hist.data(), i, keep_from);
-            const half wi = w[ring(i, roll)];
+            half wi[T];
+            for (int u = 0; u < T; ++u) wi[u] = w[u * L + ring(i, roll)];
             for (int t = 0; t < NT; ++t)
             {
                 if (KA != KB && (i & 1)) forward_thread<KA, KB, true, false>(t, dec[t], wi, prev, next, hrow, pre);
@@ -103,18 +109,20 @@ static void encode_tile(const float* tile, float* vals, int16_t* states)
             }
         }
     };
-    auto traceback = [&](int roll, int pre, int e, float* out_vals, int16_t* out_states)
+    auto traceback = [&](int u, int roll, int pre, int e, float* out_vals, int16_t* out_states)
     {
+        const half* tw = &w[u * L];
+        const half* th = &hist[(size_t) u * Gm::HSIZE];
         for (int i = L - 1; i >= 0; --i)
         {
             const int ri = ring(i, roll);
-            const half w_prev = w[ring(i > 0 ? i - 1 : 0, roll)];
+            const half w_prev = tw[ring(i > 0 ? i - 1 : 0, roll)];
             uint32_t best = NO_KEY;
             for (int k = 0; k < (1 << width_out<KA, KB>(i)); ++k)
             {
                 half v[Gm::NV];
-                gather_candidate<KA, KB>((uint32_t) k, (uint32_t) e, i, hist.data(), v);
-                const half d = candidate_offset<KA, KB, CB>(k, (uint32_t) e, i, w[ri]);
+                gather_candidate<KA, KB>((uint32_t) k, (uint32_t) e, i, th, v);
+                const half d = candidate_offset<KA, KB, CB>(k, (uint32_t) e, i, tw[ri]);
                 const uint32_t key = candidate_key<KA, KB, CB>(k, (uint32_t) e, d, i, pre, v, w_prev);
                 best = key < best ? key : best;
             }
@@ -130,49 +138,61 @@ static void encode_tile(const float* tile, float* vals, int16_t* states)
         return e;
     };
 
-    forward(L / 2, -1, pass1_keep_from<KA, KB>());
-    uint32_t best = NO_KEY;
-    for (int t = 0; t < NT; ++t)
+    forward(L / 2, nullptr, pass1_keep_from<KA, KB>());
+    int boundary[T];
+    for (int u = 0; u < T; ++u)
     {
-        const uint32_t key = final_key_thread<KA, KB>(t, costs1.data());
-        best = key < best ? key : best;
+        uint32_t best = NO_KEY;
+        for (int t = 0; t < NT; ++t)
+        {
+            const uint32_t key = final_key_thread<KA, KB>(t, costs1.data() + u * Gm::WIDE);
+            best = key < best ? key : best;
+        }
+        boundary[u] = traceback(u, L / 2, -1, final_edge(best), nullptr, nullptr);
     }
-    const int boundary = traceback(L / 2, -1, final_edge(best), nullptr, nullptr);
     forward(0, boundary, 0);
-    traceback(0, boundary, boundary, vals, states);
+    for (int u = 0; u < count; ++u) traceback(u, 0, boundary[u], boundary[u], vals + u * L, states + u * L);
+}
+
+template <int KA, int KB, int CB>
+static void encode_tiles(const float* tiles, int n, float* vals, int16_t* states)
+{
+    constexpr int T = Geometry<KA, KB>::T;
+    for (int i = 0; i < n; i += T)
+        encode_unit<KA, KB, CB>(tiles + (size_t) i * L, n - i < T ? n - i : T, vals + (size_t) i * L, states + (size_t) i * L);
 }
 
 template <int KA, int KB>
-static bool run_cb(int cb, const float* tile, float* vals, int16_t* states)
+static bool run_cb(int cb, const float* tiles, int n, float* vals, int16_t* states)
 {
     if constexpr (KA != KB)
     {
         if (cb != 2) return false;  // half rates are mul1-only
-        encode_tile<KA, KB, 2>(tile, vals, states);
+        encode_tiles<KA, KB, 2>(tiles, n, vals, states);
         return true;
     }
     switch (cb)
     {
-        case 0: encode_tile<KA, KB, 0>(tile, vals, states); return true;
-        case 1: encode_tile<KA, KB, 1>(tile, vals, states); return true;
-        case 2: encode_tile<KA, KB, 2>(tile, vals, states); return true;
+        case 0: encode_tiles<KA, KB, 0>(tiles, n, vals, states); return true;
+        case 1: encode_tiles<KA, KB, 1>(tiles, n, vals, states); return true;
+        case 2: encode_tiles<KA, KB, 2>(tiles, n, vals, states); return true;
         default: return false;
     }
 }
 
-static bool run(int ka, int kb, int cb, const float* tile, float* vals, int16_t* states)
+static bool run(int ka, int kb, int cb, const float* tiles, int n, float* vals, int16_t* states)
 {
     switch (ka * 10 + kb)
     {
-        case 11: return run_cb<1, 1>(cb, tile, vals, states);
-        case 22: return run_cb<2, 2>(cb, tile, vals, states);
-        case 33: return run_cb<3, 3>(cb, tile, vals, states);
-        case 44: return run_cb<4, 4>(cb, tile, vals, states);
-        case 55: return run_cb<5, 5>(cb, tile, vals, states);
-        case 66: return run_cb<6, 6>(cb, tile, vals, states);
-        case 12: return run_cb<1, 2>(cb, tile, vals, states);
-        case 23: return run_cb<2, 3>(cb, tile, vals, states);
-        case 34: return run_cb<3, 4>(cb, tile, vals, states);
+        case 11: return run_cb<1, 1>(cb, tiles, n, vals, states);
+        case 22: return run_cb<2, 2>(cb, tiles, n, vals, states);
+        case 33: return run_cb<3, 3>(cb, tiles, n, vals, states);
+        case 44: return run_cb<4, 4>(cb, tiles, n, vals, states);
+        case 55: return run_cb<5, 5>(cb, tiles, n, vals, states);
+        case 66: return run_cb<6, 6>(cb, tiles, n, vals, states);
+        case 12: return run_cb<1, 2>(cb, tiles, n, vals, states);
+        case 23: return run_cb<2, 3>(cb, tiles, n, vals, states);
+        case 34: return run_cb<3, 4>(cb, tiles, n, vals, states);
         default: return false;
     }
 }
@@ -185,12 +205,11 @@ int main()
     std::vector<float> tiles((size_t) n * L), vals((size_t) n * L);
     std::vector<int16_t> states((size_t) n * L);
     if (std::fread(tiles.data(), sizeof(float), tiles.size(), stdin) != tiles.size()) { std::fprintf(stderr, "short input\n"); return 2; }
-    for (int i = 0; i < n; ++i)
-        if (!run(ka, kb, cb, &tiles[(size_t) i * L], &vals[(size_t) i * L], &states[(size_t) i * L]))
-        {
-            std::fprintf(stderr, "rate (%d, %d) codebook %d not built\n", ka, kb, cb);
-            return 2;
-        }
+    if (!run(ka, kb, cb, tiles.data(), n, vals.data(), states.data()))
+    {
+        std::fprintf(stderr, "rate (%d, %d) codebook %d not built\n", ka, kb, cb);
+        return 2;
+    }
     std::fwrite(states.data(), sizeof(int16_t), states.size(), stdout);
     std::fwrite(vals.data(), sizeof(float), vals.size(), stdout);
     return 0;

@@ -72,10 +72,17 @@ struct Geometry
     static constexpr int ROW = STRIDE == 2 ? NARROW : WIDE;   // and their size (stride 2 keeps KB-wide steps only)
     static constexpr int NV = STRIDE == 2 ? 1 << KA : 1;      // history minima a traceback candidate reads
     static constexpr int R = (Q + 31) / 32;                   // traceback candidates per lane of warp 0
-    static constexpr int PARTS = P >= 16 ? P / 8 : 1;        // pieces of a run per forward step (forward_thread)
+    static constexpr int HSIZE = ROWS * ROW;                  // one tile's history (minima)
+    // tiles per forward pass (see the kernel): two at K 2, 2.5, 3 and 4, where they measured faster than one
+    // (H100, docs/encoder.md, "Two tiles per forward pass"); their four cost buffers fit in shared memory from
+    // KA 2 up (128 KiB at K 2). At K 3.5 two tiles' registers spilled and ran 13% slower; K 5 and 6, where
+    // they spill too, were not timed with two and keep one; K 1 and 1.5 would need 256 KiB
+    static constexpr int T = KA >= 2 && KA <= 4 && (KA == KB || KA == 2) ? 2 : 1;
+    static constexpr int PARTS = P * T >= 16 ? P * T / 8 : 1; // pieces of a run per forward step (forward_thread)
     static constexpr int UNITS = E / 8;                       // 16-byte units in a thread's run of minima
     static constexpr int SPREAD = UNITS >= 8 ? 0 : UNITS == 4 ? 1 : 2;  // log2(8 / UNITS), see cost_slot
     static_assert(E >= 2 && (E % 2) == 0 && 16 - KA - KB >= 0, "K outside this thread layout");
+    static_assert(T <= 2, "a Trace holds two tiles");
 };
 
 // Step j of a pass at ring position j + roll (the roll is even, so both have j's parity): its widths D(p) and
@@ -307,58 +314,77 @@ TE_FN void decode_thread(int t, half2 (&dec)[Geometry<KA, KB>::Q][Geometry<KA, K
     }
 }
 
-// One forward step for thread t: the minimum over the candidates of every out-edge it owns, into `next` (and
-// `hrow` when not null). ODD: a KA-wide step of a half rate (Step). FIRST: the first step of a pass, a plain
-// square, only from edge `pre` if >= 0 (`prev` unused); a template argument, so that the other 255 steps
-// run without a branch per candidate and take each predecessor cost straight from the loaded pair
-// (docs/encoder.md, "What limited it next"). A run of more than 8 pairs (K 1, 1.5 and 2) is done in
-// pieces of 8, each with its own minima and predecessor costs: a whole run's minima beside the decoded
-// values and the traceback's did not fit in the registers at K 1 (the compiler spilled them), and pieces
-// of 8 pairs were 5-6% faster at K 1 and 2 than pieces of 16 (H100, bench/encoder_kernel.py)
+// One forward step for thread t, for the T tiles of a forward pass (Geometry::T; their weights `w`): the
+// minimum over the candidates of every out-edge it owns, into `next` (and `hrow` when not null), tile u's
+// cost buffers at u * WIDE and its history at u * HSIZE. ODD: a KA-wide step of a half rate (Step). FIRST: the
+// first step of a pass, a plain square, only from edge pre[u] if `pre` is not null (`prev` unused); a
+// template argument, so that the other 255 steps run without a branch per candidate and take each
+// predecessor cost straight from the loaded pair (docs/encoder.md, "What limited it next"). Each decoded
+// value is read once for all T tiles. A run of more than 8 pairs (K 1, 1.5 and 2) is done in pieces of 8,
+// each with its own minima and predecessor costs: a whole run's minima beside the decoded values and the
+// traceback's did not fit in the registers at K 1 (the compiler spilled them), and pieces of 8 pairs were
+// 5-6% faster at K 1 and 2 than pieces of 16 (H100, bench/encoder_kernel.py)
 template <int KA, int KB, bool ODD, bool FIRST>
-TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<KA, KB>::Q][Geometry<KA, KB>::P], half w,
-                          const half* prev, half* next, half* hrow, int pre)
+TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<KA, KB>::Q][Geometry<KA, KB>::P],
+                          const half (&w)[Geometry<KA, KB>::T], const half* prev, half* next, half* hrow,
+                          const int* pre)
 {
     using Gm = Geometry<KA, KB>;
     using St = Step<KA, KB, ODD>;
+    constexpr int T = Gm::T;
     constexpr int PP = Gm::P / Gm::PARTS;   // pairs per part
-    const half2 w2 = __half2half2(w);
+    half2 w2[T];
+    #pragma unroll
+    for (int u = 0; u < T; ++u) w2[u] = __half2half2(w[u]);
     #pragma unroll
     for (int part = 0; part < Gm::PARTS; ++part)
     {
         const int p0 = part * PP;             // the part's first pair
         const int e = t * Gm::E + 2 * p0;     // and its first run entry (a multiple of 2^KIN)
-        alignas(16) half2 m[St::NG][PP];  // aligned for the vector stores of store_costs
+        alignas(16) half2 m[T][St::NG][PP];  // aligned for the vector stores of store_costs
         #pragma unroll
         for (int k = 0; k < Gm::Q; ++k)
         {
             const int g = k & (St::NG - 1);   // which of the thread's out-edge runs state k of an entry ends in
-            alignas(16) half2 c[(St::PG + 1) / 2];  // aligned for the vector loads of load_pairs
-            if constexpr (!FIRST) load_cost_pairs<KA, KB, St::PG>(c, prev, (k << St::SHIFT) | (e >> St::KIN));
+            alignas(16) half2 c[T][(St::PG + 1) / 2];  // aligned for the vector loads of load_pairs
+            if constexpr (!FIRST)
+            {
+                #pragma unroll
+                for (int u = 0; u < T; ++u)
+                    load_cost_pairs<KA, KB, St::PG>(c[u], prev + u * Gm::WIDE, (k << St::SHIFT) | (e >> St::KIN));
+            }
             #pragma unroll
             for (int j = 0; j < PP; ++j)
             {
-                const half2 d = __hsub2(dec[k][p0 + j], w2);
-                half2 v;
-                if constexpr (FIRST)
+                #pragma unroll
+                for (int u = 0; u < T; ++u)
                 {
-                    v = __hmul2(d, d);
-                    if (pre >= 0 && ((k << St::SHIFT) | ((e + 2 * j) >> St::KIN)) != pre) v = __half2half2(inf_half());
+                    const half2 d = __hsub2(dec[k][p0 + j], w2[u]);
+                    half2 v;
+                    if constexpr (FIRST)
+                    {
+                        v = __hmul2(d, d);
+                        if (pre && ((k << St::SHIFT) | ((e + 2 * j) >> St::KIN)) != pre[u]) v = __half2half2(inf_half());
+                    }
+                    else
+                    {
+                        // entries 2j and 2j + 1 share their predecessor: cost (2j) >> KIN of the part, both halves
+                        const int ci = St::PG == 1 ? 0 : (2 * j) >> St::KIN;
+                        v = __hfma2(d, d, (ci & 1) ? __high2half2(c[u][ci >> 1]) : __low2half2(c[u][ci >> 1]));
+                    }
+                    m[u][g][j] = k < St::NG ? v : __hmin2(m[u][g][j], v);
                 }
-                else
-                {
-                    // entries 2j and 2j + 1 share their predecessor: cost (2j) >> KIN of the part, both halves
-                    const int ci = St::PG == 1 ? 0 : (2 * j) >> St::KIN;
-                    v = __hfma2(d, d, (ci & 1) ? __high2half2(c[ci >> 1]) : __low2half2(c[ci >> 1]));
-                }
-                m[g][j] = k < St::NG ? v : __hmin2(m[g][j], v);
             }
         }
         #pragma unroll
-        for (int g = 0; g < St::NG; ++g)
+        for (int u = 0; u < T; ++u)
         {
-            store_costs<KA, KB, PP>(next, (g << (16 - KB)) | e, m[g]);
-            if (hrow) store_history<KA, KB, PP>(hrow + g * Gm::NARROW, t, m[g], p0);
+            #pragma unroll
+            for (int g = 0; g < St::NG; ++g)
+            {
+                store_costs<KA, KB, PP>(next + u * Gm::WIDE, (g << (16 - KB)) | e, m[u][g]);
+                if (hrow) store_history<KA, KB, PP>(hrow + u * Gm::HSIZE + g * Gm::NARROW, t, m[u][g], p0);
+            }
         }
     }
 }
@@ -482,45 +508,54 @@ TE_FN half* kept_row(half* hist, int i, int keep_from)
 
 #ifndef TRELLIS_HOST
 
-// A traceback waiting for a forward pass (in shared memory), or running in one (warp 0's registers)
+// The tracebacks of one forward pass's tiles, waiting for the next pass (in shared memory) or running beside
+// it (warp 0's registers). They move in step: same pass, same positions; only their edges differ
 struct Trace
 {
-    int active;  // 0: none
-    int slot;    // the tile buffer that holds its weights
-    int roll;    // L/2 for pass 1, 0 for pass 2
-    int pre;     // pass 2: the boundary edge; pass 1: -1
-    int e;       // the edge at its next position
-    int buf;     // the history buffer it reads
-    int tile;    // pass 2: the tile whose states it writes; pass 1: -1 (it yields the boundary)
+    int active;   // 0: none
+    int slot;     // the tile slot that holds their weights
+    int roll;     // L/2 for pass 1 (which yields the boundary edges), 0 for pass 2 (which writes states)
+    int buf;      // the history buffer they read
+    int pre[2];   // pass 2: each tile's boundary edge; pass 1: -1
+    int e[2];     // each tile's edge at its next position
+    int tile[2];  // pass 2: the tile whose states it writes, -1 for none (a slot's missing second tile)
 };
 
-// One block encodes its tiles two at a time, so that every traceback runs beside a forward pass instead of
-// after it (tracebacks were a third of the kernel's time at K 2-4 on an H100: bench/encoder_kernel.py, with
-// them cut out). Per pair of tiles a, b the forward passes run F1(a), F1(b), F2(a), F2(b), and during each one
-// warp 0 follows the traceback of the pass before it: T2 of the previous pair's b, T1(a), T1(b), T2(a); T2(b)
-// runs beside the next pair's F1(a). Each traceback position gathers its history minima before warp 0's
-// forward work and resolves after it, so the loads' latency is hidden too. Forward passes write the two
-// history buffers in turn, and a traceback reads the one the pass before wrote. A last tile without a pair
-// traces its pass 1 back on its own; the block's last pass 2 is traced after the loop.
+// One block encodes its tiles in units of T (Geometry::T): a forward pass runs the same step of the unit's T
+// tiles between the same barriers, each decoded value read once for all of them, so that every barrier and
+// every wait on a result is shared by T tiles' work (at one tile per pass the step loop was latency-bound
+// with a quarter of its stalls at the barrier: docs/encoder.md, "What limited it next"). Two units are in
+// flight, so that every traceback runs beside a forward pass instead of after it (tracebacks were a third
+// of the kernel's time at K 2-4 on an H100: bench/encoder_kernel.py, with them cut out). Per pair of units
+// a, b the forward passes run F1(a), F1(b), F2(a), F2(b), and during each one warp 0 follows the tracebacks
+// of the pass before it: T2 of the previous pair's b, T1(a), T1(b), T2(a); T2(b) runs beside the next
+// pair's F1(a). Each traceback position gathers its history minima before warp 0's forward work and
+// resolves after it, so the loads' latency is hidden too. Forward passes write the two history buffers in
+// turn, and a traceback reads the one the pass before wrote. A last unit without a pair traces its pass 1
+// back on its own; the block's last pass 2 is traced after the loop. A unit short of T tiles repeats its
+// first tile's weights in the missing place and writes nothing for it.
 template <int KA, int KB, int CB>
 __global__ void __launch_bounds__(NT, 1)
 trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_values,
                       int16_t* __restrict__ out_states, half* __restrict__ history, int num_tiles)
 {
     using Gm = Geometry<KA, KB>;
-    constexpr size_t HSIZE = (size_t) Gm::ROWS * Gm::ROW;      // one history buffer
+    constexpr int T = Gm::T;
+    constexpr int WARPS = NT / 32;
+    constexpr size_t HBUF = (size_t) T * Gm::HSIZE;               // one history buffer: a pass's T tiles
     extern __shared__ __align__(16) uint8_t smem[];
-    half* costs0 = reinterpret_cast<half*>(smem);
-    half* costs1 = costs0 + Gm::WIDE;
-    half* sh_w = costs1 + Gm::WIDE;                             // two tiles in fp16, one per slot
-    uint32_t* sh_red = reinterpret_cast<uint32_t*>(sh_w + 2 * L);   // one word per warp
-    int* sh_bound = reinterpret_cast<int*>(sh_red + NT / 32);     // the boundary edge of each slot's tile
-    Trace* sh_tr = reinterpret_cast<Trace*>(sh_bound + 2);
+    half* costs0 = reinterpret_cast<half*>(smem);                  // T cost buffers each
+    half* costs1 = costs0 + T * Gm::WIDE;
+    half* sh_w = costs1 + T * Gm::WIDE;                            // two slots of T tiles in fp16
+    uint32_t* sh_red = reinterpret_cast<uint32_t*>(sh_w + 2 * T * L);  // one word per warp and tile
+    int* sh_bound = reinterpret_cast<int*>(sh_red + T * WARPS);     // the boundary edge of each slot's tiles
+    Trace* sh_tr = reinterpret_cast<Trace*>(sh_bound + 2 * T);
 
     const int t = threadIdx.x;
     const int lane = t & 31;
-    half* hists = history + (size_t) blockIdx.x * 2 * HSIZE;
+    half* hists = history + (size_t) blockIdx.x * 2 * HBUF;
     const int count = num_tiles > (int) blockIdx.x ? (num_tiles - 1 - (int) blockIdx.x) / (int) gridDim.x + 1 : 0;
+    const int units = (count + T - 1) / T;
     auto tile_of = [&](int n) { return (int) blockIdx.x + n * (int) gridDim.x; };
 
     // Decoded values of this thread's states, kept for every step of every tile
@@ -528,8 +563,8 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
     decode_thread<KA, KB, CB>(t, dec);
     if (t == 0) sh_tr->active = 0;
 
-    // Warp 0 takes the pending traceback into its registers (where it stays while it runs: nothing else reads
-    // it) and marks the shared copy taken
+    // Warp 0 takes the pending tracebacks into its registers (where they stay while they run: nothing else
+    // reads them) and marks the shared copy taken
     auto tb_take = [&]()
     {
         const Trace tr = *sh_tr;
@@ -537,46 +572,62 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
         if (lane == 0) sh_tr->active = 0;
         return tr;
     };
-    // Warp 0, before its forward work: the history minima of the traceback's position for forward step j
+    // Warp 0, before its forward work: the history minima of the tracebacks' position for forward step j
     // (position L-1-j) and the candidates' offsets, everything that does not wait for those loads
-    auto tb_gather = [&](const Trace& tr, int j, half (&v)[Gm::R][Gm::NV], half (&d)[Gm::R])
+    auto tb_gather = [&](const Trace& tr, int j, half (&v)[T][Gm::R][Gm::NV], half (&d)[T][Gm::R])
     {
-        const half* hist = hists + tr.buf * HSIZE;
         const int i = L - 1 - j;
-        const half wi = sh_w[tr.slot * L + ring(i, tr.roll)];
         #pragma unroll
-        for (int r = 0; r < Gm::R; ++r)
+        for (int u = 0; u < T; ++u)
         {
-            const int k = lane + 32 * r;
-            if (k < (1 << width_out<KA, KB>(i)))
+            const half* hist = hists + tr.buf * HBUF + u * Gm::HSIZE;
+            const half wi = sh_w[(tr.slot * T + u) * L + ring(i, tr.roll)];
+            #pragma unroll
+            for (int r = 0; r < Gm::R; ++r)
             {
-                gather_candidate<KA, KB>((uint32_t) k, (uint32_t) tr.e, i, hist, v[r]);
-                d[r] = candidate_offset<KA, KB, CB>(k, (uint32_t) tr.e, i, wi);
+                const int k = lane + 32 * r;
+                if (k < (1 << width_out<KA, KB>(i)))
+                {
+                    gather_candidate<KA, KB>((uint32_t) k, (uint32_t) tr.e[u], i, hist, v[u][r]);
+                    d[u][r] = candidate_offset<KA, KB, CB>(k, (uint32_t) tr.e[u], i, wi);
+                }
             }
         }
     };
-    // Warp 0, after it: that position's least candidate (first on ties), its state written in pass 2, the
-    // edge before it kept for the next position; pass 1 stops at ring position 0 with the boundary edge
-    auto tb_resolve = [&](Trace& tr, int j, const half (&v)[Gm::R][Gm::NV], const half (&d)[Gm::R])
+    // Warp 0, after it: that position's least candidate of each tile (first on ties), its state written in
+    // pass 2, the edge before it kept for the next position; pass 1 stops at ring position 0 with the
+    // boundary edges
+    auto tb_resolve = [&](Trace& tr, int j, const half (&v)[T][Gm::R][Gm::NV], const half (&d)[T][Gm::R])
     {
         const int i = L - 1 - j;
         const int ri = ring(i, tr.roll);
-        const half w_prev = Gm::NV > 1 ? sh_w[tr.slot * L + ring(i > 0 ? i - 1 : 0, tr.roll)] : half();
-        uint32_t best = NO_KEY;
+        uint32_t best[T];
         #pragma unroll
-        for (int r = 0; r < Gm::R; ++r)
+        for (int u = 0; u < T; ++u)
         {
-            const int k = lane + 32 * r;
-            if (k < (1 << width_out<KA, KB>(i)))
-                best = min(best, candidate_key<KA, KB, CB>(k, (uint32_t) tr.e, d[r], i, tr.pre, v[r], w_prev));
+            const half w_prev = Gm::NV > 1 ? sh_w[(tr.slot * T + u) * L + ring(i > 0 ? i - 1 : 0, tr.roll)] : half();
+            best[u] = NO_KEY;
+            #pragma unroll
+            for (int r = 0; r < Gm::R; ++r)
+            {
+                const int k = lane + 32 * r;
+                if (k < (1 << width_out<KA, KB>(i)))
+                    best[u] = min(best[u], candidate_key<KA, KB, CB>(k, (uint32_t) tr.e[u], d[u][r], i, tr.pre[u],
+                                                                     v[u][r], w_prev));
+            }
         }
-        best = __reduce_min_sync(0xffffffffu, best);
-        const uint32_t s = state_of(best, (uint32_t) tr.e, width_out<KA, KB>(i));
-        tr.e = (int) (s >> width_in<KA, KB>(i));
-        if (lane == 0 && tr.tile >= 0) out_states[(size_t) tr.tile * L + ri] = (int16_t) (uint16_t) s;
-        if (tr.tile < 0 && ri == 0)
+        #pragma unroll
+        for (int u = 0; u < T; ++u)
         {
-            if (lane == 0) sh_bound[tr.slot] = tr.e;
+            best[u] = __reduce_min_sync(0xffffffffu, best[u]);
+            const uint32_t s = state_of(best[u], (uint32_t) tr.e[u], width_out<KA, KB>(i));
+            tr.e[u] = (int) (s >> width_in<KA, KB>(i));
+            if (lane == 0 && tr.tile[u] >= 0) out_states[(size_t) tr.tile[u] * L + ri] = (int16_t) (uint16_t) s;
+        }
+        if (tr.roll != 0 && ri == 0)
+        {
+            if (lane == 0)
+                for (int u = 0; u < T; ++u) sh_bound[tr.slot * T + u] = tr.e[u];
             tr.active = 0;
         }
         else if (i == 0)
@@ -587,31 +638,34 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
 
     int buf = 0;  // the history buffer the next forward pass writes
 
-    // A forward pass over all L steps of the tile in `slot` (ring rolled by `roll`), from edge `pre` if >= 0,
-    // keeping the history rows of steps from keep_from on; warp 0 follows the pending traceback beside it.
-    // The last step's minima end in costs1 (L is even)
-    auto forward = [&](int slot, int roll, int pre, int keep_from)
+    // A forward pass over all L steps of the unit in `slot` (ring rolled by `roll`), from the edges `pre`
+    // (null: unconstrained), keeping the history rows of steps from keep_from on; warp 0 follows the pending
+    // tracebacks beside it. The last step's minima end in costs1 (L is even)
+    auto forward = [&](int slot, int roll, const int* pre, int keep_from)
     {
-        half* hist = hists + buf * HSIZE;
-        const half* w = sh_w + slot * L;
+        half* hist = hists + buf * HBUF;
+        const half* w = sh_w + slot * T * L;
         Trace tr{};
         if (t < 32) tr = tb_take();
         for (int j = 0; j < L; ++j)
         {
-            half v[Gm::R][Gm::NV], d[Gm::R];
+            half v[T][Gm::R][Gm::NV], d[T][Gm::R];
             if (t < 32 && tr.active) tb_gather(tr, j, v, d);
             half* next = (j & 1) ? costs1 : costs0;
             half* hrow = kept_row<KA, KB>(hist, j, keep_from);
             const half* prev = (j & 1) ? costs0 : costs1;
+            half wj[T];
+            #pragma unroll
+            for (int u = 0; u < T; ++u) wj[u] = w[u * L + ring(j, roll)];
             // at integer K odd and even steps are the same step, one instantiation
-            if (KA != KB && (j & 1)) forward_thread<KA, KB, true, false>(t, dec, w[ring(j, roll)], prev, next, hrow, pre);
-            else if (j == 0) forward_thread<KA, KB, false, true>(t, dec, w[ring(j, roll)], nullptr, next, hrow, pre);
-            else forward_thread<KA, KB, false, false>(t, dec, w[ring(j, roll)], prev, next, hrow, pre);
+            if (KA != KB && (j & 1)) forward_thread<KA, KB, true, false>(t, dec, wj, prev, next, hrow, pre);
+            else if (j == 0) forward_thread<KA, KB, false, true>(t, dec, wj, nullptr, next, hrow, pre);
+            else forward_thread<KA, KB, false, false>(t, dec, wj, prev, next, hrow, pre);
             if (t < 32 && tr.active) tb_resolve(tr, j, v, d);
             __syncthreads();
         }
     };
-    // The pending traceback alone, where no forward pass is left to run beside it
+    // The pending tracebacks alone, where no forward pass is left to run beside them
     auto drain = [&]()
     {
         if (t < 32)
@@ -619,60 +673,79 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
             Trace tr = tb_take();
             for (int j = 0; j < L && tr.active; ++j)
             {
-                half v[Gm::R][Gm::NV], d[Gm::R];
+                half v[T][Gm::R][Gm::NV], d[T][Gm::R];
                 tb_gather(tr, j, v, d);
                 tb_resolve(tr, j, v, d);
             }
         }
         __syncthreads();
     };
-    // After pass 1 of the tile in `slot`: its traceback is pending, from the final edge of least cost
+    // After pass 1 of the unit in `slot`: its tracebacks are pending, each from its final edge of least cost
     auto pass1_done = [&](int slot)
     {
-        uint32_t best = __reduce_min_sync(0xffffffffu, final_key_thread<KA, KB>(t, costs1));
-        if (lane == 0) sh_red[t >> 5] = best;
+        #pragma unroll
+        for (int u = 0; u < T; ++u)
+        {
+            const uint32_t best = __reduce_min_sync(0xffffffffu, final_key_thread<KA, KB>(t, costs1 + u * Gm::WIDE));
+            if (lane == 0) sh_red[u * WARPS + (t >> 5)] = best;
+        }
         __syncthreads();
         if (t < 32)
         {
-            best = __reduce_min_sync(0xffffffffu, lane < NT / 32 ? sh_red[lane] : NO_KEY);
-            if (lane == 0) *sh_tr = Trace{1, slot, L / 2, -1, final_edge(best), buf, -1};
+            Trace tr{1, slot, L / 2, buf, {-1, -1}, {0, 0}, {-1, -1}};
+            #pragma unroll
+            for (int u = 0; u < T; ++u)
+                tr.e[u] = final_edge(__reduce_min_sync(0xffffffffu, lane < WARPS ? sh_red[u * WARPS + lane] : NO_KEY));
+            if (lane == 0) *sh_tr = tr;
         }
         buf ^= 1;
         __syncthreads();
     };
-    // After pass 2 of tile n in `slot`: its traceback is pending, from and to its boundary edge
+    // After pass 2 of unit n in `slot`: its tracebacks are pending, each from and to its tile's boundary edge
     auto pass2_done = [&](int slot, int n)
     {
-        if (t == 0) *sh_tr = Trace{1, slot, 0, sh_bound[slot], sh_bound[slot], buf, tile_of(n)};
+        if (t == 0)
+        {
+            Trace tr{1, slot, 0, buf, {-1, -1}, {0, 0}, {-1, -1}};
+            for (int u = 0; u < T; ++u)
+            {
+                tr.pre[u] = tr.e[u] = sh_bound[slot * T + u];
+                tr.tile[u] = n * T + u < count ? tile_of(n * T + u) : -1;
+            }
+            *sh_tr = tr;
+        }
         buf ^= 1;
         __syncthreads();
     };
-    auto load_tile = [&](int slot, int n)
+    auto load_unit = [&](int slot, int n)
     {
-        const float* in = tiles + (size_t) tile_of(n) * L;
-        for (int i = t; i < L; i += NT) sh_w[slot * L + i] = __float2half_rn(in[i]);
+        for (int i = t; i < T * L; i += NT)
+        {
+            const int m = n * T + i / L < count ? n * T + i / L : n * T;
+            sh_w[slot * T * L + i] = __float2half_rn(tiles[(size_t) tile_of(m) * L + i % L]);
+        }
         __syncthreads();
     };
 
-    for (int n = 0; n < count; n += 2)
+    for (int n = 0; n < units; n += 2)
     {
-        load_tile(0, n);                    // slot 0's last traceback (T2 of tile n - 2) ran beside F2(n - 1)
-        forward(0, L / 2, -1, pass1_keep_from<KA, KB>());   // F1(n), beside T2(n - 1)
+        load_unit(0, n);                    // slot 0's last tracebacks (T2 of unit n - 2) ran beside F2(n - 1)
+        forward(0, L / 2, nullptr, pass1_keep_from<KA, KB>());   // F1(n), beside T2(n - 1)
         pass1_done(0);
-        if (n + 1 < count)
+        if (n + 1 < units)
         {
-            load_tile(1, n + 1);            // T2(n - 1) ran beside F1(n)
-            forward(1, L / 2, -1, pass1_keep_from<KA, KB>());   // F1(n + 1), beside T1(n)
+            load_unit(1, n + 1);            // T2(n - 1) ran beside F1(n)
+            forward(1, L / 2, nullptr, pass1_keep_from<KA, KB>());   // F1(n + 1), beside T1(n)
             pass1_done(1);
-            forward(0, 0, sh_bound[0], 0);      // F2(n), beside T1(n + 1)
+            forward(0, 0, sh_bound, 0);         // F2(n), beside T1(n + 1)
             pass2_done(0, n);
-            forward(1, 0, sh_bound[1], 0);      // F2(n + 1), beside T2(n)
+            forward(1, 0, sh_bound + T, 0);     // F2(n + 1), beside T2(n)
             pass2_done(1, n + 1);
         }
         else
         {
             drain();                            // T1(n)
-            forward(0, 0, sh_bound[0], 0);      // F2(n)
+            forward(0, 0, sh_bound, 0);         // F2(n)
             pass2_done(0, n);
         }
     }
@@ -700,15 +773,16 @@ template <int KA, int KB, int CB>
 void launch(const torch::Tensor& tiles, torch::Tensor& values, torch::Tensor& states, int64_t max_blocks)
 {
     constexpr int WIDE = Geometry<KA, KB>::WIDE;
+    constexpr int T = Geometry<KA, KB>::T;
     // plain constants: dependent ones would make `history` a dependent type
-    constexpr int64_t HSIZE = (int64_t) Geometry<KA, KB>::ROWS * Geometry<KA, KB>::ROW;
+    constexpr int64_t HBUF = (int64_t) T * Geometry<KA, KB>::HSIZE;
     const int num_tiles = (int) tiles.size(0);
     if (num_tiles == 0) return;
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     int blocks = std::min(num_tiles, sms);
     if (max_blocks > 0) blocks = (int) std::min<int64_t>(blocks, max_blocks);
-    auto history = torch::empty({(int64_t) blocks * 2 * HSIZE}, tiles.options().dtype(torch::kHalf));
-    const size_t shmem = (2 * WIDE + 2 * L) * sizeof(half) + (NT / 32 + 2) * sizeof(uint32_t) + sizeof(Trace);
+    auto history = torch::empty({(int64_t) blocks * 2 * HBUF}, tiles.options().dtype(torch::kHalf));
+    const size_t shmem = (2 * T * WIDE + 2 * T * L) * sizeof(half) + (T * NT / 32 + 2 * T) * sizeof(uint32_t) + sizeof(Trace);
     auto kernel = trellis_encode_kernel<KA, KB, CB>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) shmem));
     kernel<<<blocks, NT, shmem, at::cuda::getCurrentCUDAStream()>>>(
