@@ -28,8 +28,9 @@
 //   minimum of the same values in any order is the same value);
 // - the minima are placed to avoid shared-memory bank conflicts (cost_slot) and to coalesce the history
 //   writes (hist_slot): places change, values do not;
-// - a block keeps two tiles in flight, so that each traceback runs beside the next forward pass (see the
-//   kernel); each tile's search is unchanged;
+// - a forward pass runs the same step of two tiles at K 2, 2.5, 3 and 4 (Geometry::T), and a block keeps two
+//   such units in flight, so that each traceback runs beside the next forward pass (see the kernel); each
+//   tile's search is unchanged;
 // - the reconstructed values are decoded from the written states once a block's tiles are done, not by the
 //   traceback as it goes.
 // The final-edge choice after pass 1 uses exllamav3's tie order over equal costs (bit-reversed warp, then
