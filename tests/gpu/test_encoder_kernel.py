@@ -70,10 +70,10 @@ def test_codes_equal_exllamav3(built, K, codebook):
     assert torch.equal(values2, ref_values2)
 
 
-@pytest.mark.parametrize("K", [1, 2, 2.5, 3, 3.5, 6])
+@pytest.mark.parametrize("K", [1, 2, 2.5, 3, 3.5, 5, 6])
 @pytest.mark.parametrize("blocks", [1, 2, 3])
 def test_many_tiles_per_block(built, K, blocks):
-    """A block encodes its tiles in units (two tiles per forward pass at K 2, 2.5, 3 and 4, else one) and
+    """A block encodes its tiles in units (two tiles per forward pass at K 2, 2.5, 3, 4 and 5, else one) and
     keeps two units in flight: 23 tiles over 1, 2 or 3 blocks give every count of units, odd and even, and
     a unit short of a tile."""
     tiles = tile_set(77)[-23:]

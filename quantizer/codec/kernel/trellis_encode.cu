@@ -28,7 +28,7 @@
 //   minimum of the same values in any order is the same value);
 // - the minima are placed to avoid shared-memory bank conflicts (cost_slot) and to coalesce the history
 //   writes (hist_slot): places change, values do not;
-// - a forward pass runs the same step of two tiles at K 2, 2.5, 3 and 4 (Geometry::T), and a block keeps two
+// - a forward pass runs the same step of two tiles at K 2, 2.5, 3, 4 and 5 (Geometry::T), and a block keeps two
 //   such units in flight, so that each traceback runs beside the next forward pass (see the kernel); each
 //   tile's search is unchanged;
 // - the reconstructed values are decoded from the written states once a block's tiles are done, not by the
@@ -74,11 +74,11 @@ struct Geometry
     static constexpr int NV = STRIDE == 2 ? 1 << KA : 1;      // history minima a traceback candidate reads
     static constexpr int R = (Q + 31) / 32;                   // traceback candidates per lane of warp 0
     static constexpr int HSIZE = ROWS * ROW;                  // one tile's history (minima)
-    // tiles per forward pass (see the kernel): two at K 2, 2.5, 3 and 4, where they measured faster than one
+    // tiles per forward pass (see the kernel): two at K 2, 2.5, 3, 4 and 5, where they measured faster than one
     // (H100, docs/encoder.md, "Two tiles per forward pass"); their four cost buffers fit in shared memory from
-    // KA 2 up (128 KiB at K 2). At K 3.5 two tiles' registers spilled and ran 13% slower; K 5 and 6, where
-    // they spill too, were not timed with two and keep one; K 1 and 1.5 would need 256 KiB
-    static constexpr int T = KA >= 2 && KA <= 4 && (KA == KB || KA == 2) ? 2 : 1;
+    // KA 2 up (128 KiB at K 2). At K 3.5 and 6 two tiles' registers spilled and ran slower; K 1 and 1.5 would
+    // need 256 KiB
+    static constexpr int T = (KA == KB && KA >= 2 && KA <= 5) || (KA == 2 && KB == 3) ? 2 : 1;
     static constexpr int PARTS = P * T >= 16 ? P * T / 8 : 1; // pieces of a run per forward step (forward_thread)
     static constexpr int UNITS = E / 8;                       // 16-byte units in a thread's run of minima
     static constexpr int SPREAD = UNITS >= 8 ? 0 : UNITS == 4 ? 1 : 2;  // log2(8 / UNITS), see cost_slot
