@@ -189,7 +189,7 @@ TE_FN void store_pairs(half* dst, const half2 (&src)[P])
 // A KA-wide buffer (half rates) is two KB-wide halves, x = (g << (16 - KB)) | e, each placed the same way.
 // Only the place changes, never a value (the history in global memory has its own order, hist_slot).
 // At integer K every x is below NARROW, and the half's bit is not masked at all: that mask alone made the
-// K 3 kernel 4% slower (docs/encoder.md, "The half rates").
+// K 3 kernel 4% slower (docs/encoder.md, "The half rates, and pieces of 8 pairs").
 template <int KA, int KB>
 TE_FN int cost_slot(int x)
 {
