@@ -94,6 +94,8 @@ static void encode_unit(const float* tiles, int count, float* vals, int16_t* sta
 
     auto forward = [&](int roll, const int* pre, int keep_from)
     {
+        int from[T];
+        for (int u = 0; u < T; ++u) from[u] = pre ? pre[u] : -1;
         for (int i = 0; i < L; ++i)
         {
             half* next = (i & 1) ? costs1.data() : costs0.data();
@@ -103,9 +105,9 @@ static void encode_unit(const float* tiles, int count, float* vals, int16_t* sta
             for (int u = 0; u < T; ++u) wi[u] = w[u * L + ring(i, roll)];
             for (int t = 0; t < NT; ++t)
             {
-                if (KA != KB && (i & 1)) forward_thread<KA, KB, true, false>(t, dec[t], wi, prev, next, hrow, pre);
-                else if (i == 0) forward_thread<KA, KB, false, true>(t, dec[t], wi, prev, next, hrow, pre);
-                else forward_thread<KA, KB, false, false>(t, dec[t], wi, prev, next, hrow, pre);
+                if (KA != KB && (i & 1)) forward_thread<KA, KB, true, false>(t, dec[t], wi, prev, next, hrow, from);
+                else if (i == 0) forward_thread<KA, KB, false, true>(t, dec[t], wi, prev, next, hrow, from);
+                else forward_thread<KA, KB, false, false>(t, dec[t], wi, prev, next, hrow, from);
             }
         }
     };

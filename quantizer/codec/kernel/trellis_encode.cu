@@ -83,7 +83,6 @@ struct Geometry
     static constexpr int UNITS = E / 8;                       // 16-byte units in a thread's run of minima
     static constexpr int SPREAD = UNITS >= 8 ? 0 : UNITS == 4 ? 1 : 2;  // log2(8 / UNITS), see cost_slot
     static_assert(E >= 2 && (E % 2) == 0 && 16 - KA - KB >= 0, "K outside this thread layout");
-    static_assert(T <= 2, "a Trace holds two tiles");
 };
 
 // Step j of a pass at ring position j + roll (the roll is even, so both have j's parity): its widths D(p) and
@@ -318,9 +317,11 @@ TE_FN void decode_thread(int t, half2 (&dec)[Geometry<KA, KB>::Q][Geometry<KA, K
 // One forward step for thread t, for the T tiles of a forward pass (Geometry::T; their weights `w`): the
 // minimum over the candidates of every out-edge it owns, into `next` (and `hrow` when not null), tile u's
 // cost buffers at u * WIDE and its history at u * HSIZE. ODD: a KA-wide step of a half rate (Step). FIRST: the
-// first step of a pass, a plain square, only from edge pre[u] if `pre` is not null (`prev` unused); a
+// first step of a pass, a plain square, only from edge pre[u] where that is >= 0 (`prev` unused); a
 // template argument, so that the other 255 steps run without a branch per candidate and take each
-// predecessor cost straight from the loaded pair (docs/encoder.md, "What limited it next"). Each decoded
+// predecessor cost straight from the loaded pair (docs/encoder.md, "What limited it next"). The boundary
+// edges come in registers: read through a pointer into shared memory that the cost stores might alias, they
+// put a branch around every candidate of the first step (docs/encoder.md, "Boundary edges by value"). Each decoded
 // value is read once for all T tiles. A run of more than 8 pairs (K 1, 1.5 and 2) is done in pieces of 8,
 // each with its own minima and predecessor costs: a whole run's minima beside the decoded values and the
 // traceback's did not fit in the registers at K 1 (the compiler spilled them), and pieces of 8 pairs were
@@ -328,7 +329,7 @@ TE_FN void decode_thread(int t, half2 (&dec)[Geometry<KA, KB>::Q][Geometry<KA, K
 template <int KA, int KB, bool ODD, bool FIRST>
 TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<KA, KB>::Q][Geometry<KA, KB>::P],
                           const half (&w)[Geometry<KA, KB>::T], const half* prev, half* next, half* hrow,
-                          const int* pre)
+                          const int (&pre)[Geometry<KA, KB>::T])
 {
     using Gm = Geometry<KA, KB>;
     using St = Step<KA, KB, ODD>;
@@ -365,7 +366,7 @@ TE_FN void forward_thread(int t, const half2 (&dec)[Geometry<KA, KB>::Q][Geometr
                     if constexpr (FIRST)
                     {
                         v = __hmul2(d, d);
-                        if (pre && ((k << St::SHIFT) | ((e + 2 * j) >> St::KIN)) != pre[u]) v = __half2half2(inf_half());
+                        if (pre[u] >= 0 && ((k << St::SHIFT) | ((e + 2 * j) >> St::KIN)) != pre[u]) v = __half2half2(inf_half());
                     }
                     else
                     {
@@ -510,16 +511,18 @@ TE_FN half* kept_row(half* hist, int i, int keep_from)
 #ifndef TRELLIS_HOST
 
 // The tracebacks of one forward pass's tiles, waiting for the next pass (in shared memory) or running beside
-// it (warp 0's registers). They move in step: same pass, same positions; only their edges differ
+// it (warp 0's registers). They move in step: same pass, same positions; only their edges differ. T entries
+// each, not two: the one-tile kernel's warp 0 keeps no unused fields in its registers
+template <int T>
 struct Trace
 {
     int active;   // 0: none
     int slot;     // the tile slot that holds their weights
     int roll;     // L/2 for pass 1 (which yields the boundary edges), 0 for pass 2 (which writes states)
     int buf;      // the history buffer they read
-    int pre[2];   // pass 2: each tile's boundary edge; pass 1: -1
-    int e[2];     // each tile's edge at its next position
-    int tile[2];  // pass 2: the tile whose states it writes, -1 for none (a slot's missing second tile)
+    int pre[T];   // pass 2: each tile's boundary edge; pass 1: -1
+    int e[T];     // each tile's edge at its next position
+    int tile[T];  // pass 2: the tile whose states it writes, -1 for none (a slot's missing second tile)
 };
 
 // One block encodes its tiles in units of T (Geometry::T): a forward pass runs the same step of the unit's T
@@ -550,7 +553,7 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
     half* sh_w = costs1 + T * Gm::WIDE;                            // two slots of T tiles in fp16
     uint32_t* sh_red = reinterpret_cast<uint32_t*>(sh_w + 2 * T * L);  // one word per warp and tile
     int* sh_bound = reinterpret_cast<int*>(sh_red + T * WARPS);     // the boundary edge of each slot's tiles
-    Trace* sh_tr = reinterpret_cast<Trace*>(sh_bound + 2 * T);
+    Trace<T>* sh_tr = reinterpret_cast<Trace<T>*>(sh_bound + 2 * T);
 
     const int t = threadIdx.x;
     const int lane = t & 31;
@@ -568,14 +571,14 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
     // reads them) and marks the shared copy taken
     auto tb_take = [&]()
     {
-        const Trace tr = *sh_tr;
+        const Trace<T> tr = *sh_tr;
         __syncwarp();
         if (lane == 0) sh_tr->active = 0;
         return tr;
     };
     // Warp 0, before its forward work: the history minima of the tracebacks' position for forward step j
     // (position L-1-j) and the candidates' offsets, everything that does not wait for those loads
-    auto tb_gather = [&](const Trace& tr, int j, half (&v)[T][Gm::R][Gm::NV], half (&d)[T][Gm::R])
+    auto tb_gather = [&](const Trace<T>& tr, int j, half (&v)[T][Gm::R][Gm::NV], half (&d)[T][Gm::R])
     {
         const int i = L - 1 - j;
         #pragma unroll
@@ -598,7 +601,7 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
     // Warp 0, after it: that position's least candidate of each tile (first on ties), its state written in
     // pass 2, the edge before it kept for the next position; pass 1 stops at ring position 0 with the
     // boundary edges
-    auto tb_resolve = [&](Trace& tr, int j, const half (&v)[T][Gm::R][Gm::NV], const half (&d)[T][Gm::R])
+    auto tb_resolve = [&](Trace<T>& tr, int j, const half (&v)[T][Gm::R][Gm::NV], const half (&d)[T][Gm::R])
     {
         const int i = L - 1 - j;
         const int ri = ring(i, tr.roll);
@@ -646,7 +649,10 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
     {
         half* hist = hists + buf * HBUF;
         const half* w = sh_w + slot * T * L;
-        Trace tr{};
+        int from[T];
+        #pragma unroll
+        for (int u = 0; u < T; ++u) from[u] = pre ? pre[u] : -1;
+        Trace<T> tr{};
         if (t < 32) tr = tb_take();
         for (int j = 0; j < L; ++j)
         {
@@ -659,9 +665,9 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
             #pragma unroll
             for (int u = 0; u < T; ++u) wj[u] = w[u * L + ring(j, roll)];
             // at integer K odd and even steps are the same step, one instantiation
-            if (KA != KB && (j & 1)) forward_thread<KA, KB, true, false>(t, dec, wj, prev, next, hrow, pre);
-            else if (j == 0) forward_thread<KA, KB, false, true>(t, dec, wj, nullptr, next, hrow, pre);
-            else forward_thread<KA, KB, false, false>(t, dec, wj, prev, next, hrow, pre);
+            if (KA != KB && (j & 1)) forward_thread<KA, KB, true, false>(t, dec, wj, prev, next, hrow, from);
+            else if (j == 0) forward_thread<KA, KB, false, true>(t, dec, wj, nullptr, next, hrow, from);
+            else forward_thread<KA, KB, false, false>(t, dec, wj, prev, next, hrow, from);
             if (t < 32 && tr.active) tb_resolve(tr, j, v, d);
             __syncthreads();
         }
@@ -671,7 +677,7 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
     {
         if (t < 32)
         {
-            Trace tr = tb_take();
+            Trace<T> tr = tb_take();
             for (int j = 0; j < L && tr.active; ++j)
             {
                 half v[T][Gm::R][Gm::NV], d[T][Gm::R];
@@ -693,10 +699,13 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
         __syncthreads();
         if (t < 32)
         {
-            Trace tr{1, slot, L / 2, buf, {-1, -1}, {0, 0}, {-1, -1}};
+            Trace<T> tr{1, slot, L / 2, buf};
             #pragma unroll
             for (int u = 0; u < T; ++u)
+            {
+                tr.pre[u] = tr.tile[u] = -1;
                 tr.e[u] = final_edge(__reduce_min_sync(0xffffffffu, lane < WARPS ? sh_red[u * WARPS + lane] : NO_KEY));
+            }
             if (lane == 0) *sh_tr = tr;
         }
         buf ^= 1;
@@ -707,7 +716,7 @@ trellis_encode_kernel(const float* __restrict__ tiles, float* __restrict__ out_v
     {
         if (t == 0)
         {
-            Trace tr{1, slot, 0, buf, {-1, -1}, {0, 0}, {-1, -1}};
+            Trace<T> tr{1, slot, 0, buf};
             for (int u = 0; u < T; ++u)
             {
                 tr.pre[u] = tr.e[u] = sh_bound[slot * T + u];
@@ -783,7 +792,7 @@ void launch(const torch::Tensor& tiles, torch::Tensor& values, torch::Tensor& st
     int blocks = std::min(num_tiles, sms);
     if (max_blocks > 0) blocks = (int) std::min<int64_t>(blocks, max_blocks);
     auto history = torch::empty({(int64_t) blocks * 2 * HBUF}, tiles.options().dtype(torch::kHalf));
-    const size_t shmem = (2 * T * WIDE + 2 * T * L) * sizeof(half) + (T * NT / 32 + 2 * T) * sizeof(uint32_t) + sizeof(Trace);
+    const size_t shmem = (2 * T * WIDE + 2 * T * L) * sizeof(half) + (T * NT / 32 + 2 * T) * sizeof(uint32_t) + sizeof(Trace<T>);
     auto kernel = trellis_encode_kernel<KA, KB, CB>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int) shmem));
     kernel<<<blocks, NT, shmem, at::cuda::getCurrentCUDAStream()>>>(
