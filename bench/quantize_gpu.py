@@ -23,7 +23,8 @@ On the GPU machine (about 6 minutes; --ks splits the grid over several calls):
 
     source .device-cache/setup.sh && python bench/quantize_gpu.py
 
-writes $OUT/quantize_gpu.json (every measurement) and $OUT/encode_rates.json (the table).
+writes $OUT/quantize_gpu.json (every measurement) and $OUT/encode_rates.json (the table), rewritten after
+each measurement so that a run stopped early keeps what it measured.
 """
 
 from __future__ import annotations
@@ -114,6 +115,18 @@ def rate_table(rates: list[dict], device: torch.device, w1_hessians: str, encode
     }
 
 
+def write_reports(rates: list[dict], compared: list[dict], device: torch.device, args) -> None:
+    """$OUT/quantize_gpu.json and $OUT/encode_rates.json with what is measured so far (rewritten after each
+    measurement, so that a run cut short by the GPU machine's time limit keeps what it measured)."""
+    if not os.environ.get("OUT"):
+        return
+    out = Path(os.environ["OUT"])
+    (out / "quantize_gpu.json").write_text(json.dumps({"rates": rates, "compared": compared}, indent=1) + "\n")
+    if rates:
+        table_json = rate_table(rates, device, args.w1_hessians, args.encoder)
+        (out / "encode_rates.json").write_text(json.dumps(table_json, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ks", type=float, nargs="+", default=list(rate_grid("mul1")), help="K values to measure")
@@ -141,6 +154,7 @@ def main() -> None:
                 rates.append({"K": K, "in_features": i, "out_features": o, "batch": EXPERTS,
                               "seconds": seconds, "weights_per_s": n_weights / seconds})
                 print(f"K {K:g}  in {i}  {n_weights / seconds / 1e6:.2f} M weights/s", flush=True)
+                write_reports(rates, compared, device, args)
         for e in ENCODERS["cuda"] if args.compare_ks else ():  # warm-up: the stage's one-off costs, untimed
             stage(tmp / "src", tmp / f"warm-{e}", h1, args.compare_ks[0], device, e)
         for K in args.compare_ks:
@@ -157,6 +171,7 @@ def main() -> None:
                              "codes_equal": same_results(ref, got_kernel) and same_results(ref, got)})
             print(f"K {K:g}  stage ours {t_ref / t_stage['ours']:.2f}x quantize_exl3_batch, codes equal "
                   f"{compared[-1]['codes_equal']}", flush=True)
+            write_reports(rates, compared, device, args)
     print(f"{EXPERTS} experts, mul1, {torch.cuda.get_device_name(device)}: --encoder {args.encoder}, M weights/s")
     by_k = {}
     for r in rates:
@@ -170,11 +185,6 @@ def main() -> None:
                     [[f"{c['K']:g}", f"{c['direct_weights_per_s'] / 1e6:.2f}", f"{c['direct_kernel_ratio']:.2f}x",
                       f"{c['direct_ours_ratio']:.2f}x", f"{c['stage_exllamav3_ratio']:.2f}x", f"{c['ratio']:.2f}x",
                       "yes" if c["codes_equal"] else "NO"] for c in compared]))
-    if os.environ.get("OUT"):
-        out = Path(os.environ["OUT"])
-        (out / "quantize_gpu.json").write_text(json.dumps({"rates": rates, "compared": compared}, indent=1) + "\n")
-        table_json = rate_table(rates, device, args.w1_hessians, args.encoder)
-        (out / "encode_rates.json").write_text(json.dumps(table_json, indent=1) + "\n")
 
 
 if __name__ == "__main__":
