@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import tempfile
@@ -57,6 +56,7 @@ from quantizer.quantize.encode_hours import RATES_FORMAT
 from quantizer.quantize.settings import ENCODERS, QuantizeSettings
 from quantizer.quantize.stage import quantize
 from quantizer.report import table
+from quantizer.workdir import write_json_atomic
 
 COMPARE_KS = (2.0, 2.5, 3.0, 3.5, 4.0)
 HOWS = ("exllamav3", "kernel", "ours")  # the batch conversions `direct` runs
@@ -121,10 +121,9 @@ def write_reports(rates: list[dict], compared: list[dict], device: torch.device,
     if not os.environ.get("OUT"):
         return
     out = Path(os.environ["OUT"])
-    (out / "quantize_gpu.json").write_text(json.dumps({"rates": rates, "compared": compared}, indent=1) + "\n")
+    write_json_atomic(out / "quantize_gpu.json", {"rates": rates, "compared": compared})
     if rates:
-        table_json = rate_table(rates, device, args.w1_hessians, args.encoder)
-        (out / "encode_rates.json").write_text(json.dumps(table_json, indent=1) + "\n")
+        write_json_atomic(out / "encode_rates.json", rate_table(rates, device, args.w1_hessians, args.encoder))
 
 
 def main() -> None:
@@ -137,6 +136,8 @@ def main() -> None:
     ap.add_argument("--encoder", choices=ENCODERS["cuda"], default="ours",
                     help="the batch conversion the rates are measured with (the stage's --encoder)")
     args = ap.parse_args()
+    if os.environ.get("OUT") and not Path(os.environ["OUT"]).is_dir():
+        ap.error(f"$OUT={os.environ['OUT']} is not a directory: the reports go there")
     device = torch.device("cuda", 0)
     n_weights = EXPERTS * IN * OUT
     rates, compared = [], []
