@@ -96,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--encoder", choices=sorted({e for encoders in ENCODERS.values() for e in encoders}),
                    help="cpu: our codec's Viterbi first pass, fast (default) or exact; cuda: exllamav3's conversion "
                         "steps in our batch loop with our tile-search kernel (ours, default: the same codes, the "
-                        "quantize stage 2.6-3.5x faster at K 2-4 and the half rates on an H100, docs/encoder.md) or "
+                        "quantize stage 2.6-3.4x faster at K 2-4 and the half rates on an H100, docs/encoder.md) or "
                         "exllamav3's own (exllamav3)")
     p.add_argument("--seed", type=int, default=0, help="job seed; each linear's seed derives from it and its key")
     p.add_argument("--tune", action="store_true",
