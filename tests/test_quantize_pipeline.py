@@ -58,6 +58,19 @@ def test_the_pipelined_stage_writes_the_same_bytes_as_the_sequential_one(tiny_v4
     assert runs[0] == runs[depth]
 
 
+def test_the_stage_says_where_its_encoder_time_went_and_a_rerun_encodes_nothing(tiny_v41, tmp_path):
+    """unit_seconds holds every unit this run encoded (the rehearsal splits its projection by them) and no
+    more than the stage's time; a rerun on the same work directory encodes, and so times, nothing."""
+    ck = Checkpoint.open(tiny_v41)
+    first = quantize(ck, _plan(ck), tmp_path, QuantizeSettings(), _hessians(ck))
+    names = [u.name for u in work_units(pack_spec(ck.config, _plan(ck)).encoded, "cpu")]
+    assert sorted(first.unit_seconds) == sorted(names) and len(names) == 3
+    assert all(s >= 0 for s in first.unit_seconds.values())
+    assert sum(first.unit_seconds.values()) <= first.seconds
+    again = quantize(ck, _plan(ck), tmp_path, QuantizeSettings(), _hessians(ck))
+    assert again.unit_seconds == {} and again.resumed_units == 3
+
+
 def test_units_come_out_in_order_with_at_most_depth_prepared_ahead():
     outstanding, peak, lock = [0], [0], threading.Lock()
 

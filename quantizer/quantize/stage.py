@@ -69,6 +69,9 @@ class QuantizeResult:
     resumed_units: int  # finished before this run (by this plan or another plan sharing the directory)
     seconds: float
     proxy_err: dict[str, float | None]  # stored key -> proxy error (None for fp16 linears)
+    # unit name -> seconds from the encoder finishing the unit before (or the stage's start) to finishing this
+    # one, its wait for inputs included: where this run's encoder time went (this rank's units; none resumed)
+    unit_seconds: dict[str, float]
 
 
 def quantize(
@@ -123,12 +126,17 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
     if ranks.main:
         print(_needs_line(work, linears, units, todo, settings, ram, disk), file=sys.stderr)
     ranks.on_main(lambda: require_free_space(work, disk, "the quantized results"))
-    start = time.monotonic()
+    start = last = time.monotonic()
+    unit_seconds: dict[str, float] = {}
     prepare = UnitInputs(ck, by_key, hessian, settings.device)
 
     def encode(unit: Unit, inputs: PreparedUnit) -> EncodedUnit:
+        nonlocal last
         inputs.ready()
-        return encode_unit(unit.name, inputs.members, inputs.weights, inputs.hessians, plan.codebook, settings)
+        encoded = encode_unit(unit.name, inputs.members, inputs.weights, inputs.hessians, plan.codebook, settings)
+        now = time.monotonic()
+        unit_seconds[unit.name], last = now - last, now
+        return encoded
 
     def save(unit: Unit, encoded: EncodedUnit) -> None:
         if source_check:
@@ -146,7 +154,7 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
             release_encoder_buffers()  # the tune and pack stages after this one get the encoder's scratch back
     ranks.barrier()  # every rank's units are in before the results are read
     seconds = time.monotonic() - start
-    return QuantizeResult(work, len(units), len(units) - len(todo), seconds, store.proxy_errors(units))
+    return QuantizeResult(work, len(units), len(units) - len(todo), seconds, store.proxy_errors(units), unit_seconds)
 
 
 def measured_proxies(cfg: ModelConfig, encodings: list[tuple[float, dict[str, float | None]]]
