@@ -42,6 +42,7 @@ import argparse
 import importlib
 import json
 import math
+import re
 import shutil
 import sys
 import tempfile
@@ -72,7 +73,8 @@ from quantizer.exl3 import exl3_bytes  # noqa: E402
 from quantizer.model.layout import native_layout  # noqa: E402
 from quantizer.model.streaming import block_weight_bytes  # noqa: E402
 from quantizer.plan.uniform import uniform_plan  # noqa: E402
-from quantizer.quantize.encode_hours import plan_estimate  # noqa: E402
+from quantizer.model.targets import ROUTED  # noqa: E402
+from quantizer.quantize.encode_hours import RateTable, estimate, plan_estimate  # noqa: E402
 from quantizer.quantize.linears import work_units  # noqa: E402
 from quantizer.quantize.pipeline import PREFETCH_UNITS  # noqa: E402
 from quantizer.quantize.settings import QuantizeSettings  # noqa: E402
@@ -93,6 +95,7 @@ HEAD_SAMPLE_WEIGHTS = 64 << 20
 GPU_COUNTS = (1, 2, 4, 8)
 STAGES = ("calibrate", "plan", "quantize", "pack", "verify")
 TUNE_STAGE = "tune"
+CLASSES = ("routed experts", "the rest")  # of quantize units, priced apart in the projection
 
 
 def slice_config(layers: int, experts: int) -> dict:
@@ -167,10 +170,15 @@ def _du(path: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
 
 
+def real_source_bytes(cfg: ModelConfig) -> int:
+    """The native checkpoint's tensors (Engram tables and drafter included), as the layout states them."""
+    return sum(s.nbytes for s in native_layout(cfg))
+
+
 def write_slice(root: Path, raw: dict, seed: int) -> float:
     cfg = ModelConfig.from_dict(raw)
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    backbone = sum(s.nbytes for s in native_layout(cfg))
+    backbone = real_source_bytes(cfg)
     start = time.perf_counter()
     write_native_checkpoint(root, raw, random_values(cfg, gen), max(2, math.ceil(backbone / SHARD_BYTES)))
     return time.perf_counter() - start
@@ -178,10 +186,10 @@ def write_slice(root: Path, raw: dict, seed: int) -> float:
 
 def _kind(unit) -> str:
     """What decides a unit's encode rate: its linear or batch (layer index dropped) and K."""
-    parts = unit.name.split(".")
+    parts = re.sub(r"\.K[\d.]+\.batch\d+$", "", unit.name).split(".")
     if parts[0] in ("layers", "mtp"):
         parts[1] = "L"
-    return ".".join(p for p in parts if not p.startswith(("batch", "K"))) + f"@K{unit.K:g}"
+    return ".".join(parts) + f"@K{unit.K:g}"
 
 
 def direct_rates(ck: Checkpoint, plan, work: Path, sample: int) -> dict[str, float]:
@@ -292,15 +300,48 @@ def full_layer_rate(path: Path | None) -> dict | None:
     return rate
 
 
-def real_needs(bpw: float, measured_over_stated: float, run: dict) -> dict:
-    """The real model at --bpw (uniform plan: the K mix an allocator starts from): the GPU time `plan`
-    states for it (the shipped encode rates, measured on full-size experts) times what this run's quantize
-    stage took over what `build` stated for it, calibration and pack scaled from this run, and the disk.
-    (Pricing the real plan at this run's own direct rates instead would price experts at a K the slice's
-    plan did not give them with another linear's rate: small linears encode several times slower.)"""
+def unit_class(members: list) -> str:
+    """Routed experts, or the rest: the real model's quantize time is nearly all routed experts, while a
+    slice of few experts spends much of its time on the rest, small linears that run below the experts'
+    rates the table holds."""
+    return CLASSES[0] if members[0].target.group == ROUTED else CLASSES[1]
+
+
+def stated_by_class(linears: list) -> dict[str, float]:
+    """The seconds `build` states for these linears (the default encoder's rate table), per class."""
+    table, stated = RateTable.load(), dict.fromkeys(CLASSES, 0.0)
+    for s in linears:
+        stated[unit_class([s])] += estimate([s], table).seconds
+    return stated
+
+
+def quantize_by_class(linears: list, unit_seconds: dict[str, float], stage_s: float) -> dict:
+    """The slice's quantize stage per class: what `build` stated and what the encoder took (the stage's
+    unit_seconds, each unit's wait for its inputs included), and the stage's time outside any unit."""
+    by_key = {s.key: s for s in linears}
+    measured = dict.fromkeys(CLASSES, 0.0)
+    for u in work_units(linears, "cuda"):
+        measured[unit_class([by_key[k] for k in u.keys])] += unit_seconds[u.name]
+    stated = stated_by_class(linears)
+    return {"stated": stated, "measured": measured, "outside_units_s": stage_s - sum(measured.values())}
+
+
+def real_needs(bpw: float, by_class: dict, run: dict) -> dict:
+    """The real model at --bpw (uniform plan: the K mix an allocator starts from): per class of unit, the
+    GPU time `plan` states for it (the shipped encode rates, measured on full-size experts) times what this
+    run's encoder took over what `build` stated for that class, plus the stage's time outside any unit
+    scaled by the source's size (it reads the source's fingerprint: an upper bound); calibration and pack
+    scaled from this run, and the disk. (One ratio for the whole stage would let the slice's small linears,
+    about half its weights against 1% of the real model's, set the experts' rate; pricing the real plan at
+    this run's own direct rates would price experts at a K the slice's plan did not give them.)"""
     cfg = ModelConfig.from_file(model_config_path(REAL))
     plan = uniform_plan(cfg, bpw)
-    quantize_s = plan_estimate(cfg, plan).seconds * measured_over_stated
+    stated = stated_by_class(pack_spec(cfg, plan).encoded)
+    overall = sum(by_class["measured"].values()) / sum(by_class["stated"].values())
+    ratios = {c: by_class["measured"][c] / by_class["stated"][c] if by_class["stated"][c] else overall
+              for c in CLASSES}
+    outside_s = by_class["outside_units_s"] * real_source_bytes(cfg) / run["native_bytes"]
+    quantize_s = sum(stated[c] * ratios[c] for c in CLASSES) + outside_s
     layer = run.get("full_layer")
     if layer:  # bench/calibrate_gpu_layer.py's measured rate on a full-size layer
         calibrate_s = cfg.num_layers * layer["seconds"] * (REAL_ROWS * REAL_COLS) / (FULL_LAYER_ROWS * layer["cols"])
@@ -323,6 +364,9 @@ def real_needs(bpw: float, measured_over_stated: float, run: dict) -> dict:
         "calibrate_from": ("full-size layer (bench/calibrate_gpu_layer.py)" if layer
                            else "slice, experts scaled (upper bound)"),
         "quantize_h_1gpu": quantize_s / 3600,
+        "quantize_by_class_h": {c: {"stated": stated[c] / 3600, "projected": stated[c] * ratios[c] / 3600}
+                                for c in CLASSES},
+        "quantize_outside_units_h": outside_s / 3600,
         "pack_verify_h": tail_s / 3600, "hours_by_gpus": hours,
         "disk": {"hessians": needs.layer_files, "calibration_peak": needs.disk, "quantized_results": results,
                  "pack": pack_bytes},
@@ -404,7 +448,9 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
     direct_s = sum(u.weights / rates[_kind(u)] for u in units if u.K != 16)
     stage_s = stages["quantize"].seconds
     ratio = direct_s / stage_s
+    by_class = quantize_by_class(linears, result.quantized.unit_seconds, stage_s)
     run = {"layers": args.layers, "experts": args.experts, "tokens": args.rows * args.cols, "pack_bytes": pack_bytes,
+           "native_bytes": real_source_bytes(ck.config),
            "stages": {k: vars(v) for k, v in stages.items()},
            "calibration_rate": calibration_rate(ck, tokens, root), "full_layer": full_layer}
     est, got = printed_estimates(ck, result.plan, args, root / "pack.work"), measured(stages, pack_bytes)
@@ -420,12 +466,12 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
         "quantize": {"weights": stages["quantize"].weights, "stage_s": stage_s, "direct_s": direct_s,
                      "stage_weights_per_s": stages["quantize"].weights / stage_s,
                      "direct_weights_per_s": stages["quantize"].weights / direct_s, "ratio": ratio,
-                     "direct_rates": {k: v for k, v in sorted(rates.items())}},
+                     "direct_rates": {k: v for k, v in sorted(rates.items())}, "by_class": by_class},
         "verify": "ok" if not result.verify.faults else f"{len(result.verify.faults)} faults",
         "estimates": [{"stage": st, "what": what, "estimate": est[st][what], "measured": got[st][what],
                        "ratio": est[st][what] / got[st][what] if got[st][what] else float("nan")}
                       for st in est for what in est[st]],
-        "real_model": real_needs(args.bpw, got["quantize"]["seconds"] / est["quantize"]["seconds"], run),
+        "real_model": real_needs(args.bpw, by_class, run),
     }
 
 
@@ -453,11 +499,18 @@ def print_report(r: dict) -> None:
     print(f"\nquantize stage {q['stage_weights_per_s'] / 1e6:,.2f} M weights/s; quantize_exl3_batch on the same "
           f"tensors {q['direct_weights_per_s'] / 1e6:,.2f}: ratio {q['ratio']:.3f} "
           f"({'ok' if q['ratio'] >= 0.9 else 'BELOW 0.9'})")
+    c = q["by_class"]
+    print(table(["units", "stated s", "measured s", "ratio"],
+                [[k, f"{c['stated'][k]:,.1f}", f"{c['measured'][k]:,.1f}",
+                  f"{c['measured'][k] / c['stated'][k]:.2f}" if c["stated"][k] else "-"] for k in CLASSES]))
+    print(f"outside any unit (start, fingerprint check, last save): {c['outside_units_s']:,.1f} s")
     m = r["real_model"]
     print(f"\nreal V4.1-Flash at {r['args']['bpw']:g} bpw ({m['plan']}), projected: calibration "
           f"{m['calibrate_h_1gpu']:,.2f} h (from the {m['calibrate_from']}), quantize {m['quantize_h_1gpu']:,.2f} h "
-          f"on one GPU, pack + verify "
-          f"{m['pack_verify_h']:,.2f} h")
+          f"on one GPU ("
+          + ", ".join(f"{k} {v['projected']:,.2f} h against {v['stated']:,.2f} stated"
+                      for k, v in m["quantize_by_class_h"].items())
+          + f", outside units {m['quantize_outside_units_h']:,.2f} h), pack + verify {m['pack_verify_h']:,.2f} h")
     print(table(["GPUs", *map(str, GPU_COUNTS)], [["hours", *(f"{m['hours_by_gpus'][g]:,.2f}" for g in GPU_COUNTS)]]))
     if m["tune"]:
         t, got = m["tune"], r["tune"]
