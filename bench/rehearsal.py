@@ -78,7 +78,7 @@ from quantizer.quantize.encode_hours import RateTable, estimate, plan_estimate  
 from quantizer.quantize.linears import work_units  # noqa: E402
 from quantizer.quantize.pipeline import PREFETCH_UNITS  # noqa: E402
 from quantizer.quantize.settings import QuantizeSettings  # noqa: E402
-from quantizer.quantize.stage import WeightReader, quantize_disk, quantize_ram  # noqa: E402
+from quantizer.quantize.stage import WeightReader, quantize_disk, quantize_gpu_memory, quantize_ram  # noqa: E402
 from quantizer.report import GIB, table  # noqa: E402
 from quantizer.shipped import model_config_path  # noqa: E402
 from quantizer.tiny.make import random_values  # noqa: E402
@@ -226,10 +226,12 @@ def printed_estimates(ck: Checkpoint, plan, args, work: Path) -> dict[str, dict[
     by_key = {s.key: s for s in linears}
     units = work_units(linears, "cuda")
     ram = quantize_ram(units, by_key, PREFETCH_UNITS, "cuda", settings.expert_inputs, QuantizeSettings(device="cuda").encoder)
+    gpu = quantize_gpu_memory(units, by_key, PREFETCH_UNITS, settings.expert_inputs)
     disk = quantize_disk(units, by_key, plan.codebook)
     return {
         "calibrate": {"GPU memory": calib.device, "RAM above start": calib.ram("cuda"), "disk kept": calib.layer_files},
-        "quantize": {"RAM": ram, "disk added": disk, "seconds": plan_estimate(ck.config, plan).seconds},
+        "quantize": {"RAM": ram, "GPU memory": gpu, "disk added": disk,
+                     "seconds": plan_estimate(ck.config, plan).seconds},
         "pack": {"disk": disk_needs(ck, plan, 0, work).pack},
     }
 
@@ -239,7 +241,8 @@ def measured(stages: dict[str, StageRecord], pack_bytes: int) -> dict[str, dict[
     c, q = stages["calibrate"], stages["quantize"]
     return {
         "calibrate": {"GPU memory": c.gpu_peak, "RAM above start": c.ram_peak - c.ram_start, "disk kept": c.disk},
-        "quantize": {"RAM": q.ram_peak, "disk added": q.disk - stages["plan"].disk, "seconds": q.seconds},
+        "quantize": {"RAM": q.ram_peak, "GPU memory": q.gpu_peak, "disk added": q.disk - stages["plan"].disk,
+                     "seconds": q.seconds},
         "pack": {"disk": pack_bytes},
     }
 

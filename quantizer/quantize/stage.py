@@ -60,6 +60,9 @@ BASE_RAM = 640 << 20
 # On CUDA: torch, the CUDA context and exllamav3's extension, resident before the first unit
 # (bench/rehearsal.py: 1.94 GiB at the quantize stage's start).
 BASE_RAM_CUDA = 2 << 30
+# Our tile kernel's history scratch for one launch at its largest: one block per SM (132 on an H100 or
+# H200), 16 MiB a block at K 1-3 (docs/encoder.md, "Our tile kernel").
+KERNEL_SCRATCH = 132 * (16 << 20)
 
 
 @dataclass(frozen=True)
@@ -122,9 +125,10 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
     expert_inputs = bool((settings.calibration or {}).get("expert_inputs"))
     mine = [todo[i] for i in ranks.spread([u.weights for u in todo])]
     ram = quantize_ram(mine, by_key, depth, settings.device, expert_inputs, settings.encoder)
+    gpu = quantize_gpu_memory(mine, by_key, depth, expert_inputs) if settings.encoder == "ours" else None
     disk = quantize_disk(todo, by_key, plan.codebook)
     if ranks.main:
-        print(_needs_line(work, linears, units, todo, settings, ram, disk), file=sys.stderr)
+        print(_needs_line(work, linears, units, todo, settings, ram, gpu, disk), file=sys.stderr)
     ranks.on_main(lambda: require_free_space(work, disk, "the quantized results"))
     start = last = time.monotonic()
     unit_seconds: dict[str, float] = {}
@@ -282,6 +286,27 @@ def _host_bytes_cuda(members: list[StoredLinear], expert_inputs: bool) -> int:
     return 4 * sum(s.numel for s in members) + _hessian_bytes(members, expert_inputs)
 
 
+def quantize_gpu_memory(units, by_key, depth: int, expert_inputs: bool = False) -> int:
+    """Peak GPU memory of encoding `units` in this order on CUDA with our conversion
+    (codec/exllamav3_batch.py): the unit encoding (_gpu_bytes_ours) and the fp32 weights of the `depth`
+    units after it, which the preparing thread has already read onto the GPU, plus our tile kernel's
+    scratch. 0.88 of the 22.2 GiB bench/rehearsal.py measured on one layer of 32 experts (docs/encoder.md)."""
+    members = [[by_key[k] for k in u.keys] for u in units]
+    read = [4 * sum(s.numel for s in m) for m in members]
+    return KERNEL_SCRATCH + max((_gpu_bytes_ours(m, expert_inputs) + sum(read[i + 1:i + 1 + depth])
+                                 for i, m in enumerate(members)), default=0)
+
+
+def _gpu_bytes_ours(members: list[StoredLinear], expert_inputs: bool) -> int:
+    """What our conversion holds on the GPU for one unit at once: each weight as read ([out, in] fp32),
+    transposed for exllamav3, stacked for LDLQ and as LDLQ's output (4 bytes each), its trellis states
+    (int16), and its original for the refit where it stays on the GPU (up to ORIGINAL_ON_HOST_ABOVE weights);
+    each Hessian three times (copied to the GPU, finalized, its block-LDL factor)."""
+    weights = sum(s.numel for s in members)
+    originals = sum(s.numel for s in members if s.numel <= ORIGINAL_ON_HOST_ABOVE)
+    return (4 * 4 + 2) * weights + 4 * originals + 3 * _hessian_bytes(members, expert_inputs)
+
+
 def _hessian_bytes(members: list[StoredLinear], expert_inputs: bool) -> int:
     """A unit's float32 Hessians, one per group, as the calibration store reads them onto the CPU."""
     return sum(4 * s.in_features**2 for s in _one_per_hessian(members, expert_inputs))
@@ -318,7 +343,8 @@ def _one_per_hessian(members: list[StoredLinear], expert_inputs: bool) -> list[S
     return out
 
 
-def _needs_line(work, linears, units, todo, settings, ram: int, disk: int) -> str:
+def _needs_line(work, linears, units, todo, settings, ram: int, gpu: int | None, disk: int) -> str:
+    """`gpu`: the GPU memory our conversion needs (None: not modelled, exllamav3's own or the CPU)."""
     weights = sum(u.weights for u in todo)
     how = (f"exllamav3's conversion on cuda ({'our loop and tile-search kernel' if settings.encoder == 'ours' else 'its own'})"
            if settings.device == "cuda" else f"our codec on cpu ({settings.encoder} encoder)")
@@ -326,9 +352,9 @@ def _needs_line(work, linears, units, todo, settings, ram: int, disk: int) -> st
         by_key = {s.key: s for s in linears}
         hours = estimate((by_key[k] for u in todo for k in u.keys), RateTable.load(encoder=settings.encoder)).gpu_hours
         how += f" (~{hours:,.2f} GPU-hours at measured rates)"
+    memory = f"~{size_text(ram)} RAM" + (f", ~{size_text(gpu)} GPU memory" if gpu is not None else "")
     return (
         f"quantize: {len(linears):,} linears in {len(units):,} units, {len(units) - len(todo):,} already in the cache; "
-        f"{weights:,} weights to encode with {how}; needs ~{size_text(ram)} RAM and "
-        f"~{size_text(disk)} disk in {work / 'quantized'}"
+        f"{weights:,} weights to encode with {how}; needs {memory} and ~{size_text(disk)} disk in {work / 'quantized'}"
     )
 
