@@ -329,22 +329,30 @@ def quantize_by_class(linears: list, unit_seconds: dict[str, float], stage_s: fl
     return {"stated": stated, "measured": measured, "outside_units_s": stage_s - sum(measured.values())}
 
 
-def real_needs(bpw: float, by_class: dict, run: dict) -> dict:
-    """The real model at --bpw (uniform plan: the K mix an allocator starts from): per class of unit, the
-    GPU time `plan` states for it (the shipped encode rates, measured on full-size experts) times what this
-    run's encoder took over what `build` stated for that class, plus the stage's time outside any unit
-    scaled by the source's size (it reads the source's fingerprint: an upper bound); calibration and pack
-    scaled from this run, and the disk. (One ratio for the whole stage would let the slice's small linears,
-    about half its weights against 1% of the real model's, set the experts' rate; pricing the real plan at
-    this run's own direct rates would price experts at a K the slice's plan did not give them.)"""
-    cfg = ModelConfig.from_file(model_config_path(REAL))
-    plan = uniform_plan(cfg, bpw)
+def real_quantize(cfg: ModelConfig, plan, by_class: dict, native_bytes: int) -> dict:
+    """The real model's quantize stage on one GPU: per class of unit, the time `plan` states for it (the
+    shipped encode rates, measured on full-size experts) times what the slice's encoder took over what
+    `build` stated for that class, plus the slice's time outside any unit scaled by the source's size (it
+    reads the source's fingerprint: an upper bound). One ratio for the whole stage would let the slice's
+    small linears, about half its weights against 1% of the real model's, set the experts' rate; pricing
+    the real plan at the slice's own direct rates would price experts at a K the slice's plan did not give
+    them."""
     stated = stated_by_class(pack_spec(cfg, plan).encoded)
     overall = sum(by_class["measured"].values()) / sum(by_class["stated"].values())
     ratios = {c: by_class["measured"][c] / by_class["stated"][c] if by_class["stated"][c] else overall
               for c in CLASSES}
-    outside_s = by_class["outside_units_s"] * real_source_bytes(cfg) / run["native_bytes"]
-    quantize_s = sum(stated[c] * ratios[c] for c in CLASSES) + outside_s
+    outside_s = by_class["outside_units_s"] * real_source_bytes(cfg) / native_bytes
+    return {"seconds": sum(stated[c] * ratios[c] for c in CLASSES) + outside_s, "outside_units_s": outside_s,
+            "by_class_s": {c: {"stated": stated[c], "projected": stated[c] * ratios[c]} for c in CLASSES}}
+
+
+def real_needs(bpw: float, by_class: dict, run: dict) -> dict:
+    """The real model at --bpw (uniform plan: the K mix an allocator starts from): its quantize time
+    (real_quantize), calibration and pack scaled from this run, and the disk."""
+    cfg = ModelConfig.from_file(model_config_path(REAL))
+    plan = uniform_plan(cfg, bpw)
+    quantize = real_quantize(cfg, plan, by_class, run["native_bytes"])
+    quantize_s = quantize["seconds"]
     layer = run.get("full_layer")
     if layer:  # bench/calibrate_gpu_layer.py's measured rate on a full-size layer
         calibrate_s = cfg.num_layers * layer["seconds"] * (REAL_ROWS * REAL_COLS) / (FULL_LAYER_ROWS * layer["cols"])
@@ -367,9 +375,8 @@ def real_needs(bpw: float, by_class: dict, run: dict) -> dict:
         "calibrate_from": ("full-size layer (bench/calibrate_gpu_layer.py)" if layer
                            else "slice, experts scaled (upper bound)"),
         "quantize_h_1gpu": quantize_s / 3600,
-        "quantize_by_class_h": {c: {"stated": stated[c] / 3600, "projected": stated[c] * ratios[c] / 3600}
-                                for c in CLASSES},
-        "quantize_outside_units_h": outside_s / 3600,
+        "quantize_by_class_h": {c: {k: v / 3600 for k, v in parts.items()} for c, parts in quantize["by_class_s"].items()},
+        "quantize_outside_units_h": quantize["outside_units_s"] / 3600,
         "pack_verify_h": tail_s / 3600, "hours_by_gpus": hours,
         "disk": {"hessians": needs.layer_files, "calibration_peak": needs.disk, "quantized_results": results,
                  "pack": pack_bytes},

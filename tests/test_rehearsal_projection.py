@@ -16,8 +16,7 @@ from quantizer.quantize.linears import work_units
 from quantizer.shipped import model_config_path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "rehearsal.py"
-RUN = {"native_bytes": 5 << 30, "full_layer": {"seconds": 80.0, "cols": 2048},
-       "stages": {"pack": {"seconds": 8.0}, "verify": {"seconds": 0.2}}, "pack_bytes": 4 << 30}
+SLICE_NATIVE_BYTES = 5 << 30
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +25,7 @@ def bench():
         yield module
 
 
-@pytest.fixture(scope="module")
-def slice_linears(bench):
+def _slice_linears(bench):
     cfg = ModelConfig.from_dict(bench.slice_config(1, 32))
     return pack_spec(cfg, uniform_plan(cfg, 2.9)).encoded
 
@@ -42,32 +40,35 @@ def _seconds(bench, linears, per_class: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def test_slow_small_linears_on_the_slice_barely_move_the_real_models_hours(bench, slice_linears):
-    """The slice's rest (half its weights) at 3x its stated time lifts the real model by what its own rest
-    (about 1% of the weights) states, twice over, not by the slice's whole-stage ratio; the experts' ratio
-    carries over whole; time outside any unit scales by the source's size."""
-    slow = bench.quantize_by_class(slice_linears, _seconds(bench, slice_linears, {"routed experts": 1.25, "the rest": 3.0}),
-                                   stage_s=0.0)
-    slow["outside_units_s"] = 2.0
-    real = bench.real_needs(2.9, slow, RUN)
-    parts = real["quantize_by_class_h"]
+def test_slow_small_linears_on_the_slice_barely_move_the_real_models_hours(bench):
+    """The slice's rest (half its weights) at 3x its stated time lifts the real model by its own rest (about
+    1% of the weights) at 3x, not by the slice's whole-stage ratio; the experts' ratio carries over whole;
+    the time outside any unit scales by the source's size; the classes cover every unit `plan` prices."""
+    linears = _slice_linears(bench)
+    seconds = _seconds(bench, linears, {"routed experts": 1.25, "the rest": 3.0})
+    slow = bench.quantize_by_class(linears, seconds, stage_s=sum(seconds.values()) + 2.0)
+    assert slow["outside_units_s"] == pytest.approx(2.0)
+    assert sum(slow["measured"].values()) / sum(slow["stated"].values()) > 1.8  # the whole-stage ratio
+    cfg = ModelConfig.from_file(model_config_path(bench.REAL))
+    plan = uniform_plan(cfg, 2.9)
+    real = bench.real_quantize(cfg, plan, slow, SLICE_NATIVE_BYTES)
+    parts = real["by_class_s"]
     assert parts["routed experts"]["projected"] == pytest.approx(1.25 * parts["routed experts"]["stated"])
     assert parts["the rest"]["projected"] == pytest.approx(3.0 * parts["the rest"]["stated"])
     assert parts["the rest"]["stated"] < 0.02 * parts["routed experts"]["stated"]
-    cfg = ModelConfig.from_file(model_config_path(bench.REAL))
-    outside_h = 2.0 * bench.real_source_bytes(cfg) / RUN["native_bytes"] / 3600
-    assert real["quantize_outside_units_h"] == pytest.approx(outside_h)
-    whole = sum(slow["measured"].values()) / sum(slow["stated"].values())
-    assert whole > 1.8
-    assert real["quantize_h_1gpu"] == pytest.approx(
-        sum(p["projected"] for p in parts.values()) + outside_h)
-    stated_h = plan_estimate(cfg, uniform_plan(cfg, 2.9)).gpu_hours
-    assert sum(p["stated"] for p in parts.values()) == pytest.approx(stated_h)  # the classes cover every unit
-    assert real["quantize_h_1gpu"] < 1.4 * stated_h
+    assert real["outside_units_s"] == pytest.approx(2.0 * bench.real_source_bytes(cfg) / SLICE_NATIVE_BYTES)
+    assert real["seconds"] == pytest.approx(sum(p["projected"] for p in parts.values()) + real["outside_units_s"])
+    stated = plan_estimate(cfg, plan).seconds
+    assert sum(p["stated"] for p in parts.values()) == pytest.approx(stated)
+    assert real["seconds"] < 1.4 * stated
 
 
-def test_the_stages_time_outside_its_units_is_kept_apart(bench, slice_linears):
-    seconds = _seconds(bench, slice_linears, dict.fromkeys(bench.CLASSES, 1.0))
-    by_class = bench.quantize_by_class(slice_linears, seconds, stage_s=sum(seconds.values()) + 5.0)
-    assert by_class["outside_units_s"] == pytest.approx(5.0)
+def test_a_slice_at_its_stated_rates_projects_what_plan_states(bench):
+    linears = _slice_linears(bench)
+    seconds = _seconds(bench, linears, dict.fromkeys(bench.CLASSES, 1.0))
+    by_class = bench.quantize_by_class(linears, seconds, stage_s=sum(seconds.values()))
     assert by_class["measured"] == pytest.approx(by_class["stated"])
+    assert by_class["outside_units_s"] == pytest.approx(0.0, abs=1e-9)
+    cfg = ModelConfig.from_file(model_config_path(bench.REAL))
+    real = bench.real_quantize(cfg, uniform_plan(cfg, 2.9), by_class, SLICE_NATIVE_BYTES)
+    assert real["seconds"] == pytest.approx(plan_estimate(cfg, uniform_plan(cfg, 2.9)).seconds)
