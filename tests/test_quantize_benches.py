@@ -1,5 +1,6 @@
-"""bench/rehearsal.py's projection of the real model's quantize time from a slice, on the CPU: it runs on the
-GPU machine only after a slice was built, so its arithmetic must not first break there."""
+"""The quantize benches' arithmetic on the CPU (bench/rehearsal.py's projection of the real model's quantize
+time from a slice, bench/quantize_gpu_memory.py's statements): they run on the GPU machine only after a
+slice was built, so they must not first break there."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from quantizer.quantize.linears import work_units
 from quantizer.shipped import model_config_path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "rehearsal.py"
+MEMORY_BENCH = BENCH.with_name("quantize_gpu_memory.py")
 SLICE_NATIVE_BYTES = 5 << 30
 
 
@@ -72,3 +74,20 @@ def test_a_slice_at_its_stated_rates_projects_what_plan_states(bench):
     cfg = ModelConfig.from_file(model_config_path(bench.REAL))
     real = bench.real_quantize(cfg, uniform_plan(cfg, 2.9), by_class, SLICE_NATIVE_BYTES)
     assert real["seconds"] == pytest.approx(plan_estimate(cfg, uniform_plan(cfg, 2.9)).seconds)
+
+
+def test_the_memory_bench_states_one_full_batch_as_the_real_models_largest_unit(real_v41):
+    """Its slice's w1 plan is one unit of a full batch of experts, stated as the real model's own w1 units are."""
+    from quantizer.quantize.pipeline import PREFETCH_UNITS
+    from quantizer.quantize.stage import quantize_gpu_memory
+
+    with script_module(MEMORY_BENCH) as memory:
+        cfg = ModelConfig.from_dict(memory.slice_config(1, memory.FULL_BATCH))
+        stated = memory.statements(cfg, memory.batch_plan(cfg, 3.0))
+    assert stated["units"] == ["layers.0.ffn.experts.w1.K3.batch0"]
+    assert stated["weights"] == memory.FULL_BATCH * 5120 * 2304
+    spec = pack_spec(real_v41, uniform_plan(real_v41, 2.9))
+    by_key = {s.key: s for s in spec.encoded}
+    w1 = next(u for u in work_units(spec.encoded, "cuda") if u.name == "layers.0.ffn.experts.w1.K3.batch0")
+    assert len(w1.keys) == memory.FULL_BATCH
+    assert stated["gpu_memory"] == quantize_gpu_memory([w1], by_key, PREFETCH_UNITS, True)
