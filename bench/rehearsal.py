@@ -329,19 +329,19 @@ def quantize_by_class(linears: list, unit_seconds: dict[str, float], stage_s: fl
     return {"stated": stated, "measured": measured, "outside_units_s": stage_s - sum(measured.values())}
 
 
-def real_quantize(cfg: ModelConfig, plan, by_class: dict, native_bytes: int) -> dict:
-    """The real model's quantize stage on one GPU: per class of unit, the time `plan` states for it (the
-    shipped encode rates, measured on full-size experts) times what the slice's encoder took over what
-    `build` stated for that class, plus the slice's time outside any unit scaled by the source's size (it
-    reads the source's fingerprint: an upper bound). One ratio for the whole stage would let the slice's
-    small linears, about half its weights against 1% of the real model's, set the experts' rate; pricing
-    the real plan at the slice's own direct rates would price experts at a K the slice's plan did not give
-    them."""
-    stated = stated_by_class(pack_spec(cfg, plan).encoded)
+def real_quantize(linears: list, source_bytes: int, by_class: dict, slice_bytes: int) -> dict:
+    """The real model's quantize stage on one GPU (`linears`: its plan's encoded linears; `source_bytes`: its
+    native checkpoint's): per class of unit, the time `plan` states for it (the shipped encode rates,
+    measured on full-size experts) times what the slice's encoder took over what `build` stated for that
+    class, plus the slice's time outside any unit scaled by the sources' sizes (it reads the source's
+    fingerprint: an upper bound). One ratio for the whole stage would let the slice's small linears, about
+    half its weights against 1% of the real model's, set the experts' rate; pricing the real plan at the
+    slice's own direct rates would price experts at a K the slice's plan did not give them."""
+    stated = stated_by_class(linears)
     overall = sum(by_class["measured"].values()) / sum(by_class["stated"].values())
     ratios = {c: by_class["measured"][c] / by_class["stated"][c] if by_class["stated"][c] else overall
               for c in CLASSES}
-    outside_s = by_class["outside_units_s"] * real_source_bytes(cfg) / native_bytes
+    outside_s = by_class["outside_units_s"] * source_bytes / slice_bytes
     return {"seconds": sum(stated[c] * ratios[c] for c in CLASSES) + outside_s, "outside_units_s": outside_s,
             "by_class_s": {c: {"stated": stated[c], "projected": stated[c] * ratios[c]} for c in CLASSES}}
 
@@ -351,7 +351,7 @@ def real_needs(bpw: float, by_class: dict, run: dict) -> dict:
     (real_quantize), calibration and pack scaled from this run, and the disk."""
     cfg = ModelConfig.from_file(model_config_path(REAL))
     plan = uniform_plan(cfg, bpw)
-    quantize = real_quantize(cfg, plan, by_class, run["native_bytes"])
+    quantize = real_quantize(pack_spec(cfg, plan).encoded, real_source_bytes(cfg), by_class, run["native_bytes"])
     quantize_s = quantize["seconds"]
     layer = run.get("full_layer")
     if layer:  # bench/calibrate_gpu_layer.py's measured rate on a full-size layer

@@ -14,7 +14,6 @@ from quantizer.contract.pack_spec import pack_spec
 from quantizer.plan.uniform import uniform_plan
 from quantizer.quantize.encode_hours import plan_estimate
 from quantizer.quantize.linears import work_units
-from quantizer.shipped import model_config_path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "rehearsal.py"
 MEMORY_BENCH = BENCH.with_name("quantize_gpu_memory.py")
@@ -42,7 +41,8 @@ def _seconds(bench, linears, per_class: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def test_slow_small_linears_on_the_slice_barely_move_the_real_models_hours(bench):
+def test_slow_small_linears_on_the_slice_barely_move_the_real_models_hours(bench, real_v41, real_v41_uniform,
+                                                                           real_v41_uniform_spec):
     """The slice's rest (half its weights) at 3x its stated time lifts the real model by its own rest (about
     1% of the weights) at 3x, not by the slice's whole-stage ratio; the experts' ratio carries over whole;
     the time outside any unit scales by the source's size; the classes cover every unit `plan` prices."""
@@ -51,32 +51,31 @@ def test_slow_small_linears_on_the_slice_barely_move_the_real_models_hours(bench
     slow = bench.quantize_by_class(linears, seconds, stage_s=sum(seconds.values()) + 2.0)
     assert slow["outside_units_s"] == pytest.approx(2.0)
     assert sum(slow["measured"].values()) / sum(slow["stated"].values()) > 1.8  # the whole-stage ratio
-    cfg = ModelConfig.from_file(model_config_path(bench.REAL))
-    plan = uniform_plan(cfg, 2.9)
-    real = bench.real_quantize(cfg, plan, slow, SLICE_NATIVE_BYTES)
+    source_bytes = bench.real_source_bytes(real_v41)
+    real = bench.real_quantize(real_v41_uniform_spec(2.9).encoded, source_bytes, slow, SLICE_NATIVE_BYTES)
     parts = real["by_class_s"]
     assert parts["routed experts"]["projected"] == pytest.approx(1.25 * parts["routed experts"]["stated"])
     assert parts["the rest"]["projected"] == pytest.approx(3.0 * parts["the rest"]["stated"])
     assert parts["the rest"]["stated"] < 0.02 * parts["routed experts"]["stated"]
-    assert real["outside_units_s"] == pytest.approx(2.0 * bench.real_source_bytes(cfg) / SLICE_NATIVE_BYTES)
+    assert real["outside_units_s"] == pytest.approx(2.0 * source_bytes / SLICE_NATIVE_BYTES)
     assert real["seconds"] == pytest.approx(sum(p["projected"] for p in parts.values()) + real["outside_units_s"])
-    stated = plan_estimate(cfg, plan).seconds
+    stated = plan_estimate(real_v41, real_v41_uniform(2.9)).seconds
     assert sum(p["stated"] for p in parts.values()) == pytest.approx(stated)
     assert real["seconds"] < 1.4 * stated
 
 
-def test_a_slice_at_its_stated_rates_projects_what_plan_states(bench):
+def test_a_slice_at_its_stated_rates_projects_what_plan_states(bench, real_v41, real_v41_uniform, real_v41_uniform_spec):
     linears = _slice_linears(bench)
     seconds = _seconds(bench, linears, dict.fromkeys(bench.CLASSES, 1.0))
     by_class = bench.quantize_by_class(linears, seconds, stage_s=sum(seconds.values()))
     assert by_class["measured"] == pytest.approx(by_class["stated"])
     assert by_class["outside_units_s"] == pytest.approx(0.0, abs=1e-9)
-    cfg = ModelConfig.from_file(model_config_path(bench.REAL))
-    real = bench.real_quantize(cfg, uniform_plan(cfg, 2.9), by_class, SLICE_NATIVE_BYTES)
-    assert real["seconds"] == pytest.approx(plan_estimate(cfg, uniform_plan(cfg, 2.9)).seconds)
+    real = bench.real_quantize(real_v41_uniform_spec(2.9).encoded, bench.real_source_bytes(real_v41), by_class,
+                               SLICE_NATIVE_BYTES)
+    assert real["seconds"] == pytest.approx(plan_estimate(real_v41, real_v41_uniform(2.9)).seconds)
 
 
-def test_the_memory_bench_states_one_full_batch_as_the_real_models_largest_unit(real_v41):
+def test_the_memory_bench_states_one_full_batch_as_the_real_models_largest_unit(real_v41_uniform_spec):
     """Its slice's w1 plan is one unit of a full batch of experts, stated as the real model's own w1 units are."""
     from quantizer.quantize.pipeline import PREFETCH_UNITS
     from quantizer.quantize.stage import quantize_gpu_memory
@@ -86,7 +85,7 @@ def test_the_memory_bench_states_one_full_batch_as_the_real_models_largest_unit(
         stated = memory.statements(cfg, memory.batch_plan(cfg, 3.0))
     assert stated["units"] == ["layers.0.ffn.experts.w1.K3.batch0"]
     assert stated["weights"] == memory.FULL_BATCH * 5120 * 2304
-    spec = pack_spec(real_v41, uniform_plan(real_v41, 2.9))
+    spec = real_v41_uniform_spec(2.9)
     by_key = {s.key: s for s in spec.encoded}
     w1 = next(u for u in work_units(spec.encoded, "cuda") if u.name == "layers.0.ffn.experts.w1.K3.batch0")
     assert len(w1.keys) == memory.FULL_BATCH
