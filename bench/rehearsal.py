@@ -13,11 +13,12 @@ each attention linear, the head) is encoded again by a direct call on its first 
 --sample experts, the head to its first rows), with the weights already dequantized on the GPU and
 the calibrated Hessians; the stage's units priced at those rates give the direct time (goal:
 stage rate >= 0.9 of it). The real model's plan is priced as `plan` prices it (the shipped encode
-rates of full-size experts) times the slice's measured over stated quantize time: the projection on 1,
-2, 4 and 8 GPUs (calibration data-parallel, quantize units spread over ranks, pack and verify on one),
-and the disk its Hessians, work directory and pack need.
+rates of full-size experts) times the slice's measured over stated quantize time per class of unit
+(routed experts, the rest: the stage's own seconds per unit): the projection on 1, 2, 4 and 8 GPUs
+(calibration data-parallel, quantize units spread over ranks, pack and verify on one), and the disk its
+Hessians, work directory and pack need.
 
-Every estimate `build` prints before a stage (calibration's GPU memory, RAM and disk; quantize's RAM,
+Every estimate `build` prints before a stage (calibration's GPU memory, RAM and disk; quantize's RAM, GPU memory,
 disk and time; the pack's disk) is computed by the same functions and printed beside what the run
 measured, with their ratio (goal 0.75-1.33).
 
