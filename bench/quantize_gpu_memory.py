@@ -18,7 +18,6 @@ Writes $OUT/quantize_gpu_memory.json when OUT is set.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -35,6 +34,7 @@ from rehearsal import slice_config, write_slice  # noqa: E402
 from v41_experts import IN, OUT, spd_hessian  # noqa: E402
 
 from quantizer.checkpoint.config import ModelConfig  # noqa: E402
+from quantizer.codec.kernel import KS  # noqa: E402
 from quantizer.checkpoint.source import Checkpoint  # noqa: E402
 from quantizer.contract.loader_profiles import VLLM_EXL3, load_profile  # noqa: E402
 from quantizer.contract.pack_spec import pack_spec  # noqa: E402
@@ -46,6 +46,7 @@ from quantizer.quantize.pipeline import PREFETCH_UNITS  # noqa: E402
 from quantizer.quantize.settings import QuantizeSettings  # noqa: E402
 from quantizer.quantize.stage import quantize, quantize_gpu_memory  # noqa: E402
 from quantizer.report import GIB, table  # noqa: E402
+from quantizer.workdir import write_json_atomic  # noqa: E402
 
 FULL_BATCH = GPU_BATCH_BYTES // (4 * IN * OUT)  # 91 experts' w1
 
@@ -97,6 +98,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--k", type=float, default=3.0, help="the batch's K (ours covers K 1-6 and 1.5, 2.5, 3.5)")
     ap.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()))
     args = ap.parse_args(argv)
+    if args.k not in KS:
+        ap.error(f"--k {args.k:g}: our kernel covers K {', '.join(f'{k:g}' for k in KS)}")
+    if os.environ.get("OUT") and not Path(os.environ["OUT"]).is_dir():
+        ap.error(f"$OUT={os.environ['OUT']} is not a directory: the report goes there")
     if not torch.cuda.is_available():
         sys.exit("quantize_gpu_memory.py needs a CUDA GPU (and exllamav3)")
     root = Path(tempfile.mkdtemp(prefix="quantize-gpu-memory-", dir=args.tmp))
@@ -113,7 +118,7 @@ def main(argv=None) -> dict:
         ["encoder seconds", f"{r['seconds']:,.1f}", f"{encoder_s:,.1f}", f"{r['seconds'] / encoder_s:.2f}"]]))
     print(f"stage {r['stage_s']:,.1f} s in all; {r['weights'] / encoder_s / 1e6:,.2f} M weights/s in the encoder")
     if os.environ.get("OUT"):
-        (Path(os.environ["OUT"]) / "quantize_gpu_memory.json").write_text(json.dumps(r, indent=1) + "\n")
+        write_json_atomic(Path(os.environ["OUT"]) / "quantize_gpu_memory.json", r)
     return r
 
 

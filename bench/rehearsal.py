@@ -171,15 +171,16 @@ def _du(path: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
 
 
-def real_source_bytes(cfg: ModelConfig) -> int:
-    """The native checkpoint's tensors (Engram tables and drafter included), as the layout states them."""
+def native_bytes(cfg: ModelConfig) -> int:
+    """A native checkpoint's tensors (Engram tables and drafter included), as the layout states them: the
+    real model's or a slice's."""
     return sum(s.nbytes for s in native_layout(cfg))
 
 
 def write_slice(root: Path, raw: dict, seed: int) -> float:
     cfg = ModelConfig.from_dict(raw)
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    backbone = real_source_bytes(cfg)
+    backbone = native_bytes(cfg)
     start = time.perf_counter()
     write_native_checkpoint(root, raw, random_values(cfg, gen), max(2, math.ceil(backbone / SHARD_BYTES)))
     return time.perf_counter() - start
@@ -352,7 +353,7 @@ def real_needs(bpw: float, by_class: dict, run: dict) -> dict:
     (real_quantize), calibration and pack scaled from this run, and the disk."""
     cfg = ModelConfig.from_file(model_config_path(REAL))
     plan = uniform_plan(cfg, bpw)
-    quantize = real_quantize(pack_spec(cfg, plan).encoded, real_source_bytes(cfg), by_class, run["native_bytes"])
+    quantize = real_quantize(pack_spec(cfg, plan).encoded, native_bytes(cfg), by_class, run["native_bytes"])
     quantize_s = quantize["seconds"]
     layer = run.get("full_layer")
     if layer:  # bench/calibrate_gpu_layer.py's measured rate on a full-size layer
@@ -461,7 +462,7 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
     ratio = direct_s / stage_s
     by_class = quantize_by_class(linears, result.quantized.unit_seconds, stage_s)
     run = {"layers": args.layers, "experts": args.experts, "tokens": args.rows * args.cols, "pack_bytes": pack_bytes,
-           "native_bytes": real_source_bytes(ck.config),
+           "native_bytes": native_bytes(ck.config),
            "stages": {k: vars(v) for k, v in stages.items()},
            "calibration_rate": calibration_rate(ck, tokens, root), "full_layer": full_layer}
     est, got = printed_estimates(ck, result.plan, args, root / "pack.work"), measured(stages, pack_bytes)

@@ -51,7 +51,7 @@ def test_slow_small_linears_on_the_slice_barely_move_the_real_models_hours(bench
     slow = bench.quantize_by_class(linears, seconds, stage_s=sum(seconds.values()) + 2.0)
     assert slow["outside_units_s"] == pytest.approx(2.0)
     assert sum(slow["measured"].values()) / sum(slow["stated"].values()) > 1.8  # the whole-stage ratio
-    source_bytes = bench.real_source_bytes(real_v41)
+    source_bytes = bench.native_bytes(real_v41)
     real = bench.real_quantize(real_v41_uniform_spec(2.9).encoded, source_bytes, slow, SLICE_NATIVE_BYTES)
     parts = real["by_class_s"]
     assert parts["routed experts"]["projected"] == pytest.approx(1.25 * parts["routed experts"]["stated"])
@@ -70,7 +70,7 @@ def test_a_slice_at_its_stated_rates_projects_what_plan_states(bench, real_v41, 
     by_class = bench.quantize_by_class(linears, seconds, stage_s=sum(seconds.values()))
     assert by_class["measured"] == pytest.approx(by_class["stated"])
     assert by_class["outside_units_s"] == pytest.approx(0.0, abs=1e-9)
-    real = bench.real_quantize(real_v41_uniform_spec(2.9).encoded, bench.real_source_bytes(real_v41), by_class,
+    real = bench.real_quantize(real_v41_uniform_spec(2.9).encoded, bench.native_bytes(real_v41), by_class,
                                SLICE_NATIVE_BYTES)
     assert real["seconds"] == pytest.approx(plan_estimate(real_v41, real_v41_uniform(2.9)).seconds)
 
@@ -90,3 +90,19 @@ def test_the_memory_bench_states_one_full_batch_as_the_real_models_largest_unit(
     w1 = next(u for u in work_units(spec.encoded, "cuda") if u.name == "layers.0.ffn.experts.w1.K3.batch0")
     assert len(w1.keys) == memory.FULL_BATCH
     assert stated["gpu_memory"] == quantize_gpu_memory([w1], by_key, PREFETCH_UNITS, True)
+
+
+@pytest.mark.parametrize("argv, out, says", [
+    (["--k", "7"], None, "--k 7: our kernel covers K 1, 2, 3, 4, 5, 6, 1.5, 2.5, 3.5"),
+    (["--k", "3"], "file", "is not a directory: the report goes there"),
+])
+def test_the_memory_bench_refuses_what_it_cannot_measure_before_any_work(tmp_path, monkeypatch, capsys, argv, out, says):
+    if out:
+        (tmp_path / "OUT").write_text("")
+        monkeypatch.setenv("OUT", str(tmp_path / "OUT"))
+    with script_module(MEMORY_BENCH) as memory, pytest.raises(SystemExit) as exit_:
+        memory.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says in err[-1]
+    assert list(tmp_path.iterdir()) == ([tmp_path / "OUT"] if out else [])
