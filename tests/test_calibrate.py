@@ -13,7 +13,7 @@ import torch
 
 from quantizer.calibrate import CalibrationSettings, CalibrationSummary, HessianStore, calibrate
 from quantizer.calibrate.duration import CalibrationRate, calibration_flops, calibration_line
-from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE
+from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE, pack_hessian, unpack_hessian
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import build_parser
 from quantizer.codec.ldlq import finalize_hessian
@@ -151,6 +151,29 @@ def test_hessians_equal_a_direct_computation_from_the_whole_model(ck, rows, defa
         h, count = _mean(store, f"layers.{layer}.ffn.experts.{e}.w2")
         assert count == round(int((event.expert_ids == e).sum()) + prior)
         _close(h, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_stored_hessian_unpacks_to_its_definition_bit_for_bit(dtype):
+    """H = D^1/2 C D^1/2 with C the symmetric matrix of the stored triangle: the quantize stage's codes
+    depend on every bit of it."""
+    n = 37
+    x = torch.randn(n, 3 * n, generator=torch.Generator().manual_seed(5))
+    h = x @ x.T / x.shape[1]
+    h[:, 4] = h[4, :] = 0  # a dead channel: diagonal 0, its correlations 0
+    parts = pack_hessian("g", h, dtype)
+    diag, corr = parts["g.diag"], parts["g.corr"]
+    rows, cols = torch.triu_indices(n, n)
+    c = torch.zeros(n, n)
+    c[rows, cols] = corr.float()
+    c[cols, rows] = corr.float()
+    s = diag.sqrt()
+    unpacked = unpack_hessian(diag, corr)
+    assert torch.equal(unpacked, c * (s.unsqueeze(1) * s.unsqueeze(0)))
+    assert torch.equal(unpacked, unpacked.T)
+    assert torch.allclose(unpacked, h, rtol=0, atol=1e-3 * h.abs().max().item())
+    with pytest.raises(ValueError, match="37 channels has 703 entries, not 702"):
+        unpack_hessian(diag, corr[:-1])
 
 
 def test_routing_counts_sum_to_rows_times_cols_times_k(ck, default_run, forward):
