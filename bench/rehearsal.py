@@ -320,13 +320,26 @@ def stated_by_class(linears: list) -> dict[str, float]:
     return stated
 
 
-def quantize_by_class(linears: list, unit_seconds: dict[str, float], stage_s: float) -> dict:
-    """The slice's quantize stage per class: what `build` stated and what the encoder took (the stage's
-    unit_seconds, each unit's wait for its inputs included), and the stage's time outside any unit."""
-    by_key = {s.key: s for s in linears}
-    measured = dict.fromkeys(CLASSES, 0.0)
+def unit_times(linears: list, unit_seconds: dict[str, float]) -> list[dict]:
+    """Each encoded unit of the slice: its class, linears, weights and K, what `build` stated for it and what
+    the encoder took (the stage's unit_seconds, its wait for its inputs included): the data a per-unit
+    price would be fitted to."""
+    by_key, table = {s.key: s for s in linears}, RateTable.load()
+    rows = []
     for u in work_units(linears, "cuda"):
-        measured[unit_class([by_key[k] for k in u.keys])] += unit_seconds[u.name]
+        members = [by_key[k] for k in u.keys]
+        rows.append({"unit": u.name, "class": unit_class(members), "linears": len(members), "weights": u.weights,
+                     "K": u.K, "in_features": members[0].in_features, "stated_s": estimate(members, table).seconds,
+                     "measured_s": unit_seconds[u.name]})
+    return rows
+
+
+def quantize_by_class(linears: list, unit_seconds: dict[str, float], stage_s: float) -> dict:
+    """The slice's quantize stage per class: what `build` stated and what the encoder took (unit_times), and the
+    stage's time outside any unit."""
+    measured = dict.fromkeys(CLASSES, 0.0)
+    for row in unit_times(linears, unit_seconds):
+        measured[row["class"]] += row["measured_s"]
     stated = stated_by_class(linears)
     return {"stated": stated, "measured": measured, "outside_units_s": stage_s - sum(measured.values())}
 
@@ -478,7 +491,8 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
         "quantize": {"weights": stages["quantize"].weights, "stage_s": stage_s, "direct_s": direct_s,
                      "stage_weights_per_s": stages["quantize"].weights / stage_s,
                      "direct_weights_per_s": stages["quantize"].weights / direct_s, "ratio": ratio,
-                     "direct_rates": {k: v for k, v in sorted(rates.items())}, "by_class": by_class},
+                     "direct_rates": {k: v for k, v in sorted(rates.items())}, "by_class": by_class,
+                     "units": unit_times(linears, result.quantized.unit_seconds)},
         "verify": "ok" if not result.verify.faults else f"{len(result.verify.faults)} faults",
         "estimates": [{"stage": st, "what": what, "estimate": est[st][what], "measured": got[st][what],
                        "ratio": est[st][what] / got[st][what] if got[st][what] else float("nan")}

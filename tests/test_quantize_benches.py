@@ -75,6 +75,25 @@ def test_a_slice_at_its_stated_rates_projects_what_plan_states(bench, real_v41, 
     assert real["seconds"] == pytest.approx(plan_estimate(real_v41, real_v41_uniform(2.9)).seconds)
 
 
+def test_the_rehearsal_lists_each_unit_with_its_statement_and_its_time(bench):
+    """The per-unit rows the JSON report keeps (for fitting a per-unit price) add up to the class table, and a
+    unit the stage did not time is an error, not a silent gap."""
+    linears = _slice_linears(bench)
+    seconds = _seconds(bench, linears, {"routed experts": 0.9, "the rest": 2.0})
+    rows = bench.unit_times(linears, seconds)
+    assert [r["unit"] for r in rows] == [u.name for u in work_units(linears, "cuda")]
+    assert {r["measured_s"] for r in rows if r["class"] == "routed experts"} != {0.0}
+    by_class = bench.quantize_by_class(linears, seconds, stage_s=sum(seconds.values()))
+    for c in bench.CLASSES:
+        assert sum(r["stated_s"] for r in rows if r["class"] == c) == pytest.approx(by_class["stated"][c])
+        assert sum(r["measured_s"] for r in rows if r["class"] == c) == pytest.approx(by_class["measured"][c])
+    experts = [r for r in rows if r["class"] == "routed experts"]
+    assert all(r["linears"] == 32 and r["measured_s"] == pytest.approx(0.9 * r["stated_s"]) for r in experts)
+    del seconds[rows[0]["unit"]]
+    with pytest.raises(KeyError):
+        bench.unit_times(linears, seconds)
+
+
 def test_the_memory_bench_states_one_full_batch_as_the_real_models_largest_unit(real_v41_uniform_spec):
     """Its slice's w1 plan is one unit of a full batch of experts, stated as the real model's own w1 units are."""
     from quantizer.quantize.pipeline import PREFETCH_UNITS
