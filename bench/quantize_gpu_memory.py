@@ -85,7 +85,8 @@ def measure(root: Path, k: float) -> dict:
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     start = time.perf_counter()
-    result = quantize(ck, plan, root / "work", QuantizeSettings(device="cuda"), hessian=hessians.__getitem__)
+    settings = QuantizeSettings(device="cuda", calibration={"expert_inputs": True})  # what gate2's store pins
+    result = quantize(ck, plan, root / "work", settings, hessian=hessians.__getitem__)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return {"device": torch.cuda.get_device_name(), "k": k, "experts": FULL_BATCH, **stated,
