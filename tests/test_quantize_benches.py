@@ -18,6 +18,8 @@ from quantizer.quantize.linears import work_units
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "rehearsal.py"
 MEMORY_BENCH = BENCH.with_name("quantize_gpu_memory.py")
 SLICE_NATIVE_BYTES = 5 << 30
+# The GPU peak bench/quantize_gpu_memory.py --k 3 measured (two H100s, 2026-12-07; docs/measurements.md)
+FULL_BATCH_GPU_PEAK = 59_076_222_464
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,8 @@ def test_the_memory_bench_states_one_full_batch_as_the_real_models_largest_unit(
     w1 = next(u for u in work_units(spec.encoded, "cuda") if u.name == "layers.0.ffn.experts.w1.K3.batch0")
     assert len(w1.keys) == memory.FULL_BATCH
     assert stated["gpu_memory"] == quantize_gpu_memory([w1], by_key, PREFETCH_UNITS, True)
+    assert 0.75 <= stated["gpu_memory"] / FULL_BATCH_GPU_PEAK <= 1.25
+
 
 
 @pytest.mark.parametrize("argv, out, says", [

@@ -290,7 +290,8 @@ def quantize_gpu_memory(units, by_key, depth: int, expert_inputs: bool = False) 
     """Peak GPU memory of encoding `units` in this order on CUDA with our conversion
     (codec/exllamav3_batch.py): the unit encoding (_gpu_bytes_ours) and the fp32 weights of the `depth`
     units after it, which the preparing thread has already read onto the GPU, plus our tile kernel's
-    scratch. 20.6 GiB for the 22.2 bench/rehearsal.py measured on one layer of 32 experts (docs/measurements.md)."""
+    scratch. 20.6 GiB for the 22.2 bench/rehearsal.py measured on one layer of 32 experts, 50.7 for the 55.0
+    bench/quantize_gpu_memory.py measured on one batch of 91 (docs/measurements.md)."""
     members = [[by_key[k] for k in u.keys] for u in units]
     read = [4 * sum(s.numel for s in m) for m in members]
     return KERNEL_SCRATCH + max((_gpu_bytes_ours(m, expert_inputs) + sum(read[i + 1:i + 1 + depth])
