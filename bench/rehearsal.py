@@ -334,13 +334,13 @@ def unit_times(linears: list, unit_seconds: dict[str, float]) -> list[dict]:
     return rows
 
 
-def quantize_by_class(linears: list, unit_seconds: dict[str, float], stage_s: float) -> dict:
-    """The slice's quantize stage per class: what `build` stated and what the encoder took (unit_times), and the
-    stage's time outside any unit."""
-    measured = dict.fromkeys(CLASSES, 0.0)
-    for row in unit_times(linears, unit_seconds):
+def quantize_by_class(units: list[dict], stage_s: float) -> dict:
+    """The slice's quantize stage per class, from its unit_times rows: what `build` stated and what the encoder
+    took, and the stage's time outside any unit."""
+    stated, measured = dict.fromkeys(CLASSES, 0.0), dict.fromkeys(CLASSES, 0.0)
+    for row in units:
+        stated[row["class"]] += row["stated_s"]
         measured[row["class"]] += row["measured_s"]
-    stated = stated_by_class(linears)
     return {"stated": stated, "measured": measured, "outside_units_s": stage_s - sum(measured.values())}
 
 
@@ -473,7 +473,8 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
     direct_s = sum(u.weights / rates[_kind(u)] for u in units if u.K != 16)
     stage_s = stages["quantize"].seconds
     ratio = direct_s / stage_s
-    by_class = quantize_by_class(linears, result.quantized.unit_seconds, stage_s)
+    units_timed = unit_times(linears, result.quantized.unit_seconds)
+    by_class = quantize_by_class(units_timed, stage_s)
     run = {"layers": args.layers, "experts": args.experts, "tokens": args.rows * args.cols, "pack_bytes": pack_bytes,
            "native_bytes": native_bytes(ck.config),
            "stages": {k: vars(v) for k, v in stages.items()},
@@ -492,7 +493,7 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
                      "stage_weights_per_s": stages["quantize"].weights / stage_s,
                      "direct_weights_per_s": stages["quantize"].weights / direct_s, "ratio": ratio,
                      "direct_rates": {k: v for k, v in sorted(rates.items())}, "by_class": by_class,
-                     "units": unit_times(linears, result.quantized.unit_seconds)},
+                     "units": units_timed},
         "verify": "ok" if not result.verify.faults else f"{len(result.verify.faults)} faults",
         "estimates": [{"stage": st, "what": what, "estimate": est[st][what], "measured": got[st][what],
                        "ratio": est[st][what] / got[st][what] if got[st][what] else float("nan")}

@@ -50,7 +50,7 @@ def test_slow_small_linears_on_the_slice_barely_move_the_real_models_hours(bench
     the time outside any unit scales by the source's size; the classes cover every unit `plan` prices."""
     linears = _slice_linears(bench)
     seconds = _seconds(bench, linears, {"routed experts": 1.25, "the rest": 3.0})
-    slow = bench.quantize_by_class(linears, seconds, stage_s=sum(seconds.values()) + 2.0)
+    slow = bench.quantize_by_class(bench.unit_times(linears, seconds), stage_s=sum(seconds.values()) + 2.0)
     assert slow["outside_units_s"] == pytest.approx(2.0)
     assert sum(slow["measured"].values()) / sum(slow["stated"].values()) > 1.8  # the whole-stage ratio
     source_bytes = bench.native_bytes(real_v41)
@@ -69,7 +69,7 @@ def test_slow_small_linears_on_the_slice_barely_move_the_real_models_hours(bench
 def test_a_slice_at_its_stated_rates_projects_what_plan_states(bench, real_v41, real_v41_uniform, real_v41_uniform_spec):
     linears = _slice_linears(bench)
     seconds = _seconds(bench, linears, dict.fromkeys(bench.CLASSES, 1.0))
-    by_class = bench.quantize_by_class(linears, seconds, stage_s=sum(seconds.values()))
+    by_class = bench.quantize_by_class(bench.unit_times(linears, seconds), stage_s=sum(seconds.values()))
     assert by_class["measured"] == pytest.approx(by_class["stated"])
     assert by_class["outside_units_s"] == pytest.approx(0.0, abs=1e-9)
     real = bench.real_quantize(real_v41_uniform_spec(2.9).encoded, bench.native_bytes(real_v41), by_class,
@@ -85,9 +85,11 @@ def test_the_rehearsal_lists_each_unit_with_its_statement_and_its_time(bench):
     rows = bench.unit_times(linears, seconds)
     assert [r["unit"] for r in rows] == [u.name for u in work_units(linears, "cuda")]
     assert {r["measured_s"] for r in rows if r["class"] == "routed experts"} != {0.0}
-    by_class = bench.quantize_by_class(linears, seconds, stage_s=sum(seconds.values()))
+    by_class = bench.quantize_by_class(rows, stage_s=sum(seconds.values()))
+    stated = bench.stated_by_class(linears)  # linear by linear, as `build` states them
     for c in bench.CLASSES:
-        assert sum(r["stated_s"] for r in rows if r["class"] == c) == pytest.approx(by_class["stated"][c])
+        assert sum(r["stated_s"] for r in rows if r["class"] == c) == pytest.approx(stated[c])
+        assert by_class["stated"][c] == pytest.approx(stated[c])
         assert sum(r["measured_s"] for r in rows if r["class"] == c) == pytest.approx(by_class["measured"][c])
     experts = [r for r in rows if r["class"] == "routed experts"]
     assert all(r["linears"] == 32 and r["measured_s"] == pytest.approx(0.9 * r["stated_s"]) for r in experts)
