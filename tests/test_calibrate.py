@@ -4,6 +4,7 @@ never picks still gets a usable H and an alias candidate."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import struct
 
@@ -13,10 +14,20 @@ import torch
 
 from quantizer.calibrate import CalibrationSettings, CalibrationSummary, HessianStore, calibrate
 from quantizer.calibrate.duration import CalibrationRate, calibration_flops, calibration_line
-from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE, pack_hessian, unpack_hessian
+from quantizer.calibrate.storage import (
+    CALIBRATION_DIR,
+    SUMMARY_FILE,
+    layer_file,
+    pack_hessian,
+    read_meta,
+    unpack_hessian,
+    write_stats_file,
+)
+from quantizer.checkpoint.safetensors_file import read_header, read_tensor
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import build_parser
 from quantizer.codec.ldlq import finalize_hessian
+from quantizer.errors import UserError
 from quantizer.model.flops import model_flops
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.targets import DRAFT, ROUTED, targets
@@ -174,6 +185,20 @@ def test_a_stored_hessian_unpacks_to_its_definition_bit_for_bit(dtype):
     assert torch.allclose(unpacked, h, rtol=0, atol=1e-3 * h.abs().max().item())
     with pytest.raises(ValueError, match="37 channels has 703 entries, not 702"):
         unpack_hessian(diag, corr[:-1])
+
+
+def test_a_stored_triangle_of_the_wrong_length_is_refused_with_the_file_and_the_fix(ck, default_run, tmp_path):
+    work = tmp_path / "work"
+    shutil.copytree(default_run[1].dir.parent, work)
+    path = work / CALIBRATION_DIR / layer_file(0)
+    header = read_header(path)
+    parts = {name: read_tensor(entry) for name, entry in header.tensors.items()}
+    group = next(name for name in parts if name.endswith(".corr")).removesuffix(".corr")
+    parts[f"{group}.corr"] = parts[f"{group}.corr"][:-1]
+    write_stats_file(path, parts, read_meta(path))
+    with pytest.raises(UserError, match=rf"{layer_file(0)}: Hessian '{re.escape(group)}': .* entries, not .*; "
+                                        rf"delete .* and calibrate again"):
+        HessianStore(work, ck).mean(group)
 
 
 def test_routing_counts_sum_to_rows_times_cols_times_k(ck, default_run, forward):

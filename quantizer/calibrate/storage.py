@@ -172,7 +172,11 @@ class HessianStore:
         if f"{group}.diag" not in header.tensors:
             raise UserError(f"{path}: has no Hessian {group!r}; delete {self.dir} and calibrate again")
         diag, corr = (read_tensor(header.tensors[f"{group}.{part}"]) for part in ("diag", "corr"))
-        return unpack_hessian(diag, corr), float(meta["counts"][group])
+        try:
+            mean = unpack_hessian(diag, corr)
+        except ValueError as e:
+            raise UserError(f"{path}: Hessian {group!r}: {e}; delete {self.dir} and calibrate again") from None
+        return mean, float(meta["counts"][group])
 
     def _target_of(self, key: str):
         return target_map(self.cfg).get(key.split(SLICE)[0])
