@@ -135,3 +135,88 @@ def test_the_kernel_bench_refuses_a_k_our_kernel_does_not_encode(capsys, ks):
     with pytest.raises(SystemExit) as e:
         bench["main"](["--ks", *ks])
     assert e.value.code == 2 and "our kernel does K 1-6, 1.5, 2.5 and 3.5" in capsys.readouterr().err
+
+
+@pytest.fixture
+def fresh_build(monkeypatch):
+    """The kernel's once-a-process build outcome forgotten before and after the test (caches.reset would
+    clear every other cache too)."""
+    forget = kernel._built.cache_clear
+    forget()
+    monkeypatch.setattr(kernel, "_said", set())
+    yield
+    forget()
+
+
+def test_a_failed_compile_is_tried_once_a_process(monkeypatch, fresh_build, capsys):
+    """A compile that fails (a compiler error) falls back to exllamav3 for the whole stage, without running
+    the compiler again at every tile search."""
+    tries = []
+
+    def failing(source):
+        tries.append(source)
+        raise kernel.KernelUnavailable("building trellis_encode.cu failed: CalledProcessError: error: boom")
+
+    monkeypatch.setattr(kernel, "build", failing)
+    tiles = torch.zeros(2, 256)
+    for _ in range(3):
+        assert kernel.unavailable_reason() == "building trellis_encode.cu failed: CalledProcessError: error: boom"
+    with pytest.raises(kernel.KernelUnavailable, match="error: boom"):
+        kernel.encode_tiles(tiles, 3, kernel.CODEBOOKS["mul1"])
+    assert tries == [kernel.SOURCE]
+
+
+def test_a_build_is_found_under_either_of_torchs_layouts(tmp_path, monkeypatch):
+    """$TORCH_EXTENSIONS_DIR/<name>/ and the default root's <python>_<cuda>/<name>/; another source's build
+    or a folder without the library is not this kernel's build."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = kernel._module_name(kernel.SOURCE)
+    assert kernel.build_root() == tmp_path and not kernel.is_built()
+    (tmp_path / name).mkdir()
+    (tmp_path / "quantizer_trellis_000000000000").mkdir()
+    (tmp_path / "quantizer_trellis_000000000000" / "quantizer_trellis_000000000000.so").touch()
+    assert not kernel.is_built()  # an interrupted compile leaves the folder without the library
+    (tmp_path / name / f"{name}.so").touch()
+    assert kernel.is_built()
+    (tmp_path / name / f"{name}.so").unlink()
+    (tmp_path / "py311_cu128" / name).mkdir(parents=True)
+    (tmp_path / "py311_cu128" / name / f"{name}.so").touch()
+    assert kernel.is_built()
+
+
+def _loaded(monkeypatch, *, cuda=True, compiler=True, built=False, outcome=(object(), None)):
+    said = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(kernel, "_compiler", lambda: compiler)
+    monkeypatch.setattr(kernel, "is_built", lambda source=kernel.SOURCE: built)
+    monkeypatch.setattr(kernel, "_built", lambda: outcome)
+    return kernel.load(said.append), said
+
+
+def test_load_says_before_a_compile_and_how_long_it_took(monkeypatch, fresh_build, capsys):
+    ready, said = _loaded(monkeypatch)
+    assert ready and len(said) == 2
+    assert said[0].startswith("compiling our encoder kernel (trellis_encode.cu), once for this source on this machine")
+    assert said[0].endswith(f"torch keeps it in {kernel.build_root()}")
+    assert said[1].startswith("our encoder kernel compiled in ") and said[1].endswith(" s")
+    assert capsys.readouterr().err == ""
+
+
+def test_load_of_a_kept_build_says_nothing(monkeypatch, fresh_build, capsys):
+    assert _loaded(monkeypatch, built=True) == (True, [])
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(("cuda", "compiler", "why"), [(False, True, "no CUDA device"),
+                                                       (True, False, "no CUDA toolkit (nvcc) to build it")])
+def test_load_where_nothing_can_compile_gives_the_fallbacks_line_alone(monkeypatch, fresh_build, capsys, cuda,
+                                                                       compiler, why):
+    assert _loaded(monkeypatch, cuda=cuda, compiler=compiler, outcome=(None, why)) == (False, [])
+    assert capsys.readouterr().err == f"encoder kernel: {why}; using exllamav3's quantize_tiles\n"
+
+
+def test_load_after_a_failed_compile_says_both(monkeypatch, fresh_build, capsys):
+    ready, said = _loaded(monkeypatch, outcome=(None, "building trellis_encode.cu failed: error: boom"))
+    assert not ready and len(said) == 1 and said[0].startswith("compiling our encoder kernel")
+    assert capsys.readouterr().err == ("encoder kernel: building trellis_encode.cu failed: error: boom; "
+                                       "using exllamav3's quantize_tiles\n")

@@ -11,7 +11,8 @@ it, so another plan in the same directory encodes only the (linear, K) pairs no 
 reuses the rest byte for byte. job.json pins the source and the settings, not the plan.
 Under torchrun the units still to do are spread over the ranks (largest first onto the least loaded
 rank); each rank writes its own units into the shared directory, so a rerun with any number of ranks
-continues from whatever any of them finished.
+continues from whatever any of them finished. With --encoder ours on CUDA our tile kernel is compiled (on
+first use on a machine, minutes, said in two lines) or loaded before the first unit.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec.exllamav3_adapter import release_encoder_buffers
 from quantizer.codec.exllamav3_batch import ORIGINAL_ON_HOST_ABOVE
+from quantizer.codec.kernel import load as load_kernel
 from quantizer.contract.pack_spec import REPLACED_LEAVES, pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.contract.stored_linear import StoredLinear
@@ -130,6 +132,8 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
     if ranks.main:
         print(_needs_line(work, linears, units, todo, settings, ram, gpu, disk), file=sys.stderr)
     ranks.on_main(lambda: require_free_space(work, disk, "the quantized results"))
+    if settings.device == "cuda" and settings.encoder == "ours" and mine:
+        load_kernel(lambda line: print(f"quantize: {line}", file=sys.stderr) if ranks.main else None)
     start = last = time.monotonic()
     unit_seconds: dict[str, float] = {}
     prepare = UnitInputs(ck, by_key, hessian, settings.device)

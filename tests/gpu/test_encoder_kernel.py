@@ -181,3 +181,11 @@ def test_inputs_our_loop_does_not_take_go_to_exllamav3_whole(built, case):
     out = {how: quantize_batch(weights, 3, hessians, counts=counts, seed=5, encoder=how)
            for how in ("exllamav3", "ours")}
     same_tensors(out["exllamav3"], out["ours"])
+
+
+def test_a_kept_build_is_found_where_torch_put_it(built):
+    """After a compile or load, is_built() finds torch's build in its real layout (default root or
+    $TORCH_EXTENSIONS_DIR), so a later quantize stage loads it without announcing a compile."""
+    assert kernel.is_built()
+    said = []
+    assert kernel.load(said.append) and said == []

@@ -7,9 +7,11 @@ at integer K 1-6 with the 3INST, mcg or mul1 codebook and at the half rates 1.5,
 in exllamav3), and returns the same codes as exllamav3 1.6.5's `quantize_tiles` and `quantize_tiles_frac`
 (checked by tests/gpu/test_encoder_kernel.py).
 
-`quantize_tiles(tiles, quant_args)` takes exllamav3's arguments and returns its outputs (reconstructed
-tiles, int16 states); where our kernel cannot run (no CUDA, no compiler, K 7 or 8, rows of 160) it says why
-in one line, once per reason, and calls exllamav3's own function. `in_exllamav3()` puts it in place of
+`load(say)` compiles or loads it up front: the quantize stage calls it before its first unit, so that a
+first compile is announced and timed rather than hidden in a unit. `quantize_tiles(tiles, quant_args)` takes
+exllamav3's arguments and returns its outputs (reconstructed tiles, int16 states); where our kernel cannot
+run (no CUDA, no compiler, a failed compile, K 7 or 8, rows of 160) it says why in one line, once per
+reason, and calls exllamav3's own function; a compile is tried once a process. `in_exllamav3()` puts it in place of
 exllamav3's two tile searches for the length of a `with` block, so exllamav3's whole conversion (scale
 search, LDLQ, packing) runs unchanged around ours: one GPU's calls go through that module's globals,
 `quantize_tiles` at integer K and `quantize_tiles_frac` at half rates.
@@ -21,7 +23,10 @@ import contextlib
 import functools
 import hashlib
 import importlib
+import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,9 +52,21 @@ def _module_name(source: Path) -> str:
 
 
 @process_cache(maxsize=1)
+def _built() -> tuple[object | None, str | None]:
+    """(the compiled extension, None), or (None, why it cannot be built here): tried once a process, so a
+    failed compile is not run again for every tile search of the stage."""
+    try:
+        return build(SOURCE), None
+    except KernelUnavailable as e:
+        return None, str(e)
+
+
 def _extension():
     """The compiled extension (built on the first call of a process, then loaded from torch's cache)."""
-    return build(SOURCE)
+    module, why = _built()
+    if module is None:
+        raise KernelUnavailable(why)
+    return module
 
 
 def build(source: Path):
@@ -78,11 +95,47 @@ def _build_error(text: str) -> str:
 
 def unavailable_reason() -> str | None:
     """Why our kernel cannot run in this process (None: it can)."""
-    try:
-        _extension()
-    except KernelUnavailable as e:
-        return str(e)
-    return None
+    return _built()[1]
+
+
+def _compiler() -> bool:
+    """Whether torch found a CUDA toolkit to compile with (build() says so in one line when not)."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.CUDA_HOME is not None
+
+
+def build_root() -> Path:
+    """Where torch keeps compiled extensions: $TORCH_EXTENSIONS_DIR, else its per-user default."""
+    from torch.utils import cpp_extension
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
+def is_built(source: Path = SOURCE) -> bool:
+    """Whether torch's extension cache holds a compiled `source` already, so that loading it takes a
+    second. torch builds into <root>/<name> under $TORCH_EXTENSIONS_DIR and into <root>/<python>_<cuda>/<name>
+    under its default root; both are looked at."""
+    root, name = build_root(), _module_name(source)
+    return any(any(d.glob(f"{name}*.so")) for d in (root / name, *root.glob(f"*/{name}")))
+
+
+def load(say: Callable[[str], None]) -> bool:
+    """Compile or load our kernel now, before a stage's progress bar starts: a first compile takes minutes
+    (docs/measurements.md) and would otherwise sit unexplained inside the first unit. `say` gets a line
+    before a compile and one with its time after; where the kernel cannot run, the fallback's one line is
+    printed once. True when our kernel is ready."""
+    compiling = torch.cuda.is_available() and _compiler() and not is_built()
+    if compiling:
+        say(f"compiling our encoder kernel ({SOURCE.name}), once for this source on this machine; torch keeps "
+            f"it in {build_root()}")
+    start = time.monotonic()
+    if (why := unavailable_reason()) is not None:
+        _say_once(why)
+        return False
+    if compiling:
+        say(f"our encoder kernel compiled in {time.monotonic() - start:.0f} s")
+    return True
 
 
 def codebook_index(quant_args: dict) -> int:
