@@ -220,3 +220,28 @@ def test_load_after_a_failed_compile_says_both(monkeypatch, fresh_build, capsys)
     assert not ready and len(said) == 1 and said[0].startswith("compiling our encoder kernel")
     assert capsys.readouterr().err == ("encoder kernel: building trellis_encode.cu failed: error: boom; "
                                        "using exllamav3's quantize_tiles\n")
+
+
+def test_a_damaged_kept_build_names_the_folder_to_delete(tmp_path, monkeypatch):
+    """A kept build that no longer loads (a killed link, a full disk): torch finds it up to date and the
+    import fails; the one-line reason names the folder whose deletion makes the next run compile again."""
+    from torch.utils import cpp_extension
+
+    def load(**_):
+        raise ImportError(f"{folder}/{name}.so: file too short")
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = kernel._module_name(kernel.SOURCE)
+    folder = tmp_path / name
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr(cpp_extension, "load", load)
+    with pytest.raises(kernel.KernelUnavailable) as e:
+        kernel.build(kernel.SOURCE)
+    assert str(e.value) == f"building trellis_encode.cu failed: ImportError: {folder}/{name}.so: file too short"
+    folder.mkdir()
+    (folder / f"{name}.so").write_bytes(b"\x7fELF")
+    with pytest.raises(kernel.KernelUnavailable) as e:
+        kernel.build(kernel.SOURCE)
+    assert str(e.value) == (f"building trellis_encode.cu failed: ImportError: {folder}/{name}.so: file too short "
+                            f"(delete {folder} to compile it again)")

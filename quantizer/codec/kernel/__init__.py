@@ -82,7 +82,9 @@ def build(source: Path):
         return cpp_extension.load(name=_module_name(source), sources=[str(source)], extra_cuda_cflags=["-O3"],
                                   verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure becomes the one-line reason for the fallback
-        raise KernelUnavailable(f"building {source.name} failed: {type(e).__name__}: {_build_error(str(e))}") from e
+        kept = kept_build(source)  # a damaged build torch found up to date (a killed link, a full disk)
+        fix = f" (delete {kept} to compile it again)" if kept else ""
+        raise KernelUnavailable(f"building {source.name} failed: {type(e).__name__}: {_build_error(str(e))}{fix}") from e
 
 
 def _build_error(text: str) -> str:
@@ -112,12 +114,17 @@ def build_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
 
 
-def is_built(source: Path = SOURCE) -> bool:
-    """Whether torch's extension cache holds a compiled `source` already, so that loading it takes a
-    second. torch builds into <root>/<name> under $TORCH_EXTENSIONS_DIR and into <root>/<python>_<cuda>/<name>
-    under its default root; both are looked at."""
+def kept_build(source: Path = SOURCE) -> Path | None:
+    """The folder where torch's extension cache holds a compiled `source` already (loading it then takes a
+    second), or None. torch builds into <root>/<name> under $TORCH_EXTENSIONS_DIR and into
+    <root>/<python>_<cuda>/<name> under its default root; both are looked at."""
     root, name = build_root(), _module_name(source)
-    return any(any(d.glob(f"{name}*.so")) for d in (root / name, *root.glob(f"*/{name}")))
+    return next((d for d in (root / name, *root.glob(f"*/{name}")) if any(d.glob(f"{name}*.so"))), None)
+
+
+def is_built(source: Path = SOURCE) -> bool:
+    """Whether a compiled `source` is kept (a load, not a compile, comes next)."""
+    return kept_build(source) is not None
 
 
 def load(say: Callable[[str], None]) -> bool:
