@@ -60,7 +60,8 @@ def test_two_sparks_at_1m_plans_in_few_probes_and_fits(v41, tmp_path, capsys, mo
                  str(tmp_path / "r.yaml")])
     out = capsys.readouterr().out
     assert code == 0 and "FITS: fits 2 Sparks" in out and "a synthetic calibration" in out
-    assert calls["sensitivity"] == 1 and 2 <= len(calls["plans"]) <= 5, calls
+    # one K tuple a layer (the default layout) moves bytes in steps of a layer: a probe or two more than per expert
+    assert calls["sensitivity"] == 1 and 2 <= len(calls["plans"]) <= 6, calls
     assert len(set(calls["plans"])) == len(calls["plans"]), calls  # no budget planned twice
     plan = Plan.load(tmp_path / "p.json")
     # the most that fits keeping the 1 GiB margin: a whole 0.01 bpw more would not
@@ -95,12 +96,12 @@ def most_that_fits(cfg, target, settings=AllocationSettings()):
 
 @pytest.mark.slow
 def test_vllm_exl3_mixes_routed_k_per_expert_and_keeps_the_rest_in_source_form(v41):
-    """The seed's vLLM shape: routed experts EXL3 with K per expert (K2..K8, what the plugin loads),
-    everything else FP8 source form as a fixed cost, every expert stored. On one Spark it cannot fit
-    (every routed expert at K2 is already 127 GiB), and the refusal says by how much."""
+    """The seed's vLLM shape with --expert-layout per-expert: routed experts EXL3 with K per expert (K2..K8, what
+    the plugin's tensor-mixed store loads), everything else FP8 source form as a fixed cost, every expert stored. On
+    one Spark it cannot fit (every routed expert at K2 is already 127 GiB), and the refusal says by how much."""
     with pytest.raises(UserError, match=r"does not fit 1 Spark at 524,288 tokens .* short by [\d.]+ GiB"):
         most_that_fits(v41, FitTarget(1, 512 * 1024), AllocationSettings(loader=VLLM_EXL3))
-    fitted = most_that_fits(v41, FitTarget(2, MILLION), AllocationSettings(loader=VLLM_EXL3))
+    fitted = most_that_fits(v41, FitTarget(2, MILLION), AllocationSettings(loader=VLLM_EXL3, expert_layout="per-expert"))
     plan, report = fitted.plan, fitted.report
     assert report.fits and report.sparks == 2 and plan.profile.name == VLLM_EXL3 and not plan.aliases
     assert all(plan.k[t.key] is None for t in targets(v41) if t.group != "routed")

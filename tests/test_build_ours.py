@@ -33,7 +33,8 @@ def test_the_pack_is_calibrated_allocated_and_verified(built, capsys):
     plan = Plan.load(plan_files(built / "pack.work", built / "pack")[0])
     assert plan.profile.name == "vllm-exl3" and plan.made_by.startswith("our allocator's 2.9 bpw plan (")
     assert "a measured calibration with measured-kl site gains" in plan.made_by
-    assert abs(plan.achieved_bpw - 2.9) < 0.02
+    # vllm-exl3's default layout is one K per layer: the budget is reached within one of the 6 layers' steps
+    assert 2.9 - 1 / 6 < plan.achieved_bpw <= 2.9
     assert manifest["aliases"] == plan.aliases
     assert plan_files(built / "pack.work", built / "pack")[1].read_text().count("\n") > 10
     assert main(["verify", str(built / "pack"), "--full"]) == 0

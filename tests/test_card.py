@@ -150,11 +150,12 @@ def test_the_cards_fit_table_is_what_quantizer_fit_prints_for_the_pack(built, ca
     assert [(r[0], r[1]) for r in rows] == want and rows
     engine = load_profile(Manifest.load(pack).plan["loader"]).fit_engine
     assert {r[1] for r in rows} == {engine}  # the engine that loads the pack, never the design floor `native`
-    for sparks, _, fits, weights, free, context in rows:
+    for sparks, _, fits, weights, free, context, decode in rows:
         capsys.readouterr()
-        code = main(["fit", str(pack), "--sparks", sparks, "--json"])
+        code = main(["fit", str(pack), "--sparks", sparks, "--context", str(fit["context"]), "--json"])
         report = json.loads(capsys.readouterr().out)
         assert (code == 0) == (fits == "yes") == report["fits"]
+        assert decode.split(" ")[0] == f"{report['decode']['tokens_per_second']:.1f}"  # the decode model's rate
         assert weights.split(" / ") == [f"{round(r['weights_gib'], 3):,.3f}" for r in report["ranks"]]
         assert free.split(" / ") == [f"{round(r['free_gib'], 3):,.3f}" for r in report["ranks"]]
         assert int(context.replace(",", "")) == fit["topologies"][sparks][engine]["max_context"]

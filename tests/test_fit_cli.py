@@ -158,17 +158,20 @@ def test_a_bpw_that_is_no_rate_exits_2_before_any_work(capsys, command, value):
 
 def test_fit_of_a_plan_charges_the_engine_its_loader_profile_runs_in(tmp_path, capsys):
     """A tensorfold plan is fitted against TensorFold's runtime and KV, not the hardware file's default
-    engine (vLLM); a --loader (or old --engine) that names another profile is refused in one line."""
+    engine (vLLM); --loader (or old --engine) sizes it in vLLM's memory model instead, with what the plan
+    breaks of that profile as one finding, and the memory verdict's exit code."""
     assert main(["plan", "--model-config", str(TINY), "--bpw", "3", "--loader", "tensorfold",
                  "--out", str(tmp_path / "p.json")]) == 0
     capsys.readouterr()
     fit_plan = ["fit", "--model-config", str(TINY), "--plan", str(tmp_path / "p.json"), "--sparks", "2", "--json"]
     assert main(fit_plan) == 0
-    assert json.loads(capsys.readouterr().out)["engine"] == "tensorfold"
+    own = json.loads(capsys.readouterr().out)
+    assert own["engine"] == "tensorfold" and own["findings"] is None
     for other in (["--loader", "vllm-exl3"], ["--engine", "vllm"]):
-        assert main(fit_plan + other) == 2
-        one_line(capsys.readouterr().err,
-                 f"--loader vllm-exl3 conflicts with {tmp_path / 'p.json'}, which is made for the tensorfold loader profile")
+        assert main(fit_plan + other) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["engine"] == "vllm-exl3" and data["findings"]["profile"] == "vllm-exl3"
+        assert data["findings"]["by_rule"]["layout"] > 0 and data["kv_bytes_per_token"] != own["kv_bytes_per_token"]
 
 
 def test_the_manifest_holds_no_fit_verdict_and_old_ones_are_ignored(tiny_v41, fp16_plan, tmp_path):
@@ -179,7 +182,10 @@ def test_the_manifest_holds_no_fit_verdict_and_old_ones_are_ignored(tiny_v41, fp
     assert "fit" not in data
     cfg, stored = stored_from_pack(pack)
     engine = Plan.load(fp16_plan).profile.fit_engine
-    assert pack_fit_table(pack) == fit_table(cfg, stored, context=cfg.max_position_embeddings, engine=engine)
+    table = pack_fit_table(pack)
+    decode = [row.pop("decode") for engines in table["topologies"].values() for row in engines.values()]
+    assert table == fit_table(cfg, stored, context=cfg.max_position_embeddings, engine=engine)
+    assert all(d["tokens_per_second"] > 0 and d["launches_per_token"] > 0 for d in decode)  # and what a token costs
     data["fit"] = {"topologies": {"1": {"vllm": {"fits": True}}}}  # what an older version wrote
     assert Manifest.from_dict(data, "old manifest").shards == Manifest.load(pack).shards
 

@@ -1,6 +1,7 @@
 """One flag for the engine, one answer per question (issue 41): `--loader` names the engine on fit, plan
 and build; `--engine` is a hidden, deprecated alias; fit charges the profile `plan` would use (a plan's,
-a recipe's, or the default for the Spark count) and so gives plan's verdict and free memory."""
+a recipe's, or the one whose rules the layout meets on the Spark count) and so gives plan's verdict and free
+memory; --loader sizes any layout in another engine's memory model."""
 
 from __future__ import annotations
 
@@ -50,22 +51,29 @@ def test_fit_gives_plans_verdict_and_free_memory_on_the_real_v41(capsys, loader,
         assert (got_code, _answer(out)) == (code, want), extra
 
 
-def test_recipes_name_their_profile_and_a_contradicting_loader_is_refused(tmp_path, capsys):
+def test_fit_sizes_a_recipe_in_any_profile_and_names_what_it_breaks(tmp_path, capsys):
+    """Fit is a memory model first (issue 57): --loader picks the engine whose memory is counted; a recipe that
+    breaks that profile is sized all the same, with one finding line and the memory verdict's exit code."""
     recipe = tmp_path / "r.yaml"
     assert main(["plan", "--model-config", TINY, "--bpw", "3", "--loader", "tensorfold", "--recipe-out", str(recipe)]) == 0
     capsys.readouterr()
     assert read_recipe(recipe).loader == "tensorfold" and "\nloader: tensorfold\n" in recipe.read_text()
     assert main(["fit", "--model-config", TINY, "--recipe", str(recipe), "--sparks", "2", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["engine"] == "tensorfold"
-    assert main(["fit", "--model-config", TINY, "--recipe", str(recipe), "--loader", "vllm-exl3"]) == 2
-    one_line(capsys.readouterr().err, f"--loader vllm-exl3 conflicts with {recipe}, which is made for the tensorfold")
-    # a recipe without a profile: --loader's, else the default of the model and Spark count, which the output names
+    data = json.loads(capsys.readouterr().out)
+    assert (data["engine"], data["loader"], data["findings"]) == ("tensorfold", "tensorfold", None)
+    assert main(["fit", "--model-config", TINY, "--recipe", str(recipe), "--loader", "vllm-exl3"]) == 0
+    out = capsys.readouterr().out
+    findings = [line for line in out.splitlines() if line.startswith("finding:")]
+    assert len(findings) == 1 and "engine vllm-exl3," in out and "FITS:" in out
+    assert "rule(s) of the vllm-exl3 loader profile (layout " in findings[0] and "`plan` and `build` refuse it" in findings[0]
+    assert main(["fit", "--model-config", TINY, "--recipe", str(recipe), "--loader", "vllm-exl3", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["findings"]["profile"] == "vllm-exl3" and data["findings"]["count"] == sum(data["findings"]["by_rule"].values())
+    # a recipe without a profile: the one whose rules it meets on the Spark count, named in the output
     recipe.write_text("\n".join(line for line in recipe.read_text().splitlines() if not line.startswith("loader:")))
-    assert main(["fit", "--model-config", TINY, "--recipe", str(recipe), "--sparks", "2", "--loader", "tensorfold",
-                 "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["engine"] == "tensorfold"
-    assert main(["fit", "--model-config", TINY, "--recipe", str(recipe), "--sparks", "4"]) == 2
-    one_line(capsys.readouterr().err, "plan breaks the vllm-exl3 loader profile")
+    assert main(["fit", "--model-config", TINY, "--recipe", str(recipe), "--sparks", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "r.yaml (names no loader profile: read for tensorfold, whose rules it meets)" in out and "finding:" not in out
     assert main(["plan", "--model-config", TINY, "--bpw", "3", "--recipe-out", str(recipe)]) == 0
     recipe.write_text("\n".join(line for line in recipe.read_text().splitlines() if not line.startswith("loader:")))
     capsys.readouterr()

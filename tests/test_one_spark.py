@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from one_line import one_line
 from script_module import script_module
 
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_header
@@ -36,22 +37,51 @@ V41_ENGINE = "exllamav3-v41"
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "one_spark_fit.py"
 
 
+COLD_CONTEXT = 4096
+MMAP_FLOOR = 1024  # EXL3_ATS_MMAP_MIN lowered from the engine's 1 MiB: no tensor of the small model reaches 1 MiB
+
+
 @pytest.fixture(scope="module")
 def one_spark_pack(tmp_path_factory):
     """The bundled small V4.1 model at 1.6 bits per routed weight: planned by our allocator on a synthetic
-    summary (`plan --synthetic`), built without calibration; everything but the routed experts in source form
-    (the overlay is checked on its plan: building it too would double the encoding time CI pays)."""
+    summary (`plan --synthetic`), everything but the routed experts in source form (the overlay is checked on
+    its plan: building it too would double the encoding time CI pays). Built with a short calibration for one
+    Spark at 4,096 tokens with --cold-share 0.5 on a hardware profile (`small_spark`) whose Spark holds the
+    copied pack less half its routed experts and whose mapping floor is 1 KiB: so cold experts are placed and
+    written into launch.env, as on the real model's 1 MiB experts."""
     root = tmp_path_factory.mktemp("one-spark")
     src = shipped("small_model")
     assert main(["plan", str(src), "--synthetic", "--loader", EXLLAMAV3_V41, "--bpw", "1.6",
                  "--out", str(root / "plan.json")]) == 0
-    assert main(["build", str(src), "--plan", str(root / "plan.json"), "--no-calibrate",
-                 "--out", str(root / "pack")]) == 0
-    return root / "pack", Plan.load(root / "plan.json")
+    plan = Plan.load(root / "plan.json")
+    hardware = small_spark(Checkpoint.open(src).config, plan, root / "small-spark.json")
+    assert main(["build", str(src), "--plan", str(root / "plan.json"), "--sparks", "1", "--context", str(COLD_CONTEXT),
+                 "--cold-share", "0.5", "--margin", "0", "--hardware", str(hardware), "--calib-rows", "2",
+                 "--calib-cols", "256", "--out", str(root / "pack")]) == 0
+    return root / "pack", plan, hardware
+
+
+def small_spark(cfg, plan: Plan, path: Path) -> Path:
+    """A GB10 profile shrunk so that the plan's pack fits one Spark at COLD_CONTEXT tokens only with about half of
+    its routed experts' bytes left in the page cache, and with the mapping floor at MMAP_FLOOR; written to `path`."""
+    data = json.loads(shipped("configs", "hardware", "gb10.json").read_text())
+    for term in ("worker_shortfall_gib", "os_reserve_gib", "guard_gib", "engram_cache_rows_per_table"):
+        data[term]["value"] = 0
+    engine = data["engines"][V41_ENGINE]
+    engine["runtime"], engine["prefill"]["fixed_gib"] = [], 0.0
+    engine["mapped"]["min_bytes"] = MMAP_FLOOR
+    path.write_text(json.dumps(data))
+    stored = pack_spec(cfg, plan).tensors
+    hot = Scenario(sparks=1, context=COLD_CONTEXT, engine=V41_ENGINE, drafter="off")
+    free = evaluate(cfg, stored, hot, load_hardware(path))[0].free_gib
+    routed = sum(t.nbytes for t in stored if t.cls == "routed_expert" and t.name.endswith(".trellis"))
+    data["visible_gib"]["value"] -= free + 0.5 * routed / GIB
+    path.write_text(json.dumps(data))
+    return path
 
 
 def test_the_pack_has_k1_experts_aligned_shards_engram_and_tokenizer_inside_and_verifies(one_spark_pack, capsys):
-    pack, plan = one_spark_pack
+    pack, plan, _ = one_spark_pack
     routed = [k for k, t in _targets(pack).items() if t.group == ROUTED]
     assert sum(plan.k[k] == 1.0 for k in routed) > len(routed) // 4  # K1 where the allocator finds it cheapest
     assert {plan.k[k] for k in routed} <= {1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0}
@@ -77,7 +107,8 @@ def test_the_pack_has_k1_experts_aligned_shards_engram_and_tokenizer_inside_and_
 def test_the_overlay_is_exl3_at_its_own_k_and_the_rest_stays_source_form(tmp_path):
     src = shipped("small_model")
     tmap = {t.key: t for t in targets(Checkpoint.open(src).config)}
-    for flags, head in (([], None), (["--overlay-bits", "6", "--drafter-bits", "3"], None),
+    # `--overlay` alone takes the head at --head-bits (6), unless it is native (docs/decode-speed.md, the head)
+    for flags, head in (([], 6.0), (["--overlay-bits", "6", "--drafter-bits", "3"], 6.0), (["--head-bits", "native"], None),
                         (["attention,head", "--head-bits", "8"], 8.0)):
         assert main(["plan", str(src), "--synthetic", "--loader", EXLLAMAV3_V41, "--bpw", "1.6", "--overlay", *flags,
                      "--out", str(tmp_path / "p.json")]) == 0
@@ -87,7 +118,7 @@ def test_the_overlay_is_exl3_at_its_own_k_and_the_rest_stays_source_form(tmp_pat
             if t.group == "routed":
                 assert plan.k[key] is not None, key
             elif t.group == "head":
-                assert plan.k[key] == head  # the head joins the overlay only when --overlay names it
+                assert plan.k[key] == head
             elif flags and flags[0] == "attention,head":
                 assert plan.k[key] == (5.0 if t.group == "attention" else None), key  # only what was named
             elif t.group == DRAFT:
@@ -96,18 +127,33 @@ def test_the_overlay_is_exl3_at_its_own_k_and_the_rest_stays_source_form(tmp_pat
                 assert plan.k[key] == side, key
 
 
-def test_the_pack_launches_with_every_expert_copied_and_without_its_source_form_drafter(one_spark_pack):
-    pack, _ = one_spark_pack
-    manifest = Manifest.load(pack)
-    assert manifest.plan["launch"] == {"file": LAUNCH_FILE, "cold_experts": 0, "cold_share": 0.0, "drafter": False}
-    assert read_launch(pack) == (r"^(?!mtp\.)", False)  # the recipe's copy pattern; DRAFT=0
+def test_the_pack_launches_its_cold_experts_from_the_page_cache_at_its_context_without_its_drafter(
+        one_spark_pack, capsys):
+    pack, _, hardware = one_spark_pack
+    launch = Manifest.load(pack).plan["launch"]
+    assert launch["cold_experts"] > 0 and 0 < launch["cold_share"] <= 0.5 and not launch["drafter"]
+    assert (launch["context"], launch["chunk"]) == (COLD_CONTEXT, 2048)
+    found = read_launch(pack)
+    assert (found.drafter, found.context, found.chunk, found.mmap_min) == (False, COLD_CONTEXT, 2048, MMAP_FLOOR)
+    assert found.copy_pattern.startswith(r"^(?!mtp\.|layers\.")  # the drafter's and the cold experts' names
+    copy = re.compile(found.copy_pattern)
+    experts = {f"layers.{t.layer}.ffn.experts.{t.expert}" for t in _targets(pack).values() if t.group == ROUTED}
+    cold = {e for e in experts if not copy.search(f"{e}.w1.trellis")}
+    assert len(cold) == launch["cold_experts"] and copy.search("layers.0.attn.wq_a.weight")
+    # fit reads the pack's own launch settings: its context, its floor, the cold experts mapped, no drafter
+    capsys.readouterr()
+    assert main(["fit", str(pack), "--sparks", "1", "--hardware", str(hardware), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rank = data["ranks"][0]
+    assert data["context"] == COLD_CONTEXT and data["drafter"] == "off" and data["fits"]
+    assert set(rank["mapped_by_class_gib"]) == {"routed_expert"} and rank["mapped_gib"] > 0
     card = (pack / "README.md").read_text()
     assert "## Run it\n" in card and "on one DGX Spark" in card and "`DRAFT=0`" in card
     assert "set -a; . ./launch.env; set +a" in card and "library_name" not in card.split("\n---\n")[0]
 
 
 def test_fit_ppl_and_card_work_on_the_pack(one_spark_pack, tmp_path, capsys):
-    pack, _ = one_spark_pack
+    pack, _, _ = one_spark_pack
     capsys.readouterr()
     assert main(["fit", str(pack), "--sparks", "1", "--context", "64K", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -183,8 +229,9 @@ def test_fit_json_states_copied_weights_and_mapped_ones(capsys):
                  "--overlay", "--sparks", "1", "--context", "6144", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     rank = data["ranks"][0]
-    # routed experts at 1.59 bits (101.4 GiB) and the K5 attention side are copied; the K4 drafter is mapped
-    assert 107 < rank["weights_gib"] < 109.5 and 6 < rank["mapped_gib"] < 7.5 and data["mapped"]
+    # routed experts at 1.59 bits (101.4 GiB; one K per layer, so up to one layer's step of 1.6 GiB under) and the
+    # K5 attention side are copied; the K4 drafter is mapped
+    assert 106 < rank["weights_gib"] < 109.5 and 6 < rank["mapped_gib"] < 7.5 and data["mapped"]
     assert rank["kv_pool_gib"] == pytest.approx(6144 * (3200 + 3072) / GIB)  # DSA pools + the drafter's layers
 
 
@@ -203,13 +250,21 @@ def test_source_form_linears_are_dequantized_and_only_large_aligned_tensors_are_
                      "mtp.0.attn.wq_a"),
         StoredTensor("embed.weight", 2 * MIB, (1024, 1024), "BF16", "embed", "native", None, None),
         StoredTensor("layers.0.attn.wq_a.suh", 4096, (2048,), "F16", "attention", "exl3", 4.0, "layers.0.attn.wq_a"),
+        # read as stored by their modules (an Embedding's BF16, a hyper-connection's F32 mixer), so mappable
+        StoredTensor("mtp.2.markov_head.embed.weight", 63 * MIB, (129280, 256), "BF16", "dspark_drafter", "native",
+                     None, None),
+        StoredTensor("mtp.2.hc_attn_fn", 2 * MIB, (24, 20480), "F32", "dspark_drafter", "native", None, None),
+        StoredTensor("mtp.2.markov_head.head.weight", 63 * MIB, (129280, 256), "BF16", "dspark_drafter", "native",
+                     None, None),  # a Linear's BF16: converted to FP16, so copied
     ]
     copied, mapped = split_mapped(t, serving, serving.copy_default)
     by_name = {c.name: c for c in copied}
     assert by_name["layers.0.attn.wq_a.weight"].nbytes == 2 * 2048 * 2048  # FP8 -> FP16
     assert by_name["mtp.0.ffn.experts.0.w1.weight"].nbytes == 2 * 2048 * 2048  # packed FP4 -> FP16: 4x
     assert "layers.0.attn.wq_a.scale" not in by_name  # consumed by the dequantization
-    assert [m.name for m in mapped] == ["mtp.0.attn.wq_a.trellis"]  # the drafter: large, aligned, not matched
+    assert [m.name for m in mapped] == ["mtp.0.attn.wq_a.trellis", "mtp.2.markov_head.embed.weight",
+                                        "mtp.2.hc_attn_fn"]  # the drafter: large, aligned, not matched, as stored
+    assert "mtp.2.markov_head.head.weight" in by_name
     assert {"layers.1.ffn.experts.3.w1.trellis", "layers.1.ffn.experts.4.w1.trellis", "embed.weight",
             "layers.0.attn.wq_a.suh"} <= set(by_name)  # copied by the pattern, off grid, BF16, under 1 MiB
     lazy, _ = split_mapped(t, serving, serving.copy_default, fp8_lazy=True)
@@ -238,7 +293,11 @@ def test_cold_experts_make_more_bits_fit_within_their_routing_share(real_v41):
     assert not pattern.search("mtp.0.attn.wq_a.trellis") and pattern.search("layers.0.attn.wq_a.trellis")
     assert not fit(real_v41, stored, FitTarget(1, 524_288, 1, V41_ENGINE)).fits  # the plain fit: every expert copied
     none, launch0 = place_cold_experts(real_v41, stored, s, hw, tokens, share=0.0)
-    assert launch0 == Launch() and none.copy_pattern == Launch().copy_pattern
+    assert launch0.cold_experts == () and none.copy_pattern == Launch().copy_pattern
+    assert (launch0.context, launch0.chunk, launch0.mmap_min) == (524_288, 2048, MIB)  # what launch.env carries
+    # the margin is kept too (issue 57: the experts were placed to leave 0 GiB, 0.005 GiB free at 512K)
+    kept, _ = place_cold_experts(real_v41, stored, s, hw, tokens, share=0.10, margin_gib=1.0)
+    assert min(r.free_gib for r in evaluate(real_v41, stored, kept, hw)) >= 1.0 > min(r.free_gib for r in ranks)
 
 
 def test_a_pack_without_a_drafter_overlay_launches_without_it(real_v41):
@@ -266,11 +325,18 @@ def test_the_one_spark_fit_is_within_a_quarter_of_the_recipes_measured_torch_all
     assert rows[1]["estimate_gib"] - rows[0]["estimate_gib"] == pytest.approx(1.50, abs=0.05)  # 6,272 B/token
 
 
-def test_build_refuses_cold_experts_without_the_calibrations_routing(tmp_path, capsys):
-    assert main(["build", str(shipped("small_model")), "--sparks", "1", "--cold-share", "0.05", "--no-calibrate",
+@pytest.mark.parametrize("rate", [["--sparks", "1"], ["--bpw", "1.6", "--loader", EXLLAMAV3_V41],
+                                  ["--bpw", "1.6", "--sparks", "1"]])
+def test_build_refuses_cold_experts_without_the_calibrations_routing(rate, tmp_path, capsys):
+    """--cold-share goes with --sparks alone or with a --bpw (a one-Spark engine's Spark count is implied); it
+    needs the calibration's routing, refused before any work when there is none."""
+    assert main(["build", str(shipped("small_model")), *rate, "--cold-share", "0.05", "--no-calibrate",
                  "--method", "uniform", "--out", str(tmp_path / "p")]) == 2
-    assert "--cold-share picks cold experts by the calibration's routing" in capsys.readouterr().err
+    one_line(capsys.readouterr().err, "--cold-share picks cold experts by the calibration's routing")
     assert not (tmp_path / "p").exists()
+    assert main(["build", str(shipped("small_model")), "--bpw", "1.6", "--cold-share", "0.05", "--no-calibrate",
+                 "--out", str(tmp_path / "p")]) == 2  # vllm-exl3 runs on 1, 2 or 4 Sparks: say which
+    one_line(capsys.readouterr().err, "--context, --streams and --cold-share size the fit of a Spark count: add --sparks N")
 
 
 def test_every_rule_a_profile_sets_names_the_engine_code_it_comes_from():

@@ -16,7 +16,7 @@ from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import exl3_bytes
 from quantizer.model.targets import stored_parts, target_map
-from quantizer.plan.recipe import _KeyPool, plan_from_recipe, read_recipe, recipe_entries, write_recipe
+from quantizer.plan.recipe import _KeyPool, plan_from_recipe, read_recipe, recipe_entries, shipped_recipes, write_recipe
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path, shipped
 
@@ -117,6 +117,28 @@ def test_written_recipes_round_trip(v41, tiny, tmp_path, real_v41_uniform):
     partly = make_plan(tiny, native, loader=EXLLAMAV3)
     write_recipe(tiny, partly, tmp_path / "n.yaml")
     assert plan_from_recipe(tiny, read_recipe(tmp_path / "n.yaml"), loader=EXLLAMAV3).k == partly.k
+
+
+def test_a_recipe_means_what_it_says_about_the_head(tiny, tmp_path):
+    """Without head_bits the head takes the last entry that matches its key (`"*": native` keeps it native), and
+    exllamav3's 6 where none does; head_bits, where given, decides (issue 57)."""
+    native = plan_from_recipe(tiny, _recipe(tmp_path, 'tensors:\n  "*": native\n  "layers.*.ffn.experts.*": 2\n'))
+    assert native.head_bits is None and native.profile.name == "vllm-exl3"  # the routed-only layout vLLM loads
+    assert plan_from_recipe(tiny, _recipe(tmp_path, 'tensors:\n  "*": 4\n')).head_bits == 4.0
+    named = _recipe(tmp_path, 'head_bits: 5\ntensors:\n  "*": native\n  "layers.*.ffn.experts.*": 2\n')
+    assert plan_from_recipe(tiny, named, loader=TENSORFOLD, keep_rules=False).head_bits == 5.0
+    assert plan_from_recipe(tiny, _recipe(tmp_path, RECIPE_HEAD.replace("head_bits: 6\n", ""))).head_bits == 6.0
+
+
+def test_the_published_bit_maps_ship_and_are_found_by_name(v41, capsys):
+    """configs/recipes/published: the bit maps of the packs people run, read by name from any install."""
+    assert {"mia-2.9", "pollard-3.51", "sfxnz-2.0"} <= set(shipped_recipes())
+    mia = plan_from_recipe(v41, read_recipe("mia-2.9"))
+    assert mia.profile.name == "tensorfold" and mia.achieved_bpw == pytest.approx(2.9, abs=0.001)
+    assert 196 < mia.expected_bytes["total_without_engram_tables"] / 2**30 < 197  # published: 196-197 GiB
+    assert plan_from_recipe(v41, read_recipe("pollard-3.51")).achieved_bpw == pytest.approx(3.5, abs=0.001)
+    with pytest.raises(UserError, match="recipe not found .shipped: .*mia-2.9"):
+        read_recipe("mia-2.8")
 
 
 @pytest.mark.parametrize("bpw", ["2.5", "2.9", "3.5"])

@@ -54,6 +54,9 @@ def test_each_pack_row_is_what_plan_prints_for_its_build_flags(row, capsys):
     bits = re.match(r"[\d.]+", row["bits"])[0]
     without, total = re.findall(r"[\d.]+(?= GiB)|[\d.]+(?= /)", row["pack, without / with the 189 GiB Engram tables"])
     hours = re.search(r"~([\d.]+) GPU-hours", row["quantize, one GPU"])[1]
+    rate, drafted = re.match(r"~([\d.]+), ([\d.]+) with the drafter", row["decode, tokens/s (model)"]).groups()
+    assert re.search(rf"^decode \(a model, docs/decode-speed.md\): ~{re.escape(rate)} tokens/s, {re.escape(drafted)} "
+                     "with the drafter", out, re.M), out
     assert f"{bits} bpw plan" in out, out[:400]
     assert re.search(rf"^without Engram tables\s+{re.escape(without)}$", out, re.M), out
     assert re.search(rf"^total\s+{re.escape(total)}$", out, re.M), out
@@ -70,9 +73,11 @@ def test_the_tensorfold_alternative_is_what_plan_prints(capsys):
     bits = re.search(r"([\d.]+) bits over every budgeted tensor", note)[1]
     without = re.search(r"([\d.]+) GiB without the tables", note)[1]
     hours = re.search(r"~([\d.]+) GPU-hours", note)[1]
+    rate, drafted = re.search(r"~([\d.]+) tokens/s, ([\d.]+)\s+with the drafter", note).groups()
     main(["plan", "--model-config", "deepseek-v4.1-flash", "--synthetic", "--sparks", "2", "--context", "1M",
           "--loader", "tensorfold"])
     out = capsys.readouterr().out
+    assert f"decode (a model, docs/decode-speed.md): ~{rate} tokens/s, {drafted} with the drafter" in out, out
     assert f"{bits} bpw plan" in out, out[:400]
     assert re.match(rf"quantize: [\d.,]+ G weights, ~{re.escape(hours)} GPU-hours on ", default_quantize_line(out)), out
     assert re.search(rf"^without Engram tables\s+{re.escape(without)}$", out, re.M), out

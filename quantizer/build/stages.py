@@ -47,10 +47,10 @@ from quantizer.distributed import code_fingerprint, current
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw, rate_grid
 from quantizer.fit.cold_experts import check_share, routed_tokens
+from quantizer.fit.hardware import Hardware
 from quantizer.fit.launch import Launch
-from quantizer.fit.memory import FitReport
-from quantizer.fit.target import largest_fitting_plan
-from quantizer.fit.memory import FitTarget
+from quantizer.fit.memory import FitReport, FitTarget
+from quantizer.fit.target import fit_plan, largest_fitting_plan, largest_launch
 from quantizer.inventory.classify import require_consistent
 from quantizer.pack.manifest import Manifest
 from quantizer.pack.writer import PackSettings, check_new_pack_dir, publish_pack, write_pack
@@ -79,8 +79,8 @@ class BuildRequest:
     src: str
     out: Path
     bpw: float | None = None  # a plan at this rate, or
-    plan: Plan | None = None  # a plan made elsewhere (quantizer plan), or
-    target: FitTarget | None = None  # the most bits whose plan fits these Sparks
+    plan: Plan | None = None  # a plan made elsewhere (quantizer plan); with either, `target` is what it is fitted to
+    target: FitTarget | None = None  # alone: the most bits whose plan fits these Sparks
     method: str = OURS  # how K is chosen for bpw / target (plan/methods.py)
     allocation: AllocationSettings = AllocationSettings()
     calibration_rows: torch.Tensor | None = None  # token rows [R, C]; None: no calibration, no Hessians
@@ -96,6 +96,7 @@ class BuildRequest:
     command: tuple[str, ...] | None = None  # the command line, which the card gives as the way to rebuild
     tune: TuneSettings | None = None  # tune each block's EXL3 scales after quantize (needs calibration rows)
     end_to_end: EndToEndSettings | None = None  # then tune every EXL3 scale on the model's KL (small models)
+    hardware: Hardware | None = None  # the memory model's hardware profile (None: the shipped GB10 one)
 
     @property
     def work_dir(self) -> Path:
@@ -214,7 +215,9 @@ def plan_and_state(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSumm
     """The plan (req.plan, or chosen by req.method), its fit report and launch settings (the cold experts
     of a one-Spark target); the GPU time it implies stated (the tune stage's too, with --tune, for a job
     of `ranks` GPUs)."""
-    plan, report, launch = (req.plan, None, Launch()) if req.plan else choose_plan(cfg, req, summary)
+    plan, report, launch = choose_plan(cfg, req, summary)
+    if launch.context is None:  # a one-Spark pack fitted to no context: launched at the largest that fits
+        launch = largest_launch(cfg, plan, req.hardware)
     table = RateTable.load(encoder=req.quantize.encoder) if req.quantize.device == "cuda" else None
     print(plan_estimate(cfg, plan, table).line(req.quantize.device), file=sys.stderr)
     if req.tune is not None:
@@ -225,8 +228,8 @@ def plan_and_state(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSumm
 def check_request(req: BuildRequest) -> None:
     """UserError for a request no checkpoint could satisfy: the one place a build's request is checked
     (the command checks only which flags go together)."""
-    if sum(x is not None for x in (req.bpw, req.plan, req.target)) != 1:
-        raise UserError("give one of --bpw B, --plan PLAN.json or --sparks N")
+    if req.bpw is not None and req.plan is not None or (req.bpw, req.plan, req.target) == (None, None, None):
+        raise UserError("give one of --bpw B, --plan PLAN.json (or --recipe) and --sparks N, or --sparks N alone")
     if req.method not in METHODS:
         raise UserError(f"--method {req.method!r}; choose from {', '.join(METHODS)}")
     if req.plan is None and req.method == OURS and req.calibration_rows is None:
@@ -236,9 +239,8 @@ def check_request(req: BuildRequest) -> None:
     if req.target is not None:
         req.allocation.profile.check_sparks(req.target.sparks)
         check_share(req.target.cold_share)
-        if req.target.cold_share and (req.method != OURS or req.calibration_rows is None):
-            raise UserError("--cold-share picks cold experts by the calibration's routing: use --method ours with "
-                            "calibration")
+        if req.target.cold_share and req.calibration_rows is None:
+            raise UserError("--cold-share picks cold experts by the calibration's routing: drop --no-calibrate")
     if req.tune is not None and req.calibration_rows is None:
         raise UserError("--tune fits the pack's scales to calibration rows; drop --no-calibrate (or drop --tune)")
     if req.end_to_end is not None and req.calibration_rows is None:
@@ -265,6 +267,7 @@ def request_record(ck: Checkpoint, req: BuildRequest) -> dict:
         "quantize": req.quantize.record(), "shard_size": req.shard_size, "revision": req.revision,
         "measured": None if req.measured is None else json.dumps(req.measured, sort_keys=True),
         "measured_from_work": req.measured_from_work, "tune": None if req.tune is None else req.tune.record(),
+        "hardware": None if req.hardware is None else asdict(req.hardware),
         "end_to_end": None if req.end_to_end is None else req.end_to_end.record(),
     }
 
@@ -304,20 +307,26 @@ def check_plannable(cfg: ModelConfig, req: BuildRequest) -> Plan:
         summary = synthetic_summary(cfg) if req.method == OURS else None
         return planner(cfg, req.method, req.allocation, summary)[0](req.bpw)
     plan_at, lowest = planner(cfg, UNIFORM, replace(req.allocation, alias=None))
-    return largest_fitting_plan(cfg, plan_at, lowest, rate_grid(req.allocation.codebook)[-1], req.target).plan
+    return largest_fitting_plan(cfg, plan_at, lowest, rate_grid(req.allocation.codebook)[-1], req.target,
+                                hardware=req.hardware).plan
 
 
 def choose_plan(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None
                 ) -> tuple[Plan, FitReport | None, Launch]:
-    """The plan at req.bpw, or the largest that fits req.target (its cold experts placed on the
-    calibration's routing), by req.method."""
+    """req.plan, or the plan at req.bpw, fitted to req.target where one is given; else the largest plan that
+    fits req.target, by req.method (its cold experts placed on the calibration's routing)."""
     if req.measured is not None:
         pairs = sum(len(ks) for ks in req.measured.values())
         print(f"plan: allocating on {pairs:,} measured proxy errors of {len(req.measured):,} targets", file=sys.stderr)
-    plan_at, lowest = planner(cfg, req.method, req.allocation, summary, measured=req.measured)
-    if req.target is None:
-        return plan_at(req.bpw), None, Launch()
-    highest = rate_grid(req.allocation.codebook)[-1]
-    fitted = largest_fitting_plan(cfg, plan_at, lowest, highest, req.target,
-                                  tokens=routed_tokens(summary) if summary else None)
+    tokens = routed_tokens(summary) if summary else None
+    if req.plan is None:
+        plan_at, lowest = planner(cfg, req.method, req.allocation, summary, measured=req.measured)
+    if req.plan is not None or req.bpw is not None:
+        plan = req.plan or plan_at(req.bpw)
+        if req.target is None:
+            return plan, None, Launch()
+        fitted = fit_plan(cfg, plan, req.target, tokens, req.hardware)
+    else:
+        fitted = largest_fitting_plan(cfg, plan_at, lowest, rate_grid(req.allocation.codebook)[-1], req.target,
+                                      hardware=req.hardware, tokens=tokens)
     return fitted.plan, fitted.report, fitted.launch

@@ -95,6 +95,7 @@ def _fit_lines(fit: dict) -> str:
     for sparks, engines in fit["topologies"].items():
         verdicts = [
             f"{engine} {'fits' if r['fits'] else 'no'}" + ("" if r["fits"] else f" (up to {r['max_context']:,} tokens)")
+            + (f"; decode ~{r['decode']['tokens_per_second']:.1f} tokens/s (a model)" if r.get("decode") else "")
             for engine, r in engines.items()
         ]
         lines.append(f"  {sparks} Spark{'s' if sparks != '1' else ''}: " + ", ".join(verdicts))

@@ -19,6 +19,7 @@ from quantizer.calibrate.settings import EXPERT_HESSIANS, CalibrationSettings
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.contract.loader_profiles import (
     DEFAULT_OVERLAY,
+    EXPERT_LAYOUTS,
     LOADERS,
     OVERLAY,
     LoaderProfile,
@@ -106,6 +107,19 @@ def chosen_loader(args: argparse.Namespace) -> str | None:
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--codebook", choices=CODEBOOKS, default="mul1")
     add_head_drafter_arguments(p)
+    add_layout_arguments(p)
+
+
+def add_layout_arguments(p: argparse.ArgumentParser) -> None:
+    """--expert-layout and --half-rates: how K may vary over a layer's routed experts (plan/allocate.py), as
+    AllocationSettings takes them; the loader profile gives the defaults and refuses what its engine cannot load."""
+    p.add_argument("--expert-layout", choices=EXPERT_LAYOUTS,
+                   help="routed experts: K per expert and projection (per-expert), a few groups of experts a layer each "
+                        "with one K for gate, up and down (grouped), or one K tuple a layer, what the engines' fused "
+                        "MoE kernels take (per-layer); default: the loader profile's (docs/decode-speed.md)")
+    p.add_argument("--half-rates", action=argparse.BooleanOptionalAction, default=None,
+                   help="let K be 1.5, 2.5 or 3.5 (mul1) where the profile allows them (default: the profile's; off "
+                        "for exllamav3-v41 until a half-rate pack is shown loading there)")
 
 
 def add_head_drafter_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,8 +135,8 @@ def add_one_spark_arguments(p: argparse.ArgumentParser) -> None:
     """--overlay, --overlay-bits and --cold-share: what the one-Spark engine (loader exllamav3-v41) takes."""
     p.add_argument("--overlay", nargs="?", const="", metavar="GROUPS",
                    help="loader exllamav3-v41: store these groups as EXL3 instead of the source form, at fixed K outside "
-                        f"the budget (default {','.join(DEFAULT_OVERLAY)}: the recipe's attention and drafter overlays; "
-                        "head may be added)")
+                        f"the budget (default {','.join(DEFAULT_OVERLAY)}: the recipe's attention and drafter overlays, and "
+                        "the head at --head-bits unless it is native)")
     p.add_argument("--overlay-bits", type=float, default=Overlay.bits,
                    help=f"K of the overlay's attention side (default {Overlay.bits:g}; the drafter takes --drafter-bits, "
                         f"default {Overlay.drafter_bits:g}, and the head --head-bits)")
@@ -142,7 +156,7 @@ def overlay_of(args: argparse.Namespace, profile: LoaderProfile, codebook: str) 
             raise UserError(f"--drafter-bits: the {profile.name} engine keeps the drafter in source form unless "
                             "--overlay names it (add --overlay)")
         return None
-    overlay = Overlay(parse_overlay(args.overlay), float(args.overlay_bits),
+    overlay = Overlay(parse_overlay(args.overlay, head_bits), float(args.overlay_bits),
                       Overlay.drafter_bits if drafter_bits is None else float(drafter_bits))
     if drafter_bits is not None and DRAFT not in overlay.groups:
         raise UserError(f"--drafter-bits sets the drafter's overlay K, but --overlay {args.overlay} leaves the drafter "

@@ -1,4 +1,5 @@
-"""`quantizer build SRC (--bpw B | --sparks N [--context C] [--cold-share S] | --plan PLAN.json | --recipe R.yaml) --out PACK
+"""`quantizer build SRC (--bpw B | --plan PLAN.json | --recipe R.yaml | --sparks N) [--sparks N [--context C] [--cold-share S]]
+--out PACK
 [--method ours|uniform|exl3] [--loader vllm-exl3|tensorfold|exllamav3|exllamav3-v41] [--head-bits K]
 [--drafter-bits K] [--overlay [GROUPS]]
 [--text FILE | --tokens FILE | --no-calibrate] ...`
@@ -7,7 +8,8 @@ Calibrates (the shipped calibration set by default), plans, quantizes, packs and
 same command after an interruption and it continues where it stopped; a rerun with a different
 source, plan or settings is refused with the difference named. A plan or recipe decides the loader
 profile (a --loader that contradicts it is refused); otherwise --loader, else the default for the model
-and Spark count.
+and Spark count. --sparks alone plans the most bits that fit; beside --bpw, --plan or --recipe it is what
+the pack is fitted to (its verdict, and on one Spark its cold experts and launch.env context).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from quantizer.checkpoint.source import Checkpoint
 from quantizer.commands.arguments import (
     add_expert_hessians,
     add_head_drafter_arguments,
+    add_layout_arguments,
     add_loader_argument,
     add_margin_argument,
     add_one_spark_arguments,
@@ -40,11 +43,12 @@ from quantizer.contract.plan import Plan
 from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
+from quantizer.fit.hardware import load_hardware
 from quantizer.fit.memory import TOPOLOGIES, FitTarget
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS
-from quantizer.plan.recipe import default_note, plan_from_recipe, read_recipe, recipe_loader
+from quantizer.plan.recipe import plan_from_recipe, profile_note, read_recipe
 from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
 from quantizer.tune.settings import INPUTS, TARGETS, EndToEndSettings, TuneSettings
 
@@ -54,9 +58,11 @@ UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="plan, quantize, pack and verify in one resumable work directory")
     p.add_argument("src", help="native checkpoint directory or Hugging Face repo id")
-    rate = p.add_mutually_exclusive_group(required=True)
+    rate = p.add_mutually_exclusive_group()
     rate.add_argument("--bpw", type=float, help="bits per weight over the budgeted tensors (exllamav3 accounting)")
-    rate.add_argument("--sparks", type=int, choices=TOPOLOGIES, help="the most bits whose pack fits N DGX Sparks")
+    p.add_argument("--sparks", type=int, choices=TOPOLOGIES,
+                   help="DGX Sparks: alone, the most bits whose pack fits them; with --bpw, --plan or --recipe, what "
+                        "the pack is fitted to")
     rate.add_argument("--plan", type=Path, help="a plan file written by `quantizer plan`")
     rate.add_argument("--recipe", type=Path, help="an exllamav3 recipe.yaml (`quantizer plan --recipe-out`, or "
                                                   "hand-written); the loader profile it names decides the engine")
@@ -71,6 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                            "1), tensorfold (every linear EXL3 mul1, Engram tables in <out>-Engram) or exllamav3 (stock "
                            "1.6.5; default for V4); the pack is verified against it. A --plan or --recipe decides it")
     add_head_drafter_arguments(p)
+    add_layout_arguments(p)
     add_one_spark_arguments(p)
     data = p.add_mutually_exclusive_group()
     data.add_argument("--text", help="calibration text (.txt, .jsonl, optionally .zst) or a shipped set's name "
@@ -86,6 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="calibration rows pushed through a block together (default: 16384 tokens' worth); "
                         "under torchrun the chunks are what the ranks share")
     add_expert_hessians(p)
+    p.add_argument("--hardware", help="a hardware profile JSON for the fit (default: the shipped GB10 profile)")
     p.add_argument("--out", type=Path, required=True, help="pack directory to write (must not exist)")
     p.add_argument("--work", type=Path, help="work directory (default: <out>.work); rerun to resume, or share it "
                                               "between builds of one source and settings: encodings are reused")
@@ -136,20 +144,23 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan) if args.plan else None
     if plan and args.codebook and args.codebook != plan.codebook:
         raise UserError(f"--codebook {args.codebook} conflicts with {args.plan}, which uses {plan.codebook}")
-    if args.sparks is None and (args.context is not None or args.streams != 1 or args.cold_share):
-        raise UserError("--context, --streams and --cold-share size the fit of --sparks N; add --sparks")
+    if (args.bpw, args.plan, args.recipe, args.sparks) == (None, None, None, None):
+        raise UserError("give --bpw B, --plan PLAN.json, --recipe R.yaml or --sparks N")
     given = args.plan or args.recipe
     if given and args.overlay is not None:
         raise UserError(f"--overlay makes a plan; {given} holds its K already")
     if given and (args.head_bits, args.drafter_bits) != (AllocationSettings.head_bits, AllocationSettings.drafter_bits):
         raise UserError(f"--head-bits and --drafter-bits make a plan; {given} is one already (its K map decides)")
+    if given and (args.expert_layout, args.half_rates) != (None, None):
+        raise UserError(f"--expert-layout and --half-rates make a plan; {given} is one already (its K map decides)")
     ck = Checkpoint.open(args.src, revision=args.revision)
     if args.recipe:
         recipe = read_recipe(args.recipe)
-        loader = recipe_loader(ck.config, recipe, asked=asked)
-        plan = plan_from_recipe(ck.config, recipe, args.codebook or "mul1", loader)
-        if current().main and not recipe.loader:
-            print(f"{args.recipe}{default_note(ck.config, recipe, loader, None)}", file=sys.stderr)
+        if recipe.loader:
+            check_loader(asked, recipe.loader, str(args.recipe))
+        plan = plan_from_recipe(ck.config, recipe, args.codebook or "mul1", asked, args.sparks)
+        if current().main and not recipe.loader and not asked:
+            print(f"{args.recipe}{profile_note(ck.config, recipe, plan, args.sparks)}", file=sys.stderr)
     loader = check_loader(asked, plan.profile.name, str(given)) if plan else asked or default_loader(ck.config, args.sparks)
     profile = load_profile(loader)
     overlay = overlay_of(args, profile, args.codebook or "mul1")
@@ -158,14 +169,18 @@ def run(args: argparse.Namespace) -> int:
     if args.tune_e2e_steps is not None and not args.tune_e2e:
         raise UserError("--tune-e2e-steps sets end-to-end tuning; add --tune-e2e")
     target = None
-    if args.sparks:
+    sparks = args.sparks or (profile.sparks[0] if len(profile.sparks) == 1 else None)  # a one-Spark engine's count
+    if sparks is None and (args.context is not None or args.streams != 1 or args.cold_share):
+        raise UserError("--context, --streams and --cold-share size the fit of a Spark count: add --sparks N")
+    if sparks and (args.sparks or args.context is not None or args.streams != 1 or args.cold_share):
         context = ck.config.max_position_embeddings if args.context is None else args.context
-        target = FitTarget(args.sparks, context, args.streams, profile.fit_engine, args.cold_share, args.margin)
+        target = FitTarget(sparks, context, args.streams, profile.fit_engine, args.cold_share, args.margin)
     rows = None if args.no_calibrate else calibration_rows(ck, args.text, args.tokens, args.calib_rows, args.calib_cols)
     req = BuildRequest(
         src=args.src, out=args.out, bpw=args.bpw, plan=plan, target=target, method=args.method,
         allocation=AllocationSettings(loader=loader, codebook=args.codebook or "mul1", head_bits=args.head_bits,
-                                      drafter_bits=args.drafter_bits, overlay=overlay),
+                                      drafter_bits=args.drafter_bits, overlay=overlay,
+                                      expert_layout=args.expert_layout, half_rates=args.half_rates),
         calibration_rows=rows,
         calibration=calibration, work=args.work, revision=args.revision,
         shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
@@ -176,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         tune=TuneSettings(steps=args.tune_steps or TuneSettings.steps, inputs=args.tune_inputs or TuneSettings.inputs,
                           target=args.tune_target or TuneSettings.target) if args.tune else None,
         end_to_end=EndToEndSettings(steps=args.tune_e2e_steps or EndToEndSettings.steps) if args.tune_e2e else None,
+        hardware=load_hardware(args.hardware) if args.hardware else None,
     )
     result = build(req)
     if current().main:

@@ -1,10 +1,11 @@
 """`quantizer fit PACK | --model-config C (--recipe R.yaml | --bpw B | --plan P.json) [--loader L [--overlay]]`
 on 1, 2 or 4 Sparks.
 
-The fit charges the engine of one loader profile: a pack's, a plan's, the one a recipe names, else
---loader, else the one `plan` would choose for the model and Spark count (default_loader); a --bpw plan
-is the one that profile's `plan` builds, so fit and plan give one answer. Prints a per-rank table and a
-verdict; exit 0 when it fits, 1 when it does not, 2 on bad input. On an engine
+Fit is a memory model first: it sizes any pack, plan or recipe, in the memory model of one loader profile's
+engine: --loader's, else the one the pack, plan or recipe names, else the one whose rules the layout meets
+(the closest where none does; a --bpw plan is the one that profile's `plan` builds, so fit and plan give one
+answer). The rules a layout breaks are one finding line with their count; they do not change the exit code.
+Prints a per-rank table and a verdict; exit 0 when it fits, 1 when it does not, 2 on bad input. On an engine
 that serves weights from the mapped file (native ExLlamaV3's V4.1 loader) a pack's launch.env says what
 is copied and whether the drafter runs; a plan's drafter runs where it is EXL3 (fit/target.py).
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-from pathlib import Path
 
 from quantizer.commands.arguments import (
     add_loader_argument,
@@ -28,21 +28,17 @@ from quantizer.commands.arguments import (
     overlay_of,
     tokens,
 )
-from quantizer.contract.loader_profiles import check_loader, default_loader, load_profile
+from quantizer.contract.loader_profiles import default_loader, load_profile
 from quantizer.contract.pack_spec import pack_spec
-from quantizer.contract.plan import Plan
-from quantizer.contract.rules import check_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw
+from quantizer.fit.decode import decode_cost
 from quantizer.fit.hardware import DESIGN_FLOOR, load_hardware
-from quantizer.fit.launch import read_launch
-from quantizer.fit.memory import BPW_FLOOR, TOPOLOGIES, FitOptions, FitTarget, fit
+from quantizer.fit.memory import TOPOLOGIES, FitOptions, FitTarget, fit
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES
 from quantizer.fit.render import render
-from quantizer.fit.stored import stored_from_pack
 from quantizer.fit.target import runs_drafter
-from quantizer.pack.manifest import Manifest, is_pack
-from quantizer.plan.recipe import default_note, plan_from_recipe, read_recipe, recipe_loader
+from quantizer.pack.fit_input import FitInput, bpw_input, pack_input, plan_input, recipe_input
 from quantizer.plan.uniform import lowest_uniform_bpw, uniform_plan
 from quantizer.plots import plot_path, save_figure
 
@@ -56,11 +52,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--bpw", type=float, help="a uniform plan at this bpw (with --model-config)")
     src.add_argument("--plan", help="a plan.json written by `quantizer plan` (with --model-config)")
     add_plan_arguments(p)
-    add_loader_argument(p, "the engine the fit charges, and with --bpw the layout of its plan (default: a pack's, "
-                           "a plan's or a recipe's own, else the one `plan` chooses for the model and --sparks)")
+    add_loader_argument(p, "the engine whose memory model the fit charges (a layout that breaks its rules is sized all "
+                           "the same, with one finding line), and with --bpw the layout of its plan (default: a pack's, "
+                           "a plan's or a recipe's own, else the profile whose rules the layout meets on --sparks)")
     add_one_spark_arguments(p)
     p.add_argument("--sparks", type=int, choices=TOPOLOGIES, default=2, help="DGX Sparks (tensor-parallel ranks)")
-    p.add_argument("--context", type=tokens, help="tokens per stream (default: the model's max positions)")
+    p.add_argument("--context", type=tokens,
+                   help="tokens per stream (default: a one-Spark pack's planned context, from its launch.env; else the "
+                        "model's max positions)")
     p.add_argument("--streams", type=count, default=1, help="concurrent streams, each holding --context tokens")
     p.add_argument("--split", choices=SPLITS, default="tp",
                    help="routed experts: tensor-parallel slices (tp) or whole experts per rank (ep)")
@@ -71,7 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fp8-lazy", action="store_true",
                    help="native ExLlamaV3's V4.1 loader with EXL3_FP8_LAZY=1: source-form FP8/FP4 linears stay compact "
                         "instead of being dequantized to FP16 at load (the recipe launches without it)")
-    p.add_argument("--vision", choices=VISION_MODES, default="rank0")
+    p.add_argument("--vision", choices=VISION_MODES,
+                   help="where the vision encoder runs (default: where the engine runs it; vLLM on every rank, "
+                        "TensorFold on rank 0)")
     p.add_argument("--guard", type=float, help="guard floor in GiB (default from the hardware file)")
     p.add_argument("--kv-bits", type=float, help="K of exllamav3's packed DSA pool (fp16 pools otherwise)")
     add_margin_argument(p, "a fit that leaves less says so next to its verdict")
@@ -86,54 +87,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     plot = plot_path(args.plot) if args.plot else None
     hw = load_hardware(args.hardware)
-    asked = chosen_loader(args)
-    stored_at_bpw, lowest_bpw = None, BPW_FLOOR
-    drafter, copy = args.drafter, None
-    if args.overlay is not None and args.bpw is None:
-        raise UserError("--overlay makes a plan for --bpw; a pack, plan or recipe holds its K already")
-    if args.src and not (args.recipe or args.bpw is not None or args.plan):
-        cfg, stored = stored_from_pack(args.src)
-        source = str(args.src)
-        loader = check_loader(asked, Manifest.load(Path(args.src)).plan["loader"], args.src) if is_pack(args.src) \
-            else asked or default_loader(cfg, args.sparks)
-        load_profile(loader).check_sparks(args.sparks)
-        launch = read_launch(args.src)
-        if launch:
-            copy, drafter = launch[0], drafter or ("split" if launch[1] else "off")
-    else:
-        cfg = load_model_config(args.src, args.model_config)
-        if args.plan:
-            plan, source = Plan.load(args.plan), args.plan
-            check_loader(asked, plan.profile.name, args.plan)
-            check_plan(cfg, plan)
-        elif args.recipe:
-            recipe = read_recipe(args.recipe)
-            loader = recipe_loader(cfg, recipe, args.sparks, asked)
-            plan = plan_from_recipe(cfg, recipe, args.codebook, loader)
-            source = args.recipe + default_note(cfg, recipe, loader, args.sparks)
-        elif args.bpw is not None:
-            loader = asked or default_loader(cfg, args.sparks)
-            check_bpw(args.bpw, args.codebook)
-            make = functools.partial(_uniform, cfg, args, loader, overlay_of(args, load_profile(loader), args.codebook))
-            plan, source = make(args.bpw), f"uniform plan at {args.bpw:g} bpw"
-            stored_at_bpw = functools.lru_cache(maxsize=1)(lambda b: pack_spec(cfg, make(b)).tensors)
-            lowest_bpw = lowest_uniform_bpw(cfg, args.codebook, loader=loader)
-        else:
-            raise UserError("with --model-config give --recipe R.yaml, --bpw B or --plan P.json")
-        loader = plan.profile.name
-        plan.profile.check_sparks(args.sparks)
-        if drafter is None and not runs_drafter(cfg, plan, plan.profile.fit_engine, hw):
-            drafter = "off"
-        stored = pack_spec(cfg, plan).tensors
-    engine = load_profile(loader).fit_engine
-    target = FitTarget(args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
-                       args.streams, engine, margin_gib=args.margin)
-    options = FitOptions(args.split, args.engram, drafter or "split", args.vision, args.guard, args.kv_bits, copy,
-                         args.fp8_lazy)
-    report = fit(cfg, stored, target, options, hardware=hw, source=source, stored_at_bpw=stored_at_bpw, bpw=args.bpw,
-                 lowest_bpw=lowest_bpw)
-    floor = fit(cfg, stored, dataclasses.replace(target, engine=DESIGN_FLOOR), options, hardware=hw, source=source) \
-        if args.explain and not args.json else None
+    what = _open(args)
+    what.profile.check_sparks(args.sparks)
+    launch = what.launch
+    drafter = args.drafter or ("off" if (launch and not launch.drafter) or (
+        what.plan and not runs_drafter(what.cfg, what.plan, what.profile.fit_engine, hw)) else "split")
+    cfg = what.cfg
+    context = args.context or (launch and launch.context) or cfg.max_position_embeddings
+    target = FitTarget(args.sparks, context, args.streams, what.profile.fit_engine, margin_gib=args.margin)
+    options = FitOptions(args.split, args.engram, drafter, args.vision, args.guard, args.kv_bits,
+                         launch and launch.copy_pattern, args.fp8_lazy, launch and launch.mmap_min)
+    search = _bpw_search(cfg, args, what.profile) if args.bpw is not None else {}
+    report = fit(cfg, what.stored, target, options, hardware=hw, source=what.source, findings=what.findings,
+                 loader=what.profile.name, **search)
+    report.decode = decode_cost(cfg, what.plan, what.stored, what.profile, args.sparks, hw, report.context,
+                                report.drafter != "off")
+    floor = fit(cfg, what.stored, dataclasses.replace(target, engine=DESIGN_FLOOR), options, hardware=hw,
+                source=what.source) if args.explain and not args.json else None
     print(report.to_json() if args.json else render(report, args.explain, floor))
     if plot:
         from quantizer.plots.fit import fit_figure
@@ -142,5 +112,34 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report.fits else 1
 
 
-def _uniform(cfg, args, loader: str, overlay, bpw: float):
-    return uniform_plan(cfg, bpw, args.codebook, args.head_bits, args.drafter_bits, loader=loader, overlay=overlay)
+def _open(args: argparse.Namespace) -> FitInput:
+    """The pack, plan, recipe or --bpw plan the flags name, with the profile that charges it."""
+    asked = chosen_loader(args)
+    if args.overlay is not None and args.bpw is None:
+        raise UserError("--overlay makes a plan for --bpw; a pack, plan or recipe holds its K already")
+    if args.src and not (args.recipe or args.bpw is not None or args.plan):
+        return pack_input(args.src, asked, args.sparks)
+    cfg = load_model_config(args.src, args.model_config)
+    if args.plan:
+        return plan_input(cfg, args.plan, asked)
+    if args.recipe:
+        return recipe_input(cfg, args.recipe, args.codebook, asked, args.sparks)
+    if args.bpw is None:
+        raise UserError("with --model-config give --recipe R.yaml, --bpw B or --plan P.json")
+    check_bpw(args.bpw, args.codebook)
+    return bpw_input(cfg, _uniform_at(cfg, args, load_profile(asked or default_loader(cfg, args.sparks))), args.bpw)
+
+
+def _uniform_at(cfg, args, profile):
+    """bpw -> the uniform plan `plan --bpw` makes for the profile and the flags."""
+    overlay = overlay_of(args, profile, args.codebook)
+    return lambda bpw: uniform_plan(cfg, bpw, args.codebook, args.head_bits, args.drafter_bits, loader=profile.name,
+                                    overlay=overlay, expert_layout=args.expert_layout, half_rates=args.half_rates)
+
+
+def _bpw_search(cfg, args, profile) -> dict:
+    """What fit needs to say which bpw would fit: the pack at any bpw, from the lowest a uniform plan takes."""
+    plan_at = _uniform_at(cfg, args, profile)
+    stored_at = functools.lru_cache(maxsize=1)(lambda b: pack_spec(cfg, plan_at(b)).tensors)
+    return {"stored_at_bpw": stored_at, "bpw": args.bpw,
+            "lowest_bpw": lowest_uniform_bpw(cfg, args.codebook, loader=profile.name, half_rates=args.half_rates)}

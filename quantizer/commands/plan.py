@@ -14,6 +14,9 @@ when a --bpw plan does not fit the --sparks asked for (as `quantizer fit`), 2 on
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS
@@ -38,6 +41,7 @@ from quantizer.contract.rules import TOTAL_RESIDENT, check_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import check_bpw, rate_grid
 from quantizer.fit.cold_experts import check_share, routed_tokens
+from quantizer.fit.hardware import load_hardware
 from quantizer.fit.memory import MARGIN_GIB, TOPOLOGIES
 from quantizer.fit.render import render as render_fit
 from quantizer.fit.target import fit_plan, largest_fitting_plan
@@ -65,6 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=tokens, help="tokens per stream for the fit (default: the model's max positions)")
     p.add_argument("--streams", type=count, default=1, help="concurrent streams, each holding --context tokens")
     add_margin_argument(p, "with --sparks alone the plan keeps it; a fit that leaves less says so")
+    p.add_argument("--hardware", help="a hardware profile JSON for the fit (default: the shipped GB10 profile)")
     calib = p.add_mutually_exclusive_group()
     calib.add_argument("--calibration", help=f"a calibrate work directory (its {CALIBRATION_DIR}/{SUMMARY_FILE}), "
                                              "or a summary file")
@@ -92,6 +97,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_plan_arguments(p)
     add_one_spark_arguments(p)
     p.add_argument("--out", type=Path, help="write the plan as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print what the plan costs as JSON instead of the text: bits, bytes, GPU-hours, and with --sparks "
+                        "the fit and the decode model (tokens/s, GiB and kernel launches a token)")
     p.add_argument("--recipe-out", type=Path, help="write the plan as an exllamav3 recipe.yaml")
     p.add_argument("--plot", help="also draw K per layer and projection as a heatmap to FILE.png (the plots extra)")
     p.add_argument("--plot-against", metavar="PLAN.json", action="append", default=[],
@@ -125,43 +133,63 @@ def run(args: argparse.Namespace) -> int:
     target = FitTarget(args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
                        args.streams, profile.fit_engine, args.cold_share, args.margin) if args.sparks else None
     tokens = routed_tokens(summary) if summary else None
+    hw = load_hardware(args.hardware)
     fitted = None
     if args.bpw is not None:
         plan = plan_at(args.bpw)
-        fitted = fit_plan(cfg, plan, target, tokens) if target else None
+        fitted = fit_plan(cfg, plan, target, tokens, hw) if target else None
     else:
-        fitted = largest_fitting_plan(cfg, plan_at, lo, rate_grid(args.codebook)[-1], target, tokens=tokens)
+        fitted = largest_fitting_plan(cfg, plan_at, lo, rate_grid(args.codebook)[-1], target, hw, tokens)
         plan = fitted.plan
     report = fitted.report if fitted else None
-    print(plan_summary(cfg, plan))
-    for encoder in ENCODERS["cuda"]:  # the default's hours, then the other's (its line names it)
-        print(plan_estimate(cfg, plan, RateTable.load(encoder=encoder)).line())
-    print(tune_line(cfg, DEFAULT_ROWS, DEFAULT_COLS, TuneSettings()))
-    if report:
-        print("\n" + render_fit(report))
-    if fitted and fitted.launch.cold_experts:
+    hours = [plan_estimate(cfg, plan, RateTable.load(encoder=encoder)) for encoder in ENCODERS["cuda"]]
+    if args.json:
+        print(json.dumps(plan_json(plan, hours, fitted), indent=1))
+    else:
+        print(plan_summary(cfg, plan))
+        for estimate in hours:  # the default's hours, then the other's (its line names it)
+            print(estimate.line())
+        print(tune_line(cfg, DEFAULT_ROWS, DEFAULT_COLS, TuneSettings()))
+        if report:
+            print("\n" + render_fit(report))
+    if fitted and fitted.launch.cold_experts and not args.json:
         print(f"cold experts: {len(fitted.launch.cold_experts)} served from the mapped file "
               f"({fitted.launch.cold_share:.2%} of the calibration's routed tokens); `build` writes them into the "
               "pack's launch.env")
+    note = sys.stderr if args.json else sys.stdout  # --json keeps stdout to the one JSON object
     if args.out:
         plan.save(args.out)
-        print(f"wrote {args.out}")
+        print(f"wrote {args.out}", file=note)
     if args.recipe_out:
         write_recipe(cfg, plan, args.recipe_out, recipe_header(args, plan, method, target))
-        print(f"wrote {args.recipe_out}")
+        print(f"wrote {args.recipe_out}", file=note)
     if plot:
         from quantizer.plots.plan import k_figure
 
         save_figure(k_figure(cfg, [plan] + against), plot)
-        print(f"wrote {plot}")
+        print(f"wrote {plot}", file=note)
     return 1 if report and not report.fits else 0
+
+
+def plan_json(plan: Plan, hours: list, fitted) -> dict:
+    """`plan --json`: the plan's bits and bytes, the GPU-hours per encoder, and with a fit target the fit report
+    (its `decode`: the decode model's rate, bytes and launches a token) and the launch settings."""
+    out = {"made_by": plan.made_by, "loader": plan.profile.name, "codebook": plan.codebook,
+           "target_bpw": plan.target_bpw, "achieved_bpw": plan.achieved_bpw, "head_bits": plan.head_bits,
+           "expected_bytes": plan.expected_bytes, "plan_hash": plan.content_hash(),
+           "gpu_hours": {h.encoder: round(h.gpu_hours, 3) for h in hours}, "fit": None, "launch": None}
+    if fitted:
+        out["fit"] = fitted.report.to_dict()
+        out["launch"] = asdict(fitted.launch) | {"copy_pattern": fitted.launch.copy_pattern}
+    return out
 
 
 def _planner(cfg: ModelConfig, args: argparse.Namespace, method: str, summary: CalibrationSummary | None,
              overlay: Overlay | None):
     """(bpw -> Plan for the chosen method, the lowest bpw worth trying)."""
     settings = AllocationSettings(args.loader, args.codebook, DEFAULT_FLOOR, args.head_bits, args.drafter_bits,
-                                  args.alias, args.alias_below, args.alias_cap, overlay)
+                                  args.alias, args.alias_below, args.alias_cap, overlay, args.expert_layout,
+                                  args.half_rates)
     return planner(cfg, method, settings, summary, args.floor, args.hq)
 
 

@@ -60,6 +60,67 @@ class PlainDtype:
     accept: tuple[str, ...]
 
 
+PER_EXPERT, GROUPED, PER_LAYER = "per-expert", "grouped", "per-layer"
+EXPERT_LAYOUTS = (PER_EXPERT, GROUPED, PER_LAYER)
+GATE_UP, ALL_PROJECTIONS = "gate+up", "all"
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How the allocator may vary K over a layer's routed experts (plan/allocate.py): per expert and projection;
+    in `groups` groups of at least `min_group` experts, each one K for gate, up and down; or one K tuple per
+    layer, `tie` saying whether gate and up share it (gate+up) or all three projections do (all), as the engine's
+    fused MoE path takes a layer."""
+
+    name: str
+    tie: str = GATE_UP
+    groups: int = 4
+    min_group: int = 4
+
+    def describe(self) -> str:
+        if self.name == PER_LAYER:
+            return "one K per layer" + (" for gate, up and down" if self.tie == ALL_PROJECTIONS else
+                                        " per projection, gate = up")
+        if self.name == GROUPED:
+            return f"in {self.groups} groups per layer of at least {self.min_group} experts, gate = up = down"
+        return "K per expert and projection"
+
+
+@dataclass(frozen=True)
+class Layouts:
+    """A profile's expert layouts: the one it defaults to, those its engine loads, the tie of its fused path,
+    and whether half rates are on by default; each with the numbers and engine code behind it."""
+
+    default: str
+    allowed: tuple[str, ...]
+    fused_tie: str
+    half_rates: bool
+    source: str
+    groups: int = 4
+    min_group: int = 4
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """How the engine runs a decode step (fit/decode.py), read from its code: kernel launches per token and per
+    layer outside the routed MoE, those of its fused MoE path (every expert of a layer on the fused tie's K tuple)
+    and of its mixed-K path (fixed, and per expert the rows select), whether a mixed layer still takes one fused
+    launch (TensorFold: per-expert K tables), when the step runs inside CUDA graphs (none, fused: only where every
+    layer is fused, all), the rows its drafter proposes a round, and whether it drafts at all once a layer is
+    mixed."""
+
+    token_launches: int
+    layer_launches: int
+    fused_launches: int
+    mixed_launches: int
+    mixed_per_expert: int
+    mixed_is_fused: bool
+    graphs: str
+    draft: int
+    mixed_drafts: bool  # whether the drafter may run where a layer takes the mixed-K path
+    source: str
+
+
 @dataclass(frozen=True)
 class LoaderProfile:
     name: str
@@ -90,6 +151,8 @@ class LoaderProfile:
     architectures: tuple[str, ...] = ()  # config.json's `architectures` exactly, where the engine asserts it
     required_files: tuple[str, ...] = ()  # files the engine reads from the pack directory besides the shards
     ignored: dict[str, str] = field(default_factory=dict)  # what the engine does not read, and where that is seen
+    layouts: Layouts = Layouts(PER_EXPERT, EXPERT_LAYOUTS, GATE_UP, True, "")  # the allocator's expert layouts
+    decode: Dispatch | None = None  # how its engine runs a decode step (fit/decode.py)
 
     __hash__ = value_hash  # its rule sources are a dict
 
@@ -155,6 +218,16 @@ class LoaderProfile:
                 return dtype if dtype in rule.accept else rule.dtype
         return dtype
 
+    def expert_layout(self, name: str | None) -> ExpertLayout:
+        """The layout `name` (None: the profile's default), or a one-line UserError where the engine cannot load it."""
+        name = name or self.layouts.default
+        if name not in EXPERT_LAYOUTS:
+            raise UserError(f"--expert-layout {name}: choose one of {', '.join(EXPERT_LAYOUTS)}")
+        if name not in self.layouts.allowed:
+            raise UserError(f"--expert-layout {name}: the {self.name} engine loads {' or '.join(self.layouts.allowed)} "
+                            f"only ({self.sources['one_k_per_projection']})")
+        return ExpertLayout(name, self.layouts.fused_tie, self.layouts.groups, self.layouts.min_group)
+
     def check_arch(self, cfg: ModelConfig) -> None:
         if cfg.arch not in self.archs:
             raise UserError(f"--loader {self.name}: {self.engine.split(':')[0]} runs {' and '.join(self.archs)} "
@@ -203,10 +276,12 @@ OVERLAY_SIDE = (ATTN, INDEX, SHARED, ENGRAM)  # requant_attn_exl3.py's targets
 DEFAULT_OVERLAY = OVERLAY_SIDE + (DRAFT,)  # and requant_mtp_exl3.py's: the overlay the recipe measured
 
 
-def parse_overlay(text: str | None) -> tuple[str, ...]:
-    """`--overlay` (the recipe's groups) or `--overlay attention,drafter,head`."""
+def parse_overlay(text: str | None, head_bits: float | None = None) -> tuple[str, ...]:
+    """`--overlay` or `--overlay attention,drafter,head`. `--overlay` alone is the recipe's overlay and, with a head
+    K (--head-bits, 6 by default), the head: an fp16 head is read twice a speculative round, and at K6 the model
+    prices it 2% faster without the drafter and 4% with it, with 0.77 GiB more for the experts (docs/decode-speed.md)."""
     if not text:
-        return DEFAULT_OVERLAY
+        return DEFAULT_OVERLAY + ((HEAD_GROUP,) if head_bits is not None else ())
     return tuple(dict.fromkeys(g.strip() for g in text.split(",") if g.strip()))
 
 
@@ -259,7 +334,26 @@ def load_profile(name: str) -> LoaderProfile:
         required_config_keys=tuple(data["required_config_keys"]), sources=dict(data["sources"]),
         sparks=tuple(int(n) for n in data["sparks"]), architectures=tuple(data.get("architectures", ())),
         required_files=tuple(data.get("required_files", ())), ignored=dict(data.get("ignored", {})),
+        layouts=_layouts(data["expert_layouts"]), decode=_dispatch(data["decode"]),
     )
+
+
+def _dispatch(d: dict) -> Dispatch:
+    dispatch = Dispatch(int(d["token_launches"]), int(d["layer_launches"]), int(d["fused_launches"]),
+                        int(d["mixed_launches"]), int(d["mixed_per_expert"]), bool(d["mixed_is_fused"]), d["graphs"],
+                        int(d["draft"]), bool(d["mixed_drafts"]), d["source"])
+    if dispatch.graphs not in ("none", "fused", "all"):
+        raise ValueError(f"decode: graphs none|fused|all; got {d}")
+    return dispatch
+
+
+def _layouts(d: dict) -> Layouts:
+    layouts = Layouts(d["default"], tuple(d["allowed"]), d["fused_tie"], bool(d["half_rates"]), d["source"],
+                      int(d.get("groups", 4)), int(d.get("min_group", 4)))
+    if not set(layouts.allowed) <= set(EXPERT_LAYOUTS) or layouts.default not in layouts.allowed \
+            or layouts.fused_tie not in (GATE_UP, ALL_PROJECTIONS):
+        raise ValueError(f"expert_layouts: default and allowed from {EXPERT_LAYOUTS}, fused_tie gate+up|all; got {d}")
+    return layouts
 
 
 def default_loader(cfg: ModelConfig, sparks: int | None = None) -> str:
@@ -268,6 +362,14 @@ def default_loader(cfg: ModelConfig, sparks: int | None = None) -> str:
     if cfg.arch == V4:
         return EXLLAMAV3
     return EXLLAMAV3_V41 if sparks == 1 else VLLM_EXL3
+
+
+def profiles_for(cfg: ModelConfig, sparks: int | None = None) -> list[LoaderProfile]:
+    """The profiles whose engine runs this model's architecture (on `sparks` Sparks, where given), the
+    default one first."""
+    first = default_loader(cfg, sparks)
+    names = [first] + [name for name in LOADERS if name != first]
+    return [p for p in map(load_profile, names) if cfg.arch in p.archs and (sparks is None or sparks in p.sparks)]
 
 
 OLD_ENGINE_NAMES = {"vllm": VLLM_EXL3}  # the hardware file's engine names before they became the profiles' names

@@ -1,11 +1,18 @@
 """The rules a plan keeps and the bytes it implies: `make_plan` checks a K map against the model and its
 loader profile and prices it from the pack spec, so every plan a stage receives is one its engine loads.
+
+`fit` answers for any layout, so it makes plans that keep only the model's own rules (`keep_rules=False`)
+and reports what a layout breaks of a profile as `Findings`; `matching_profile` names the profile whose
+rules a layout meets (or the closest one) among those that run a model on a Spark count.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass, replace
+
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import EXLLAMAV3, load_profile, violations
+from quantizer.contract.loader_profiles import EXLLAMAV3, LoaderProfile, Violation, load_profile, profiles_for, violations
 from quantizer.contract.pack_spec import aliased_keys, expert_of, spec_bytes, stored_linears
 from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
@@ -25,19 +32,28 @@ def make_plan(
     target_bpw: float | None = None,
     aliases: dict[str, str] | None = None,
     made_by: str = "",
+    keep_rules: bool = True,
 ) -> Plan:
-    """A checked plan with its expected bytes; every target of `cfg` must have an entry in `k`."""
+    """A checked plan with its expected bytes; every target of `cfg` must have an entry in `k`. With
+    `keep_rules` False the loader profile's rules are not enforced (what `fit` sizes: broken_rules says
+    which it breaks)."""
     k = {key: (None if v is None else float(v)) for key, v in k.items()}
     plan = Plan(cfg.arch, codebook, load_profile(loader), k, target_bpw, dict(aliases or {}), made_by=made_by)
-    check_plan(cfg, plan)
+    check_plan(cfg, plan, keep_rules)
+    return priced(cfg, plan)
+
+
+def priced(cfg: ModelConfig, plan: Plan) -> Plan:
+    """The plan with its expected bytes and achieved bpw (both depend on its loader profile)."""
     plan.expected_bytes = expected_bytes(cfg, plan)
     plan.achieved_bpw = achieved_bpw(cfg, plan)
     return plan
 
 
-def check_plan(cfg: ModelConfig, plan: Plan) -> None:
+def check_plan(cfg: ModelConfig, plan: Plan, keep_rules: bool = True) -> None:
     """Every target has a K it may take, aliases point cold experts at warm experts of the same
-    layer, and the plan keeps every rule of its loader profile. UserError names the first problem."""
+    layer, and (with `keep_rules`) the plan keeps every rule of its loader profile. UserError names the
+    first problem."""
     if plan.codebook not in CODEBOOKS:
         raise UserError(f"plan codebook {plan.codebook!r}; choose one of {', '.join(CODEBOOKS)}")
     profile = plan.profile
@@ -57,10 +73,67 @@ def check_plan(cfg: ModelConfig, plan: Plan) -> None:
             check_k(value, plan.codebook, tmap[key].integer_only, key)
             checked.add((value, tmap[key].integer_only))
     _check_aliases(cfg, plan)
-    broken = violations(profile, stored_linears(cfg, plan), plan.aliases)
+    if not keep_rules:
+        return
+    broken = broken_rules(cfg, plan)
     if broken:
         more = f" (and {len(broken) - 1} more)" if len(broken) > 1 else ""
-        raise UserError(f"plan breaks the {profile.name} loader profile: {broken[0].line(profile)}{more}")
+        raise UserError(f"plan breaks the {profile.name} loader profile: {broken[0].line(profile)}{more}"
+                        f"{_other_profile_hint(cfg, plan)}")
+
+
+def broken_rules(cfg: ModelConfig, plan: Plan, profile: LoaderProfile | None = None) -> list[Violation]:
+    """Every rule of `profile` (default: the plan's own) that the plan's layout breaks."""
+    return violations(profile or plan.profile, stored_linears(cfg, plan), plan.aliases)
+
+
+@dataclass(frozen=True)
+class Findings:
+    """What a layout breaks of one loader profile: fit states it and sizes the layout all the same."""
+
+    profile: str
+    count: int
+    by_rule: dict[str, int]
+    first: str  # the first broken rule: the stored key (or layer) and what is wrong
+
+    @classmethod
+    def of(cls, profile: LoaderProfile, broken: list[Violation]) -> "Findings | None":
+        if not broken:
+            return None
+        first = broken[0]
+        return cls(profile.name, len(broken), dict(Counter(v.rule for v in broken).most_common()),
+                   f"{first.subject}: {first.detail}")
+
+    def line(self) -> str:
+        rules = ", ".join(f"{rule} {n:,}" for rule, n in self.by_rule.items())
+        return (f"finding: the layout breaks {self.count:,} rule(s) of the {self.profile} loader profile ({rules}); "
+                f"first: {self.first}. `plan` and `build` refuse it for {self.profile}; the memory is counted as that "
+                "engine would hold the tensors")
+
+
+def matching_profile(cfg: ModelConfig, plan: Plan, sparks: int | None = None) -> tuple[LoaderProfile, list[Violation]]:
+    """The profile whose rules the plan's layout meets among those that run the model on `sparks` Sparks (the
+    default profile first), else the one it breaks fewest rules of, with what it breaks."""
+    best: tuple[LoaderProfile, list[Violation]] | None = None
+    linears = stored_linears(cfg, plan)
+    for profile in profiles_for(cfg, sparks):
+        broken = violations(profile, linears, plan.aliases)
+        if not broken:
+            return profile, []
+        if best is None or len(broken) < len(best[1]):
+            best = (profile, broken)
+    return best
+
+
+def for_profile(cfg: ModelConfig, plan: Plan, profile: LoaderProfile) -> Plan:
+    """The same K map laid out for another profile (its plain dtypes and Engram place decide the bytes)."""
+    return plan if plan.profile == profile else priced(cfg, replace(plan, profile=profile))
+
+
+def _other_profile_hint(cfg: ModelConfig, plan: Plan) -> str:
+    """A profile that takes the layout as it is, where one does."""
+    fits = [p.name for p in profiles_for(cfg) if p != plan.profile and not broken_rules(cfg, plan, p)]
+    return f"; the {fits[0]} profile takes it as it is (--loader {fits[0]})" if fits else ""
 
 
 def _check_aliases(cfg: ModelConfig, plan: Plan) -> None:

@@ -17,8 +17,8 @@ from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.errors import UserError
 from quantizer.fit.hardware import GIB, Hardware
-from quantizer.fit.launch import Launch
-from quantizer.fit.memory import Scenario, evaluate
+from quantizer.fit.launch import Launch, launch_context
+from quantizer.fit.memory import Scenario, evaluate, mapped_serving
 from quantizer.fit.residency import split_mapped
 from quantizer.fit.stored import StoredTensor
 
@@ -39,17 +39,23 @@ def check_share(share: float) -> float:
 
 
 def place_cold_experts(cfg: ModelConfig, stored: list[StoredTensor], s: Scenario, hw: Hardware,
-                       tokens: dict[str, float], share: float, fill: bool = False) -> tuple[Scenario, Launch]:
-    """The scenario with the copy pattern that leaves the fewest experts cold within `share` so that it fits,
-    and its launch settings; the scenario as it is (every expert copied) when it fits so, when share is 0,
-    or when the engine maps nothing. With `fill`, every expert the share allows is cold: the most memory the
+                       tokens: dict[str, float], share: float, fill: bool = False, margin_gib: float = 0.0
+                       ) -> tuple[Scenario, Launch]:
+    """The scenario with the copy pattern that leaves the fewest experts cold within `share` so that it fits
+    keeping `margin_gib` free on every rank, and its launch settings (with the scenario's context, the engine's
+    prefill chunk and mapping floor); the scenario as it is (every expert copied) when it fits so, when share is
+    0, or when the engine maps nothing. With `fill`, every expert the share allows is cold: the most memory the
     share can free, which falls with the bits as the plan grows (what a search for the most bits asks)."""
-    serving = hw.engine(s.engine).mapped
+    serving = mapped_serving(hw, s)
     drafter = s.drafter != "off"
-    hot = replace(s, copy_pattern=Launch().copy_pattern) if serving else s
-    short = -min(r.free_gib for r in evaluate(cfg, stored, hot, hw)) * GIB
-    if serving is None or share <= 0 or not tokens or (short <= 0 and not fill):  # no routing known: none cold
-        return hot, Launch(drafter=drafter)
+    sized = Launch(drafter=drafter, context=launch_context(s.context), chunk=serving.chunk or None,
+                   mmap_min=serving.min_bytes) if serving else Launch(drafter=drafter)
+    hot = replace(s, copy_pattern=sized.copy_pattern) if serving else s
+    if serving is None or share <= 0 or not tokens:  # no routing known: none cold
+        return hot, sized
+    short = 0.0 if fill else (margin_gib - min(r.free_gib for r in evaluate(cfg, stored, hot, hw))) * GIB
+    if short <= 0 and not fill:
+        return hot, sized
     freed = _mappable_bytes(stored, serving, hot)
     total = sum(tokens.values()) or 1.0
     cold, moved, routed = [], 0, 0.0
@@ -61,7 +67,7 @@ def place_cold_experts(cfg: ModelConfig, stored: list[StoredTensor], s: Scenario
         cold.append(expert)
         moved += freed[expert]
         routed += tokens.get(expert, 0.0)
-    launch = Launch(tuple(sorted(cold, key=_order)), routed / total, drafter)
+    launch = replace(sized, cold_experts=tuple(sorted(cold, key=_order)), cold_share=routed / total)
     return replace(s, copy_pattern=launch.copy_pattern), launch
 
 

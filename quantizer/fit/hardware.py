@@ -29,6 +29,7 @@ class RuntimeTerm:
     name: str
     gib: float
     source: str
+    head_only: bool = False  # held on rank 0 only (the API server and what the head runs besides)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,26 @@ class MappedServing:
     loads_vision: bool  # whether the engine builds a vision tower at all
     launcher_floor_gib: float  # MemAvailable the launcher wants before it starts
     source: str
+    chunk: int = 0  # the prefill chunk (CHUNK) the engine's prefill term is priced at
+    as_stored: tuple[str, ...] = ()  # name patterns of BF16 / F32 tensors the loader reads without converting them
+
+
+REPLICATED, SPLIT = "replicated", "split"
+TP, PAIRS = "tp", "pairs"
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """What an engine's tensor-parallel split does beyond the common rules (fit/placement.py), from its code:
+    Engram's wkv and the embedding split or replicated, four Sparks as one TP4 group or as two TP2 pairs
+    (experts balanced across the four, the drafter split inside each pair), and where the vision encoder runs
+    by default."""
+
+    engram_wkv: str = SPLIT
+    embed: str = SPLIT
+    four_ranks: str = TP
+    vision: str = "rank0"
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -76,6 +97,21 @@ class Engine:
     reserve_rule: ReserveRule | None
     drafter_kv_source: str | None = None  # the drafter's own cache layers (one fp16 row per block per token)
     mapped: MappedServing | None = None
+    tensor_parallel: TensorParallel = TensorParallel()
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """The constants of the decode model (fit/decode.py): memory bandwidth, the cost of a kernel launch issued
+    eagerly and inside a CUDA graph, and of one tensor-parallel all-reduce; fitted to published measurements."""
+
+    bandwidth_gbps: float
+    eager_launch_us: float
+    graph_launch_us: float
+    allreduce_us: float
+    verify_row_cost: float  # a verify round's time per drafted row, in tokens' time
+    draft_acceptance: float  # the chance a draft is accepted after the one before it was
+    source: str
 
 
 @dataclass(frozen=True)
@@ -89,6 +125,7 @@ class Hardware:
     engram_scales_source: str
     default_engine: str
     engines: dict[str, Engine]
+    decode: Decoding | None = None
 
     def engine(self, name: str) -> Engine:
         if name not in self.engines:
@@ -114,6 +151,7 @@ def load_hardware(path: str | Path | None = None) -> Hardware:
             engram_scales_source=data["engram_scales_mode"]["source"],
             default_engine=data["default_engine"]["value"],
             engines={name: _engine(name, e) for name, e in data["engines"].items()},
+            decode=Decoding(**data["decode"]),
         )
     except FileNotFoundError:
         raise UserError(f"{path}: hardware profile not found")
@@ -132,6 +170,7 @@ def _engine(name: str, e: dict) -> Engine:
     rows = e["swa_ring_rows"]["value"]
     drafter_kv = e.get("drafter_kv_bytes_per_token")
     mapped = e.get("mapped")
+    tp = e.get("tensor_parallel")
     return Engine(
         name=name,
         description=e["description"],
@@ -144,7 +183,8 @@ def _engine(name: str, e: dict) -> Engine:
         swa_rows_source=e["swa_ring_rows"]["source"],
         swa_row=e["swa_row"]["derive"],
         swa_row_source=e["swa_row"]["source"],
-        runtime=tuple(RuntimeTerm(r["name"], float(r["gib"]), r["source"]) for r in e["runtime"]),
+        runtime=tuple(RuntimeTerm(r["name"], float(r["gib"]), r["source"], bool(r.get("head_only", False)))
+                      for r in e["runtime"]),
         prefill_fixed_gib=float(e["prefill"]["fixed_gib"]),
         prefill_bytes_per_context_token=float(e["prefill"]["bytes_per_context_token"]),
         prefill_source=e["prefill"]["source"],
@@ -152,8 +192,16 @@ def _engine(name: str, e: dict) -> Engine:
         drafter_kv_source=drafter_kv["source"] if drafter_kv else None,
         mapped=MappedServing(int(mapped["min_bytes"]), int(mapped["trellis_align"]), str(mapped["copy_default"]),
                              bool(mapped["loads_vision"]), float(mapped["launcher_floor_gib"]),
-                             str(mapped["source"])) if mapped else None,
+                             str(mapped["source"]), int(mapped["chunk"]), tuple(mapped["as_stored"])) if mapped else None,
+        tensor_parallel=_tensor_parallel(tp) if tp else TensorParallel(),
     )
+
+
+def _tensor_parallel(d: dict) -> TensorParallel:
+    tp = TensorParallel(d["engram_wkv"], d["embed"], d["four_ranks"], d["vision"], d["source"])
+    if tp.engram_wkv not in (SPLIT, REPLICATED) or tp.embed not in (SPLIT, REPLICATED) or tp.four_ranks not in (TP, PAIRS):
+        raise ValueError(f"tensor_parallel: engram_wkv and embed split|replicated, four_ranks tp|pairs; got {d}")
+    return tp
 
 
 # ---- per-token state bytes derived from the architecture -------------------------------------

@@ -16,12 +16,15 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 from quantizer.checkpoint.config import ModelConfig
+from quantizer.contract.rules import Findings
+from quantizer.fit.decode import DecodeCost
 from quantizer.errors import UserError
-from quantizer.fit.hardware import GIB, Hardware, kv_bytes_per_token, load_hardware, swa_ring_bytes
+from quantizer.fit.hardware import GIB, Hardware, MappedServing, kv_bytes_per_token, load_hardware, swa_ring_bytes
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES, Options, rank_weights
 from quantizer.fit.residency import bytes_by_class, copy_rule, split_mapped
 from quantizer.fit.stored import StoredTensor
 from quantizer.model.targets import targets
+from quantizer.model.tensor_classes import DRAFTER
 
 TOPOLOGIES = (1, 2, 4)
 
@@ -82,6 +85,9 @@ class FitReport:
     terms: list[Explained]
     mapped: bool = False  # the engine serves weights from the mapped file (RankMemory.mapped_gib)
     margin_gib: float = 0.0  # what the worst rank should keep free (MARGIN_GIB); less is said in the verdict
+    loader: str = ""  # the loader profile whose engine's memory model this is
+    findings: Findings | None = None  # the rules of that profile the layout breaks (sized all the same)
+    decode: DecodeCost | None = None  # what a decode token costs in that engine (fit/decode.py), where known
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,11 +104,12 @@ class FitOptions:
     split: str = "tp"
     engram: str = "nvme"
     drafter: str = "split"
-    vision: str = "rank0"
+    vision: str | None = None  # None: where the engine runs it (its TensorParallel.vision)
     guard_gib: float | None = None
     kv_bits: float | None = None
     copy_pattern: str | None = None  # an engine serving from the mapped file: what it copies (None: its default)
     fp8_lazy: bool = False  # such an engine keeps source-form FP8/FP4 linears compact (EXL3_FP8_LAZY=1)
+    mmap_min: int | None = None  # such an engine's EXL3_ATS_MMAP_MIN, where a pack's launch.env sets it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,8 +121,9 @@ class Scenario(FitOptions):
     streams: int = 1
     engine: str
 
-    def options(self) -> Options:
-        return Options(self.sparks, self.split, self.engram, self.drafter, self.vision)
+    def options(self, hw: Hardware) -> Options:
+        tp = hw.engine(self.engine).tensor_parallel
+        return Options(self.sparks, self.split, self.engram, self.drafter, self.vision or tp.vision, tp)
 
 
 @dataclass(frozen=True)
@@ -144,7 +152,7 @@ class FitTarget:
 
 def _check(s: Scenario, hw: Hardware) -> None:
     for value, allowed, flag in ((s.split, SPLITS, "--split"), (s.engram, ENGRAM_MODES, "--engram"),
-                                 (s.drafter, DRAFTER_MODES, "--drafter"), (s.vision, VISION_MODES, "--vision")):
+                                 (s.drafter, DRAFTER_MODES, "--drafter"), (s.vision or "rank0", VISION_MODES, "--vision")):
         if value not in allowed:
             raise UserError(f"{flag} {value!r}; choose one of {', '.join(allowed)}")
     if s.sparks not in TOPOLOGIES:
@@ -168,12 +176,21 @@ def check_topology(hw: Hardware, engine_name: str, sparks: int) -> None:
 def resident_and_mapped(stored: list[StoredTensor], s: Scenario, hw: Hardware
                         ) -> tuple[list[StoredTensor], dict[str, int]]:
     """(the tensors the engine holds in GPU memory, bytes it serves from the mapped file by class): all of
-    them and none, unless the engine maps (residency.py)."""
-    serving = hw.engine(s.engine).mapped
+    them and none, unless the engine maps (residency.py). A drafter that is off is neither: the engine does not
+    build it."""
+    serving = mapped_serving(hw, s)
     if serving is None:
         return stored, {}
     copied, mapped = split_mapped(stored, serving, s.copy_pattern or serving.copy_default, s.fp8_lazy)
+    if s.drafter == "off":
+        mapped = [t for t in mapped if t.cls != DRAFTER]
     return copied, bytes_by_class(mapped)
+
+
+def mapped_serving(hw: Hardware, s: Scenario) -> MappedServing | None:
+    """The engine's mapping rules, with the floor a pack's launch.env sets (EXL3_ATS_MMAP_MIN)."""
+    serving = hw.engine(s.engine).mapped
+    return replace(serving, min_bytes=s.mmap_min) if serving and s.mmap_min else serving
 
 
 def _rank_terms(
@@ -184,7 +201,6 @@ def _rank_terms(
     kvb = kv_bytes_per_token(cfg, engine, s.kv_bits, s.drafter != "off")
     per_token = s.streams * kvb + engine.prefill_bytes_per_context_token
     rings = s.streams * swa_ring_bytes(cfg, engine, s.drafter != "off") / GIB
-    runtime = sum(r.gib for r in engine.runtime)
     cache = 0.0
     if s.engram != "resident" and cfg.engram_layer_ids:
         row = cfg.engram_head_dim + cfg.engram_head_dim // 32
@@ -192,6 +208,7 @@ def _rank_terms(
     ranks = []
     for r, by_class in enumerate(weights):
         visible = hw.visible(r)
+        runtime = sum(t.gib for t in engine.runtime if r == 0 or not t.head_only)
         guard = engine.reserve_rule.gib(visible) if engine.reserve_rule else (
             hw.guard_gib.value if s.guard_gib is None else s.guard_gib)
         weights_gib = sum(by_class.values()) / GIB
@@ -225,7 +242,7 @@ def evaluate(cfg: ModelConfig, stored: list[StoredTensor], s: Scenario, hw: Hard
 
 def _terms(cfg: ModelConfig, stored: list[StoredTensor], s: Scenario, hw: Hardware) -> tuple[list[RankMemory], float]:
     resident, mapped = resident_and_mapped(stored, s, hw)
-    return _rank_terms(cfg, s, hw, rank_weights(cfg, resident, s.options()).by_class, mapped)
+    return _rank_terms(cfg, s, hw, rank_weights(cfg, resident, s.options(hw)).by_class, mapped)
 
 
 def _fits(ranks: list[RankMemory]) -> bool:
@@ -248,15 +265,19 @@ def fit(
     stored_at_bpw: Callable[[float], list[StoredTensor]] | None = None,
     bpw: float | None = None,
     lowest_bpw: float = BPW_FLOOR,
+    loader: str = "",
+    findings: Findings | None = None,
 ) -> FitReport:
     """Fit `stored` on the target's Sparks, placed by `options`. When it does not fit, say by how much
     and what would: the smallest topology that fits, the context that fits here, and (given
     `stored_at_bpw`, a function that builds the pack at another bpw, from `lowest_bpw` up) the highest
     bpw that fits here."""
     hw = hardware or load_hardware()
-    s = Scenario(sparks=target.sparks, context=target.context, streams=target.streams,
-                 engine=target.engine or hw.default_engine, **dataclasses.asdict(options))
+    engine = target.engine or hw.default_engine
+    s = Scenario(sparks=target.sparks, context=target.context, streams=target.streams, engine=engine,
+                 **dataclasses.asdict(options))
     _check(s, hw)
+    s = replace(s, vision=s.options(hw).vision)
     _check_context(cfg, target.context)
     ranks, kvb = _terms(cfg, stored, s, hw)
     fits = _fits(ranks)
@@ -274,7 +295,7 @@ def fit(
         ranks=ranks, fits=fits, short_gib=max(0.0, -worst.free_gib), worst_rank=worst.rank,
         max_context=max_context, max_context_capped=raw_max > cfg.max_position_embeddings,
         would_fit=would, verdict="", terms=explain_terms(cfg, s, hw), mapped=hw.engine(s.engine).mapped is not None,
-        margin_gib=target.margin_gib,
+        margin_gib=target.margin_gib, loader=loader, findings=findings,
     )
     report.verdict = verdict(report)
     return report
@@ -321,10 +342,16 @@ def highest_fitting_bpw(cfg: ModelConfig, stored_at: Callable[[float], list[Stor
     probes (a probe plans, lists the stored tensors and runs the memory model: ~2 s at full size).
     `stored_at` may raise UserError below its own lowest rate; `lo` is raised to the first bpw it
     accepts (UserError when none in [lo, hi] is). `scenario_at` gives the scenario of a probe where it
-    depends on the plan (the drafter and cold experts of an engine that maps weights, target.py)."""
+    depends on the plan (the drafter and cold experts of an engine that maps weights, target.py). A list
+    `stored_at` returns again (the same pack at another bpw) is evaluated once."""
+    seen: dict[int, tuple[list[StoredTensor], float]] = {}  # the list is kept so that its id is not reused
+
     def free(bpw: float) -> float:
-        return min(r.free_gib for r in evaluate(cfg, stored_at(bpw), scenario_at(bpw) if scenario_at else s, hw)) \
-            - margin_gib
+        stored = stored_at(bpw)
+        if id(stored) not in seen:
+            report = evaluate(cfg, stored, scenario_at(bpw) if scenario_at else s, hw)
+            seen[id(stored)] = stored, min(r.free_gib for r in report) - margin_gib
+        return seen[id(stored)][1]
 
     lowest = lowest_accepted(stored_at, lo, hi)
     fit_bpw, fit_free = lowest, free(lowest)
@@ -395,8 +422,9 @@ def fit_table(
     split: str = "tp",
     engram: str = "nvme",
     drafter: str = "split",
-    vision: str = "rank0",
+    vision: str | None = None,
     copy_pattern: str | None = None,
+    mmap_min: int | None = None,
     hardware: Hardware | None = None,
 ) -> dict:
     """Fit on each of 1, 2 and 4 Sparks that `engine` runs on (JSON-able, for the card and build): the
@@ -405,14 +433,15 @@ def fit_table(
     _check_context(cfg, context)
     names = (engine,)
     table: dict = {"context": context, "streams": streams, "split": split, "engram": engram,
-                   "drafter": drafter, "vision": vision, "hardware": hw.name, "topologies": {}}
+                   "drafter": drafter, "vision": vision or hw.engine(engine).tensor_parallel.vision, "hardware": hw.name,
+                   "topologies": {}}
     for n in TOPOLOGIES:
         row = {}
         for name in names:
             if n not in hw.engine(name).sparks:
                 continue
             s = Scenario(sparks=n, context=context, streams=streams, engine=name, split=split, engram=engram,
-                         drafter=drafter, vision=vision, copy_pattern=copy_pattern)
+                         drafter=drafter, vision=vision, copy_pattern=copy_pattern, mmap_min=mmap_min)
             _check(s, hw)
             ranks, _ = _terms(cfg, stored, s, hw)
             row[name] = {
@@ -485,7 +514,8 @@ def explain_terms(cfg: ModelConfig, s: Scenario, hw: Hardware) -> list[Explained
     else:
         g = hw.guard_gib.value if s.guard_gib is None else s.guard_gib
         terms.append(Explained("guard floor", f"{g:g} GiB", hw.guard_gib.source if s.guard_gib is None else "--guard"))
-    terms += [Explained(f"{e.name}: {r.name}", f"{r.gib:g} GiB", r.source) for r in e.runtime]
+    terms += [Explained(f"{e.name}: {r.name}", f"{r.gib:g} GiB" + (" on rank 0" if r.head_only else ""), r.source)
+              for r in e.runtime]
     terms += [
         Explained("KV + index keys per token per rank (replicated)", f"{kvb:,.1f} B" + _derived(e.kv_derive, s.kv_bits),
              e.kv_source + (f"; the drafter's cache layers: {e.drafter_kv_source}"
@@ -496,17 +526,21 @@ def explain_terms(cfg: ModelConfig, s: Scenario, hw: Hardware) -> list[Explained
              e.prefill_source),
         Explained("weights", f"split {s.split}, drafter {s.drafter}, vision {s.vision}",
              "docs/gb10-memory.md (tensor parallel); EXL3 splits on 128-wide blocks (jayleaton FOUR_SPARKS.md)"),
+        Explained(f"{e.name}: tensor-parallel split", f"Engram wkv {e.tensor_parallel.engram_wkv}, embedding "
+                  f"{e.tensor_parallel.embed}, four Sparks as {e.tensor_parallel.four_ranks}",
+                  e.tensor_parallel.source or "the common rules (docs/gb10-memory.md)"),
     ]
-    if e.mapped:
-        copy = s.copy_pattern or e.mapped.copy_default
+    serving = mapped_serving(hw, s)
+    if serving:
+        copy = s.copy_pattern or serving.copy_default
         terms += [
-            Explained("served from the mapped file", f"tensors of {e.mapped.min_bytes:,} B or more on their grid, "
+            Explained("served from the mapped file", f"tensors of {serving.min_bytes:,} B or more on their grid, "
                       f"needing no conversion, whose name does not match EXL3_ATS_COPY='{copy}'; source-form linears "
                       + ("kept compact (EXL3_FP8_LAZY=1)" if s.fp8_lazy else "dequantized to FP16 (EXL3_FP8_LAZY off, "
-                                                                               "the recipe's launch)"), e.mapped.source),
-            Explained("launcher floor", f"MemAvailable of at least {e.mapped.launcher_floor_gib:g} GiB before the load "
+                                                                               "the recipe's launch)"), serving.source),
+            Explained("launcher floor", f"MemAvailable of at least {serving.launcher_floor_gib:g} GiB before the load "
                       f"(this Spark: {hw.visible_gib.value - hw.os_reserve_gib.value:g} GiB after the OS reserve)",
-                      e.mapped.source),
+                      serving.source),
         ]
     if cfg.engram_layer_ids:
         src = {"nvme": hw.engram_cache_rows_per_table.source, "scales": hw.engram_scales_source,

@@ -25,7 +25,9 @@ def render(r: FitReport, explain: bool = False, floor: FitReport | None = None) 
         f"{r.context:,} tokens x {r.streams} stream(s) at {r.kv_bytes_per_token:,.0f} B/token (GiB)",
         table(headers, rows),
         "",
+        *([r.findings.line()] if r.findings else []),
         ("FITS: " if r.fits else "DOES NOT FIT: ") + r.verdict,
+        *([r.decode.line()] if r.decode else []),
     ]
     if r.mapped:
         lines.insert(2, "weights: copied into GPU memory; mapped: served from the mapped file (page cache, reclaimable, "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from fnmatch import fnmatchcase
 
 from quantizer.checkpoint.safetensors_file import ELEMENT_BYTES
 from quantizer.errors import UserError
@@ -57,9 +58,12 @@ def split_mapped(stored: list[StoredTensor], serving: MappedServing, pattern: st
 
 
 def _mappable(t: StoredTensor, serving: MappedServing) -> bool:
-    """Large enough, no conversion on load (BF16 and F32 are converted), and on its grid. A tensor of a plan
-    (no file offset yet) is laid out on a 64-byte grid by the packs of the profiles this engine loads."""
-    if t.nbytes < serving.min_bytes or t.dtype in ("BF16", "F32"):
+    """Large enough, no conversion on load (BF16 and F32 are converted, but where the module reads them as
+    stored: an Embedding's BF16, a hyper-connection's F32 mixer), and on its grid. A tensor of a plan (no file
+    offset yet) is laid out on a 64-byte grid by the packs of the profiles this engine loads."""
+    if t.nbytes < serving.min_bytes:
+        return False
+    if t.dtype in ("BF16", "F32") and not any(fnmatchcase(t.name, p) for p in serving.as_stored):
         return False
     grid = serving.trellis_align if t.dtype in ("I16", "U16") else ELEMENT_BYTES[t.dtype]
     return t.offset is None or t.offset % grid == 0

@@ -11,15 +11,16 @@ source-form drafter into GPU memory: launch.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.fit.cold_experts import place_cold_experts
+from quantizer.fit.decode import decode_cost
 from quantizer.fit.hardware import Hardware, load_hardware
-from quantizer.fit.launch import Launch
+from quantizer.fit.launch import Launch, launch_context
 from quantizer.fit.memory import FitOptions, FitReport, FitTarget, Scenario, fit, highest_fitting_bpw, lowest_accepted
 from quantizer.fit.stored import StoredTensor
 from quantizer.model.targets import DRAFT, targets
@@ -38,10 +39,36 @@ def fit_plan(cfg: ModelConfig, plan: Plan, target: FitTarget, tokens: dict[str, 
     hw = hardware or load_hardware()
     stored = pack_spec(cfg, plan).tensors
     s, launch = place_cold_experts(cfg, stored, target.scenario(hw, runs_drafter(cfg, plan, target.engine, hw)), hw,
-                                   tokens or {}, target.cold_share)
+                                   tokens or {}, target.cold_share, margin_gib=target.margin_gib)
     report = fit(cfg, stored, target, FitOptions(drafter=s.drafter, copy_pattern=s.copy_pattern), hardware=hw,
-                 source=plan.made_by)
+                 source=plan.made_by, loader=plan.profile.name)
+    report.decode = decode_cost(cfg, plan, list(stored), plan.profile, target.sparks, hw, target.context,
+                                report.drafter != "off", routing_of(tokens))
     return FittedPlan(plan, report, launch)
+
+
+def routing_of(tokens: dict[str, float] | None) -> dict[int, list[float]] | None:
+    """Calibration's routed tokens per expert (`layers.L.ffn.experts.E` -> n) as layer -> tokens by expert."""
+    if not tokens:
+        return None
+    out: dict[int, dict[int, float]] = {}
+    for key, n in tokens.items():
+        parts = key.split(".")
+        out.setdefault(int(parts[1]), {})[int(parts[4])] = n
+    return {layer: [by[e] for e in sorted(by)] for layer, by in out.items()}
+
+
+def largest_launch(cfg: ModelConfig, plan: Plan, hardware: Hardware | None = None) -> Launch:
+    """The launch settings of a pack built without a fit target, where its engine serves weights from the
+    mapped file (one Spark): every expert copied, at the largest context that fits the engine's Spark count
+    (the launcher's own default where none does). Launch() for an engine that maps nothing."""
+    hw = hardware or load_hardware()
+    if hw.engine(plan.profile.fit_engine).mapped is None:
+        return Launch()
+    target = FitTarget(plan.profile.sparks[0], cfg.max_position_embeddings, engine=plan.profile.fit_engine)
+    fitted = fit_plan(cfg, plan, target, hardware=hw)
+    largest = fitted.report.max_context
+    return replace(fitted.launch, context=launch_context(largest) if largest else None)
 
 
 def runs_drafter(cfg: ModelConfig, plan: Plan, engine: str | None, hw: Hardware) -> bool:
@@ -65,7 +92,7 @@ def largest_fitting_plan(cfg: ModelConfig, plan_at: Callable[[float], Plan], lo:
     hw = hardware or load_hardware()
     target.scenario(hw)  # the topology is checked before any plan is made
     plans: dict[float, Plan] = {}
-    stored: dict[float, list[StoredTensor]] = {}
+    stored: dict[str, list[StoredTensor]] = {}
 
     def plan(bpw: float) -> Plan:
         if bpw not in plans:

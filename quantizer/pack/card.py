@@ -226,8 +226,11 @@ def _run_one_spark(m: Manifest, profile: LoaderProfile, given: str | None) -> li
         f"`DRAFT`): {cold}.{drafter} Load it before the recipe's launcher (vcruz305/DeepSeek-V4.1-Flash-EXL3-DGX-Spark-"
         "recipe, `one-spark-tp1/scripts/run_tp1.sh`, which keeps variables already set):",
         *_fenced("set -a; . ./launch.env; set +a", "MODEL_DIR=$PWD one-spark-tp1/scripts/run_tp1.sh"),
-        "- context: the fit table below gives the most that fits on one Spark (docs/gb10-memory.md of quantizer, "
-        "one Spark)",
+        (f"- context: `launch.env` sets `CTX={launch['context']}` and `CHUNK={launch['chunk']}`, what the pack was "
+         "fitted for (the launcher's own default is 6,144 tokens); the fit table below gives the most that fits on "
+         "one Spark" if launch.get("context") else
+         "- context: the fit table below gives the most that fits on one Spark (docs/gb10-memory.md of quantizer, "
+         "one Spark); set `CTX` (a multiple of 256) before the launcher, whose default is 6,144 tokens"),
     ]
 
 
@@ -364,18 +367,31 @@ def _fit(f: dict | None) -> str:
     for sparks, engines in f["topologies"].items():
         for engine, r in engines.items():
             mapped = r.get("mapped_gib") or [0.0] * len(r["weights_gib"])
+            d = r.get("decode")
             rows.append([sparks, engine, "yes" if r["fits"] else "no",
                          " / ".join(f"{w:,.3f}" + (f" (+{g:,.3f} mapped)" if g else "")
                                     for w, g in zip(r["weights_gib"], mapped)),
-                         " / ".join(f"{g:,.3f}" for g in r["free_gib"]), f"{r['max_context']:,}"])
+                         " / ".join(f"{g:,.3f}" for g in r["free_gib"]), f"{r['max_context']:,}",
+                         _decode_cell(d)])
     return "\n".join([
         FIT_HEADING, "",
         f"At {f['context']:,} tokens x {f['streams']} stream(s), split {f['split']}, Engram {f['engram']}, "
         f"drafter {f['drafter']}, vision {f['vision']}, hardware profile {f['hardware']} "
         "(`quantizer fit PACK --sparks N` prints the same per-rank numbers):", "",
-        "```", table(["Sparks", "engine", "fits", "weights GiB per rank", "free GiB per rank", "max context"], rows),
-        "```",
+        "```", table(["Sparks", "engine", "fits", "weights GiB per rank", "free GiB per rank", "max context",
+                      "decode tok/s (model)"], rows),
+        "```", "",
+        "Decode tok/s is a model, not a measurement (quantizer's docs/decode-speed.md): the bytes a token reads over "
+        "GB10's bandwidth and the engine's kernel launches by the dispatch path each layer's expert layout takes, "
+        "its constants fitted to published rates; with the drafter in brackets.",
     ])
+
+
+def _decode_cell(d: dict | None) -> str:
+    if not d:
+        return "-"
+    drafter = f" ({d['with_drafter']:.1f})" if d.get("with_drafter") else ""
+    return f"{d['tokens_per_second']:.1f}{drafter}"
 
 
 def _quality(m: Manifest) -> str:

@@ -365,7 +365,7 @@ def _write_launch(cfg: ModelConfig, plan: Plan, launch: Launch, pack: Path) -> d
     launch = replace(launch, drafter=drafter_in_exl3(cfg, plan))  # a source-form drafter is launched without
     write_launch(pack, launch)
     return {"file": LAUNCH_FILE, "cold_experts": len(launch.cold_experts), "cold_share": round(launch.cold_share, 6),
-            "drafter": launch.drafter}
+            "drafter": launch.drafter, "context": launch.context, "chunk": launch.chunk}
 
 
 def _head_bits(plan: Plan) -> float | int:

@@ -34,7 +34,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import EXLLAMAV3, LoaderProfile, Overlay, load_profile, overlay_note
+from quantizer.contract.loader_profiles import (
+    ALL_PROJECTIONS,
+    EXLLAMAV3,
+    GROUPED,
+    PER_LAYER,
+    ExpertLayout,
+    LoaderProfile,
+    Overlay,
+    load_profile,
+    overlay_note,
+)
 from quantizer.contract.pack_spec import expert_of
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import make_plan
@@ -63,10 +73,29 @@ class AllocationSettings:
     alias_below: float = ALIAS_BELOW
     alias_cap: int | None = None  # per layer; None: ALIAS_CAP_SHARE of the experts, at least 1
     overlay: Overlay | None = None  # EXL3 for the profile's overlay groups at fixed K (profiles.Overlay)
+    expert_layout: str | None = None  # per-expert | grouped | per-layer; None: the profile's default
+    half_rates: bool | None = None  # whether K may be 1.5 / 2.5 / 3.5; None: the profile's default
 
     @property
     def profile(self) -> LoaderProfile:
         return load_profile(self.loader)
+
+    @property
+    def layout(self) -> ExpertLayout:
+        """The routed experts' layout, checked against the profile (UserError for one its engine cannot load)."""
+        return self.profile.expert_layout(self.expert_layout)
+
+    @property
+    def halves(self) -> bool:
+        """Whether the allocator may use half rates; UserError where they are asked for and the engine reads
+        integer K only (or only with another codebook)."""
+        profile = self.profile
+        if self.half_rates and self.codebook not in profile.half_rate_codebooks:
+            where = f"with {' or '.join(profile.half_rate_codebooks)}" if profile.half_rate_codebooks else "integer K only"
+            raise UserError(f"--half-rates: the {profile.name} engine reads half rates {where} "
+                            f"({profile.sources['half_rates']})" if profile.half_rate_codebooks else
+                            f"--half-rates: the {profile.name} engine reads {where} ({profile.sources['half_rates']})")
+        return profile.layouts.half_rates if self.half_rates is None else self.half_rates
 
     @property
     def aliasing(self) -> bool:
@@ -88,8 +117,12 @@ class Allocator:
     """One model, one sensitivity, one set of rules; `plan(bits)` for any budget (the fit search
     asks for several)."""
 
-    def __init__(self, cfg: ModelConfig, sens: Sensitivity, settings: AllocationSettings = AllocationSettings()):
-        profile = settings.profile
+    def __init__(self, cfg: ModelConfig, sens: Sensitivity, settings: AllocationSettings = AllocationSettings(),
+                 profile: LoaderProfile | None = None):
+        """`profile` in place of the settings' own: a profile whose rules the plans need not keep (what a bench
+        that measures a layout no engine of the model loads asks for: bench/expert_layouts.py)."""
+        self.keep_rules = profile is None
+        profile = profile or settings.profile
         if settings.codebook not in profile.codebooks:
             raise UserError(f"--codebook {settings.codebook}: the {profile.name} loader takes "
                             f"{' or '.join(profile.codebooks)} ({profile.sources['codebook']})")
@@ -99,6 +132,7 @@ class Allocator:
         if floor not in sens.rates:
             raise UserError(f"--floor {floor:g}: choose an integer rate 1..8")
         self.cfg, self.sens, self.settings, self.profile = cfg, sens, settings, profile
+        self.layout = profile.expert_layout(settings.expert_layout)
         tmap = target_map(cfg)
         # only what the engine quantizes is allocated; a group it keeps in source form is a fixed cost in bytes
         keep = [i for i, key in enumerate(sens.keys) if profile.budgets(tmap[key])]
@@ -115,9 +149,12 @@ class Allocator:
         for i, t in enumerate(self.targets):
             if t.group in FLOORED:
                 allowed[i] &= self.rates >= floor
+        if not settings.halves:
+            allowed &= self.rates[None, :] == np.floor(self.rates)[None, :]
         self.cost = np.where(allowed, sens.cost[keep], np.inf)
         self.bits = self.numel[:, None] * self.rates[None, :]
         self.row = {k: i for i, k in enumerate(keys)}
+        self.expert_group = self._expert_groups() if self.layout.name == GROUPED else {}
         self.expert_rows = _expert_rows(keys)
         self.candidates = self._alias_candidates() if settings.aliasing else ()
         self.total_numel = float(self.numel.sum())
@@ -157,19 +194,45 @@ class Allocator:
     # ---- the marginal solver --------------------------------------------------------------------
 
     def _units(self, aliased: dict[str, str]) -> np.ndarray:
-        """Unit index per row (-1: aliased): one per tensor, except where the profile ties tensors to
-        one K: a layer's experts per projection (no per-expert K), gate with up (tie_gate_up)."""
+        """Unit index per row (-1: aliased): one per tensor, except where the layout ties routed tensors to
+        one K (ExpertLayout.tie): per-layer, a layer's experts per projection (gate with up, or all three
+        projections, as the engine's fused path takes them); grouped, the experts of one of a layer's groups
+        (expert_groups) across all three projections; per-expert, gate with up where the profile ties them."""
         unit = np.arange(len(self.targets))
-        groups: dict[tuple, int] = {}
+        units: dict[tuple, int] = {}
+        layout = self.layout
         for i, t in enumerate(self.targets):
             if t.group != ROUTED:
                 continue
-            proj = "w1+w3" if self.profile.tie_gate_up and t.proj in ("w1", "w3") else t.proj
-            who = t.expert if self.profile.per_expert_k else None
-            unit[i] = groups.setdefault((t.layer, who, proj), i)
+            gate_up = "w1+w3" if t.proj in ("w1", "w3") else t.proj
+            proj = gate_up if self.profile.tie_gate_up else t.proj
+            if layout.name == PER_LAYER:
+                who, proj = None, ALL_PROJECTIONS if layout.tie == ALL_PROJECTIONS else gate_up
+            elif layout.name == GROUPED:
+                who, proj = ("group", self.expert_group[t.layer, t.expert]), ALL_PROJECTIONS
+            else:
+                who = t.expert
+            unit[i] = units.setdefault((t.layer, who, proj), i)
         for expert in aliased:
             unit[self.expert_rows[expert]] = -1
         return unit
+
+    def _expert_groups(self) -> dict[tuple[int, int], int]:
+        """(layer, expert) -> its group: a layer's experts ranked by what leaving them at the lowest rate costs,
+        most first, and cut into layout.groups groups of equal count (at least layout.min_group experts each)."""
+        at_stake = np.where(np.isfinite(self.cost), self.cost, -np.inf).max(axis=1) - self.cost.min(axis=1)
+        stake: dict[int, dict[int, float]] = {}
+        for i, t in enumerate(self.targets):
+            if t.group == ROUTED:
+                stake.setdefault(t.layer, {}).setdefault(t.expert, 0.0)
+                stake[t.layer][t.expert] += float(at_stake[i])
+        layout, out = self.layout, {}
+        for layer, experts in stake.items():
+            ranked = sorted(experts, key=lambda e: (-experts[e], e))
+            size = max(layout.min_group, -(-len(ranked) // layout.groups))
+            for rank, e in enumerate(ranked):
+                out[layer, e] = rank // size
+        return out
 
     def _solve(self, budget_bits: float, aliased: dict[str, str]) -> tuple[np.ndarray, float]:
         """Rate index per row (an aliased row holds its warm expert's) and the marginal value of a
@@ -236,7 +299,8 @@ class Allocator:
                 k[t.key] = self.profile.fixed_k(t, s.head_bits, s.drafter_bits, s.overlay)
         bpw = budget_bits / self.total_numel if target_bpw is None else target_bpw
         floor = any(self.profile.budgets(t) and t.group != ROUTED for t in targets(self.cfg))
-        made_by = (f"our allocator's {bpw:.4g} bpw plan ({s.codebook} codebook"
+        made_by = (f"our allocator's {bpw:.4g} bpw plan ({s.codebook} codebook, routed experts {self.layout.describe()}"
+                   + ("" if s.halves else ", integer K only")
                    + (f", the other budgeted tensors at {s.floor:g} bits or more" if floor else "")
                    + f", head {k_words(k.get('head'))}" + (f", {len(aliased)} aliased experts" if aliased else "")
                    + f", {'a synthetic' if self.sens.synthetic else 'a measured'} calibration with {self.sens.gains} "
@@ -244,7 +308,7 @@ class Allocator:
                    f"{f'measured for {self.sens.measured} targets' if self.sens.measured else 'modelled'}"
                    + overlay_note(s.overlay) + ")")
         return make_plan(self.cfg, k, s.codebook, s.loader, target_bpw=round(bpw, 4), aliases=aliased,
-                         made_by=made_by)
+                         made_by=made_by, keep_rules=self.keep_rules)
 
 
 def _expert_rows(keys: tuple[str, ...]) -> dict[str, list[int]]:

@@ -39,8 +39,9 @@ def planner(cfg: ModelConfig, method: str, settings: AllocationSettings = Alloca
         raise UserError(f"--alias applies to --method ours; {method} plans store every expert")
     if method == UNIFORM:
         return (lambda b: uniform_plan(cfg, b, settings.codebook, settings.head_bits, settings.drafter_bits,
-                                       floor, settings.loader, settings.overlay)), \
-            lowest_uniform_bpw(cfg, settings.codebook, floor, settings.loader)
+                                       floor, settings.loader, settings.overlay, settings.expert_layout,
+                                       settings.half_rates)), \
+            lowest_uniform_bpw(cfg, settings.codebook, floor, settings.loader, settings.half_rates)
     if method == EXL3:
         if settings.loader != EXLLAMAV3:
             raise UserError(f"--method exl3 plans exllamav3's own layout (half rates, every linear of its model); "

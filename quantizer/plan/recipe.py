@@ -10,11 +10,14 @@
 
 Values: 1..8, 1.5/2.5/3.5 (mul1), 16 = unquantized fp16, and ours: `native` (keep the source
 storage). Every budgeted tensor must be covered and every entry must match a tensor. As in
-exllamav3 the entries cover the budgeted tensors only (head via head_bits); ours also lets an entry
-whose pattern starts with `mtp.` set the DSpark drafter, which otherwise stays native. `loader`
-names the profile (and so the engine) the plan is for; exllamav3's reader does not read it
-(docs/exl3-format.md, recipes). A recipe without one is for the default profile of the model and
-Spark count (loader_profiles.default_loader).
+exllamav3 the entries cover the budgeted tensors only and the head takes head_bits (6 when the
+recipe gives none); ours also lets an entry whose pattern starts with `mtp.` set the DSpark drafter,
+which otherwise stays native, and a recipe without head_bits whose entry matches the key `head`
+(`"*": native`, say) gives the head that entry's value: a recipe means what it says. `loader` names the
+profile (and so the engine) the plan is for; exllamav3's reader does not read it (docs/exl3-format.md,
+recipes). A recipe without one is read for the profile whose rules its K map meets among those that
+run the model (on the Spark count, where one is given), the default one first
+(contract/rules.matching_profile).
 """
 
 from __future__ import annotations
@@ -22,18 +25,20 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
+from fnmatch import fnmatchcase
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import LOADERS, check_loader, default_loader
+from quantizer.contract.loader_profiles import LOADERS, default_loader
 from quantizer.contract.plan import Plan
-from quantizer.contract.rules import make_plan
+from quantizer.contract.rules import broken_rules, check_plan, for_profile, make_plan, matching_profile
 from quantizer.errors import UserError
 from quantizer.exl3 import check_k
 from quantizer.model.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, Target, targets
+from quantizer.shipped import shipped
 from quantizer.workdir import write_text_atomic
 
 NATIVE = "native"
@@ -51,11 +56,12 @@ class Recipe:
 
 
 def read_recipe(path: str | os.PathLike) -> Recipe:
-    path = Path(path)
+    """A recipe file, or a shipped one by name (`2.9`, `mia-2.9`: configs/recipes and its published/ maps)."""
+    path = _shipped_recipe(Path(path))
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        raise UserError(f"{path}: recipe not found")
+        raise UserError(f"{path}: recipe not found (shipped: {', '.join(shipped_recipes())})")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -63,7 +69,7 @@ def read_recipe(path: str | os.PathLike) -> Recipe:
     if not isinstance(data, dict) or not isinstance(data.get("tensors"), dict):
         raise UserError(f"{path}: a recipe needs a `tensors:` mapping of patterns to bits")
     entries = tuple((str(p), _value(v, f"{path}: {p}")) for p, v in data["tensors"].items())
-    head = data.get("head_bits", DEFAULT_HEAD_BITS)
+    head = data["head_bits"] if "head_bits" in data else _head_entry(entries)
     bpw = data.get("target_bpw", data.get("achieved_bpw"))
     if bpw is not None and not isinstance(bpw, (int, float)):
         raise UserError(f"{path}: target_bpw {bpw!r} is not a number")
@@ -73,20 +79,40 @@ def read_recipe(path: str | os.PathLike) -> Recipe:
     return Recipe(None if bpw is None else float(bpw), _value(head, f"{path}: head_bits"), entries, str(path), loader)
 
 
-def recipe_loader(cfg: ModelConfig, recipe: Recipe, sparks: int | None = None, asked: str | None = None) -> str:
-    """The profile a recipe is for: the one it names (a --loader that contradicts it refused), else
-    --loader, else the default for the model and Spark count."""
-    if recipe.loader:
-        return check_loader(asked, recipe.loader, recipe.path)
-    return asked or default_loader(cfg, sparks)
+def shipped_recipes() -> list[str]:
+    """The names of the recipes that ship in configs/recipes (published/: the bit maps of packs people run)."""
+    root = shipped("configs", "recipes")
+    return sorted(p.stem for p in root.rglob("*.yaml"))
 
 
-def default_note(cfg: ModelConfig, recipe: Recipe, loader: str, sparks: int | None) -> str:
-    """What the output says of a recipe that names no profile: which one it was taken for."""
+def _shipped_recipe(path: Path) -> Path:
+    if path.exists() or path.parent != Path("."):
+        return path
+    root = shipped("configs", "recipes")
+    found = [p for p in root.rglob("*.yaml") if path.name in (p.stem, p.name)]
+    return found[0] if len(found) == 1 else path
+
+
+def _head_entry(entries: tuple[tuple[str, float | None], ...]) -> float | str | None:
+    """A recipe without head_bits: the value of the last entry whose pattern matches the key `head`, else
+    exllamav3's default."""
+    named = [value for pattern, value in entries if fnmatchcase(HEAD_GROUP, pattern)]
+    if not named:
+        return DEFAULT_HEAD_BITS
+    return NATIVE if named[-1] is None else named[-1]
+
+
+def profile_note(cfg: ModelConfig, recipe: Recipe, plan: Plan, sparks: int | None) -> str:
+    """What the output says of a recipe that names no profile: which one it was read for, and why."""
     if recipe.loader:
         return ""
     where = f" on {sparks} Spark{'s' if sparks != 1 else ''}" if sparks else ""
-    return f" (names no loader profile: read for {loader}, the default for {cfg.arch}{where})"
+    name = plan.profile.name
+    if broken_rules(cfg, plan):
+        return f" (names no loader profile and none for {cfg.arch}{where} takes it as it is: read for {name}, the closest)"
+    if name == default_loader(cfg, sparks):
+        return f" (names no loader profile: read for {name}, the default for {cfg.arch}{where})"
+    return f" (names no loader profile: read for {name}, whose rules it meets)"
 
 
 def _value(v, what: str) -> float | None:
@@ -97,10 +123,28 @@ def _value(v, what: str) -> float | None:
     return float(v)
 
 
-def plan_from_recipe(cfg: ModelConfig, recipe: Recipe, codebook: str = "mul1", loader: str | None = None) -> Plan:
+def plan_from_recipe(cfg: ModelConfig, recipe: Recipe, codebook: str = "mul1", loader: str | None = None,
+                     sparks: int | None = None, keep_rules: bool = True) -> Plan:
     """Apply the recipe to the model's targets: last matching entry wins, as in exllamav3. The plan is for
-    recipe_loader's profile (Spark count unknown here: pass `loader` where it matters)."""
-    loader = recipe_loader(cfg, recipe, asked=loader)
+    `loader`, else the profile the recipe names, else the one whose rules its K map meets among those that
+    run the model on `sparks` Sparks (the closest where none does). `keep_rules` False makes a plan that
+    may break its profile (what `fit` sizes)."""
+    k = _recipe_k(cfg, recipe, codebook)
+    made_by = f"recipe {recipe.path}"
+    chosen = loader or recipe.loader
+    if chosen:
+        return make_plan(cfg, k, codebook, chosen, recipe.target_bpw, made_by=made_by, keep_rules=keep_rules)
+    plan = make_plan(cfg, k, codebook, default_loader(cfg, sparks), recipe.target_bpw, made_by=made_by,
+                     keep_rules=False)
+    plan = for_profile(cfg, plan, matching_profile(cfg, plan, sparks)[0])
+    if keep_rules:
+        check_plan(cfg, plan)
+    return plan
+
+
+def _recipe_k(cfg: ModelConfig, recipe: Recipe, codebook: str) -> dict[str, float | None]:
+    """The K map the recipe's entries give every target (UserError for an entry that matches nothing or a
+    budgeted target no entry covers)."""
     all_targets = targets(cfg)
     budgeted = [t for t in all_targets if t.budgeted]
     drafter = [t for t in all_targets if t.group == DRAFT]
@@ -131,7 +175,7 @@ def plan_from_recipe(cfg: ModelConfig, recipe: Recipe, codebook: str = "mul1", l
     for key, value in k.items():
         if value is not None:
             check_k(value, codebook, by_key[key].integer_only, f"{recipe.path}: {key}")
-    return make_plan(cfg, k, codebook, loader, recipe.target_bpw, made_by=f"recipe {recipe.path}")
+    return k
 
 
 class _KeyPool:

@@ -5,8 +5,10 @@ rate_floor(bpw + 2), at least 4 (exllamav3 -hq 1 clamps modules with select_hq_b
 rate_floor(bpw + 2); DSV4 attention takes integer K only). The head gets head_bits (6). The
 routed experts take the rest of the budget (bpw x the budgeted weights): one rate per layer,
 two adjacent rates across layers, the layers nearest either end of the stack promoted first
-(exllamav3 groups all experts of a layer and bumps end layers first); under a profile that takes K
-per expert (vllm-exl3) the unit is one expert, so a layer may hold both rates. The DSpark drafter stays
+(exllamav3 groups all experts of a layer and bumps end layers first); with the per-expert layout the
+unit is one expert, so a layer may hold both rates, and with the grouped one a group of a layer's
+experts (by index: a uniform plan knows no importance). Half rates only where the profile (or
+`half_rates`) allows them. The DSpark drafter stays
 native unless drafter_bits is given (quantizing it costs draft acceptance). The loader profile decides
 what is budgeted: a group its engine keeps in source form (vllm-exl3: all but the routed experts) stays
 native and outside the budget, and the head and drafter follow the profile (profiles.group_k).
@@ -18,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import EXLLAMAV3, Overlay, load_profile, overlay_note
+from quantizer.contract.loader_profiles import GROUPED, PER_LAYER, EXLLAMAV3, ExpertLayout, Overlay, load_profile, overlay_note
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
@@ -42,14 +44,17 @@ def uniform_plan(
     floor: float | None = None,
     loader: str = EXLLAMAV3,
     overlay: Overlay | None = None,
+    expert_layout: str | None = None,
+    half_rates: bool | None = None,
 ) -> Plan:
-    """One K per layer's routed experts (per expert where the profile takes K per expert, so the budget
-    is spent to the expert), whose budgeted bits come to at most `bpw` (exllamav3's `bits` accounting)."""
+    """One K per layer's routed experts (per expert or per group of experts under those layouts, so the budget
+    is spent to the unit), whose budgeted bits come to at most `bpw` (exllamav3's `bits` accounting)."""
     all_targets = targets(cfg)
     profile = load_profile(loader)
+    layout = profile.expert_layout(expert_layout)
     budgeted = [t for t in all_targets if profile.budgets(t)]
     routed = [t for t in budgeted if t.group == ROUTED]
-    terms = _budget_terms(budgeted, codebook, profile)
+    terms = _budget_terms(budgeted, codebook, profile, half_rates)
     fixed = floor_rate(bpw) if floor is None else check_k(floor, codebook, True, "floor")
     budget = bpw * terms.budgeted_numel - fixed * terms.others_numel
     routed_numel, grid = terms.routed_numel, terms.grid
@@ -61,8 +66,7 @@ def uniform_plan(
         )
     low = rate_floor(min(average, grid[-1]), grid)
     high = grid[min(grid.index(low) + 1, len(grid) - 1)]
-    # the unit that takes one K: a layer's experts, or one expert where the engine takes K per expert
-    unit = (lambda t: (t.layer, t.expert)) if profile.per_expert_k else (lambda t: (t.layer, None))
+    unit = _unit(layout, cfg.n_routed_experts)
     unit_numel: dict[tuple, int] = {}
     for t in routed:
         unit_numel[unit(t)] = unit_numel.get(unit(t), 0) + t.numel
@@ -85,7 +89,8 @@ def uniform_plan(
     drafter = sorted({k[t.key] for t in all_targets if t.group == DRAFT}, key=lambda x: -1 if x is None else x)
     others = f", the other budgeted tensors at {fixed:g} bits" if terms.others_numel else ""
     made_by = (f"a uniform {bpw:g} bpw plan ({codebook} codebook, routed experts at "
-               f"{' / '.join(f'{x:g}' for x in sorted(set(unit_k.values())))} bits{others}, head {k_words(k.get('head'))}, "
+               f"{' / '.join(f'{x:g}' for x in sorted(set(unit_k.values())))} bits, {layout.describe()}{others}, "
+               f"head {k_words(k.get('head'))}, "
                f"drafter {' / '.join(map(k_words, drafter)) or 'none'}{overlay_note(overlay)})")
     return make_plan(cfg, k, codebook, loader, target_bpw=bpw, made_by=made_by)
 
@@ -100,22 +105,33 @@ class BudgetTerms:
     grid: tuple[float, ...]  # the routed rates the profile takes with this codebook
 
 
-def _budget_terms(budgeted: list, codebook: str, profile) -> BudgetTerms:
+def _unit(layout: ExpertLayout, experts: int):
+    """Target -> the unit that takes one K: a layer's experts, one expert, or one of a layer's expert groups."""
+    if layout.name == PER_LAYER:
+        return lambda t: (t.layer, None)
+    if layout.name == GROUPED:
+        size = max(layout.min_group, -(-experts // layout.groups))
+        return lambda t: (t.layer, t.expert // size)
+    return lambda t: (t.layer, t.expert)
+
+
+def _budget_terms(budgeted: list, codebook: str, profile, half_rates: bool | None = None) -> BudgetTerms:
     """From the targets the profile budgets."""
     routed = sum(t.numel for t in budgeted if t.group == ROUTED)
     total = sum(t.numel for t in budgeted)
-    grid = tuple(r for r in rate_grid(codebook) if profile.k_min <= r <= profile.k_max
-                 and (r == int(r) or codebook in profile.half_rate_codebooks))  # make_plan checks the codebook
+    halves = profile.layouts.half_rates if half_rates is None else half_rates
+    grid = tuple(r for r in rate_grid(codebook) if profile.k_min <= r <= profile.k_max  # make_plan checks the codebook
+                 and (r == int(r) or (halves and codebook in profile.half_rate_codebooks)))
     return BudgetTerms(total, routed, total - routed, grid)
 
 
 def lowest_uniform_bpw(cfg: ModelConfig, codebook: str = "mul1", floor: float | None = None,
-                       loader: str = EXLLAMAV3) -> float:
+                       loader: str = EXLLAMAV3, half_rates: bool | None = None) -> float:
     """The lowest bpw uniform_plan accepts: where the fixed floor leaves the routed experts exactly the
     grid's lowest rate. In closed form, so a search for the most bits that fit starts there instead of
     bisecting from 1 bpw (each accepted probe plans the whole model: about a second at full size)."""
     profile = load_profile(loader)
-    terms = _budget_terms([t for t in targets(cfg) if profile.budgets(t)], codebook, profile)
+    terms = _budget_terms([t for t in targets(cfg) if profile.budgets(t)], codebook, profile, half_rates)
     fixed_rates = sorted({MIN_FLOOR, *(r for r in rate_grid("mcg") if r >= MIN_FLOOR)}) if floor is None else [floor]
     for fixed in fixed_rates:  # floor_rate grows with bpw, and so does the bpw each floor needs
         bpw = (terms.grid[0] * terms.routed_numel + fixed * terms.others_numel) / terms.budgeted_numel

@@ -449,11 +449,14 @@ def _check_launch(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
         return
     if found is None:
         report.fault(launch["file"], "missing; the engine's launch settings (copy pattern, drafter) are not in the pack")
-    elif found[1] != launch.get("drafter", True):
-        report.fault(launch["file"], f"DRAFT={int(found[1])}, but the pack's drafter is "
+    elif found.drafter != launch.get("drafter", True):
+        report.fault(launch["file"], f"DRAFT={int(found.drafter)}, but the pack's drafter is "
                                      f"{'EXL3' if launch.get('drafter', True) else 'in source form'}")
+    elif found.context != launch.get("context"):
+        report.fault(launch["file"], f"CTX={found.context}, but the pack was fitted for {launch.get('context')} tokens")
     else:
-        report.ok(launch["file"], f"copy pattern and DRAFT={int(found[1])} for the engine's launcher")
+        context = f", CTX={found.context}" if found.context else ""
+        report.ok(launch["file"], f"copy pattern, DRAFT={int(found.drafter)}{context} for the engine's launcher")
 
 
 def _check_engram_dir(pack: Path, cfg: ModelConfig, manifest: Manifest, held: dict, profile: LoaderProfile,
