@@ -24,6 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
+from quantizer.caches import process_cache
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.source import is_engram_table
 from quantizer.contract.pack_spec import native_tensors
@@ -199,6 +200,7 @@ class RankWeights:
         return [sum(d.values()) for d in self.by_class]
 
 
+@process_cache(maxsize=1 << 18)  # the real model stores about 176K tensors; a fit probes a dozen plans of them
 def _name_kind(name: str) -> tuple[str, str | None, str | None]:
     """A stored name with its layer and expert numbers as `#`, its expert number, and its wo_a slice's group
     (which decides its rank)."""

@@ -100,9 +100,11 @@ def largest_fitting_plan(cfg: ModelConfig, plan_at: Callable[[float], Plan], lo:
         return plans[bpw]
 
     def stored_at(bpw: float) -> list[StoredTensor]:
-        if bpw not in stored:
-            stored[bpw] = pack_spec(cfg, plan(bpw)).tensors
-        return stored[bpw]
+        """One list per distinct pack: coarse layouts give the same plan at nearby bpw, evaluated once."""
+        key = plan(bpw).content_hash()
+        if key not in stored:
+            stored[key] = pack_spec(cfg, plan(bpw)).tensors
+        return stored[key]
 
     def placed(bpw: float) -> Scenario:
         s = target.scenario(hw, runs_drafter(cfg, plan(bpw), target.engine, hw))
