@@ -226,6 +226,21 @@ def test_a_context_or_count_below_one_is_refused(argv, capsys):
     one_line(capsys.readouterr().err, "at least 1")
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["fit", "--model-config", "x", "--margin", "inf"], "GiB as a number >= 0"),
+    (["fit", "--model-config", "x", "--margin", "nan"], "GiB as a number >= 0"),
+    (["plan", "--model-config", "x", "--bpw", "3", "--head-bits", "nan"], "a K of 1..8"),
+    (["build", "src", "--bpw", "3", "--out", "o", "--head-bits", "17"], "a K of 1..8"),
+    (["fit", "--model-config", "x", "--drafter-bits", "4.2"], "a K of 1..8"),
+])
+def test_a_margin_or_k_that_is_no_number_of_its_kind_is_refused(argv, needle, capsys):
+    """--margin inf once printed "inf GiB"; --head-bits nan or 17 was taken and never checked (issue 60)."""
+    with pytest.raises(SystemExit) as stop:
+        build_parser().parse_args(argv)
+    assert stop.value.code == 2
+    one_line(capsys.readouterr().err, needle)
+
+
 # ---- 2. torchrun ranks that read different bytes are refused -------------------------------------
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")

@@ -94,6 +94,9 @@ def test_engine_is_a_hidden_alias_and_the_design_floor_is_refused(command, capsy
     assert main(command + ["--engine", "native"]) == 2
     one_line(capsys.readouterr().err, "--engine native: not an engine a pack runs in",
              "use --loader exllamav3|vllm-exl3|tensorfold|exllamav3-v41")
+    assert main(command + ["--engine", "bogus"]) == 2
+    err = one_line(capsys.readouterr().err, "--engine bogus: no such engine", "use --loader exllamav3|vllm-exl3")
+    assert "native" not in err  # not the design floor's text (issue 60)
 
 
 def test_old_engine_names_still_work_with_a_note(capsys):

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 from one_line import one_line
 from script_module import script_module
 
+from quantizer.build.summary import export_line
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_header
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
@@ -184,6 +186,18 @@ def test_the_launch_file_is_a_file_the_pack_owns_and_publishes(one_spark_pack):
     record = Manifest.load(pack).files[LAUNCH_FILE]
     assert (record.bytes, record.sha256) == ((pack / LAUNCH_FILE).stat().st_size, sha256_file(pack / LAUNCH_FILE))
     assert LAUNCH_FILE in owned_files(Manifest.load(pack))
+
+
+def test_the_printed_export_line_loads_launch_env_from_any_pack_path(one_spark_pack, tmp_path):
+    """The line the build prints quotes the pack path: one with a space and `$(...)` exports the settings
+    and runs nothing (issue 60)."""
+    pack = tmp_path / "my packs $(touch ran)"
+    shutil.copytree(one_spark_pack[0], pack)
+    line = export_line(pack / LAUNCH_FILE)
+    env = subprocess.run(["bash", "-c", f"{line}; env"], capture_output=True, text=True, cwd=tmp_path, check=True)
+    settings, exported = read_launch(pack), env.stdout.splitlines()
+    assert f"CTX={settings.context}" in exported and f"EXL3_ATS_COPY={settings.copy_pattern}" in exported
+    assert not (tmp_path / "ran").exists()
 
 
 @pytest.mark.slow

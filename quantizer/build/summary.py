@@ -3,6 +3,9 @@ proxy errors, tuning, the fit per Spark count, verify's verdict and how to point
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+
 from quantizer.build.stages import BuildResult, plan_files
 from quantizer.exl3 import k_words
 from quantizer.fit.render import render as render_fit
@@ -51,7 +54,7 @@ def _engine_lines(r: BuildResult) -> list[str]:
     launch = r.manifest.plan.get("launch")
     if launch:
         lines.append(f"launch settings: {r.out / launch['file']} ({launch['cold_experts']} cold experts served from the "
-                     f"mapped file); load them before the recipe's launcher: set -a; . {r.out / launch['file']}; set +a")
+                     f"mapped file); load them before the recipe's launcher: {export_line(r.out / launch['file'])}")
     return lines
 
 
@@ -100,3 +103,8 @@ def _fit_lines(fit: dict) -> str:
         ]
         lines.append(f"  {sparks} Spark{'s' if sparks != '1' else ''}: " + ", ".join(verdicts))
     return "\n".join(lines)
+
+
+def export_line(env: Path) -> str:
+    """The shell line that exports `env`'s settings, the path quoted: a pack path may hold spaces or `$(...)`."""
+    return f"set -a; . {shlex.quote(str(env))}; set +a"

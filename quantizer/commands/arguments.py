@@ -11,6 +11,7 @@ Command modules (quantizer/commands/) import this, never each other.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -31,6 +32,8 @@ from quantizer.contract.loader_profiles import (
 from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
+from quantizer.exl3.codebook import Codebook
+from quantizer.exl3.k_values import UNQUANTIZED, rate_grid
 from quantizer.fit.memory import MARGIN_GIB
 from quantizer.hub import branch_problem, repo_id_problem
 from quantizer.model.targets import DRAFT
@@ -186,7 +189,7 @@ def _gib(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value >= 0:
+    if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"{text!r}: GiB as a number >= 0, such as 1 or 0.5")
     return value
 
@@ -195,9 +198,12 @@ def _bits(text: str) -> float | None:
     if text.lower() == "native":
         return None
     try:
-        return float(text)
+        k = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a K such as 4 or 2.5, or native")
+        k = math.nan
+    if k != UNQUANTIZED and k not in rate_grid(Codebook.MUL1):
+        raise argparse.ArgumentTypeError(f"{text!r}: a K of 1..8, 1.5/2.5/3.5 (mul1), 16 (fp16) or native")
+    return k
 
 
 def load_model_config(src: str | None, model_config: str | None) -> ModelConfig:

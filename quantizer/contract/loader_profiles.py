@@ -383,8 +383,10 @@ def loader_for_engine(engine: str) -> str:
     by_engine = {load_profile(name).fit_engine: name for name in LOADERS}
     if engine in LOADERS or engine in by_engine:
         return by_engine.get(engine, engine)
-    raise UserError(f"--engine {engine}: not an engine a pack runs in (`native` is DeepSeek's design floor, a lower "
-                    f"bound `fit --explain` shows); use --loader {'|'.join(LOADERS)}")
+    if engine == "native":
+        raise UserError("--engine native: not an engine a pack runs in (DeepSeek's design floor, a lower bound "
+                        f"`fit --explain` shows); use --loader {'|'.join(LOADERS)}")
+    raise UserError(f"--engine {engine}: no such engine; use --loader {'|'.join(LOADERS)}")
 
 
 def check_loader(asked: str | None, named: str, where: str) -> str:
