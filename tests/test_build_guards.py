@@ -326,8 +326,7 @@ def test_impossible_requests_exit_2_and_write_nothing(tiny_v41, tmp_path, capsys
     ["--loader", "tensorfold", "--head-bits", "2.5"],  # the engine reads an integer head K
     ["--loader", "tensorfold", "--head-bits", "native"],  # the engine reads the head as EXL3 only
     ["--loader", "exllamav3-v41", "--drafter-bits", "3"],  # the drafter stays in source form without --overlay
-    ["--loader", "exllamav3", "--head-bits", "9"],  # not an EXL3 rate
-])
+])  # a K that is no EXL3 rate (9, 17, nan) is refused where the flag is read: tests/test_bad_input.py
 def test_head_and_drafter_bits_a_profile_refuses_are_refused_by_build_in_plans_words(tiny_v41, tmp_path, capsys,
                                                                                       flags):
     assert main(["plan", str(tiny_v41), "--bpw", "3", *flags]) == 2
