@@ -58,17 +58,44 @@ def write_json_atomic(path: Path, data) -> None:
     write_text_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
-def read_json(path: str | os.PathLike, missing: str, hint: str = ""):
-    """The JSON in `path`; UserError "<path>: <missing>" when there is no such file, and one naming
-    the line when it is not JSON (`hint` says what to do about it)."""
+def read_text(path: str | os.PathLike, missing: str) -> str:
+    """The text of the file `path`; one UserError line when there is no such file ("<path>: <missing>"), when it
+    is a directory, unreadable, or not UTF-8 text (a binary file given for a recipe or a plan)."""
     path = Path(path)
     try:
-        return json.loads(path.read_text())
+        return path.read_text()
     except FileNotFoundError:
         raise UserError(f"{path}: {missing}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        where = f" ({e.msg} at line {e.lineno})" if isinstance(e, json.JSONDecodeError) else ""
-        raise UserError(f"{path}: not valid JSON{where}" + (f"; {hint}" if hint else ""))
+    except IsADirectoryError:
+        raise UserError(f"{path}: a directory; give the file's path")
+    except PermissionError:
+        raise UserError(f"{path}: not readable (permission denied)")
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a text file")
+
+
+def read_json(path: str | os.PathLike, missing: str, hint: str = ""):
+    """The JSON in `path`, read as read_text reads; one line naming the line when it is not JSON (`hint`
+    says what to do about it)."""
+    text = read_text(path, missing)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})" + (f"; {hint}" if hint else ""))
+
+
+def output_problem(path: Path, directory: bool) -> str | None:
+    """Why `path` cannot be written as a file (or, with `directory`, made as a directory), or None: a regular
+    file where a parent directory must be (`--out notes.txt/pack`, `/etc/passwd/x`), or the path itself of the
+    other kind. Checked where the path enters, before any work."""
+    found = existing_parent(path)
+    if found != Path(path).absolute():
+        return None if found.is_dir() else f"{found} is a file, not a directory"
+    if directory and not found.is_dir():
+        return "a file; give a directory"
+    if not directory and found.is_dir():
+        return "a directory; give the file's path"
+    return None
 
 
 def existing_parent(path: Path) -> Path:

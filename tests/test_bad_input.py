@@ -241,6 +241,35 @@ def test_a_margin_or_k_that_is_no_number_of_its_kind_is_refused(argv, needle, ca
     one_line(capsys.readouterr().err, needle)
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["plan", "--model-config", "tiny-v41", "--bpw", "2.5", "--out", "{file}/plan.json"], "is a file, not a directory"),
+    (["plan", "--model-config", "tiny-v41", "--bpw", "2.5", "--recipe-out", "{dir}"], "a directory; give the file's path"),
+    (["build", "src", "--bpw", "2.5", "--out", "{file}/pack"], "is a file, not a directory"),
+    (["build", "src", "--bpw", "2.5", "--out", "{file}"], "a file; give a directory"),
+    (["calibrate", "src", "--work", "{file}/work"], "is a file, not a directory"),
+    (["make-tiny", "{file}"], "a file; give a directory"),
+    (["fit", "--model-config", "deepseek-v4.1-flash", "--recipe", "{binary}", "--sparks", "2"], "not a text file"),
+    (["fit", "--model-config", "deepseek-v4.1-flash", "--recipe", "{dir}", "--sparks", "2"], "a directory; give the file's path"),
+    (["fit", "--model-config", "deepseek-v4.1-flash", "--plan", "{dir}", "--sparks", "2"], "a directory; give the file's path"),
+    (["build", "src", "--plan", "{binary}", "--out", "{dir}/pack"], "not a text file"),
+])
+def test_a_path_of_the_wrong_kind_is_one_line_and_exit_2(argv, needle, tmp_path, capsys):
+    """A file where a directory must be (or a directory, or a binary file, where a text file must be) once
+    ended in a traceback (issue 60). Nothing is written, and the file in the way is unchanged."""
+    (tmp_path / "notes.txt").write_text("mine\n")
+    (tmp_path / "blob.yaml").write_bytes(bytes(range(256)))
+    (tmp_path / "folder").mkdir()
+    paths = {"{file}": tmp_path / "notes.txt", "{dir}": tmp_path / "folder", "{binary}": tmp_path / "blob.yaml"}
+    for key, path in paths.items():
+        argv = [a.replace(key, str(path)) for a in argv]
+    with pytest.raises(SystemExit) as stop:
+        sys.exit(main(argv))
+    assert stop.value.code == 2
+    one_line(capsys.readouterr().err, needle)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["blob.yaml", "folder", "notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
 # ---- 2. torchrun ranks that read different bytes are refused -------------------------------------
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")

@@ -39,6 +39,7 @@ from quantizer.hub import branch_problem, repo_id_problem
 from quantizer.model.targets import DRAFT
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.shipped import model_config_path
+from quantizer.workdir import output_problem
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 
@@ -61,6 +62,16 @@ def count(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: a whole number of at least 1")
     return n
+
+
+def out_file(text: str) -> Path:
+    """A file to write (a plan, a recipe): not a directory, and no regular file where a parent must be."""
+    return Path(_accepted(text, output_problem(Path(text), directory=False)))
+
+
+def out_dir(text: str) -> Path:
+    """A directory to make or fill (a pack, a work directory): not a file, and no file where a parent must be."""
+    return Path(_accepted(text, output_problem(Path(text), directory=True)))
 
 
 def repo_id(text: str) -> str:

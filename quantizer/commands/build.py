@@ -37,6 +37,7 @@ from quantizer.commands.arguments import (
     repo_id,
     revision,
     tokens,
+    out_dir,
 )
 from quantizer.contract.loader_profiles import check_loader, default_loader, load_profile
 from quantizer.contract.plan import Plan
@@ -94,8 +95,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "under torchrun the chunks are what the ranks share")
     add_expert_hessians(p)
     p.add_argument("--hardware", help="a hardware profile JSON for the fit (default: the shipped GB10 profile)")
-    p.add_argument("--out", type=Path, required=True, help="pack directory to write (must not exist)")
-    p.add_argument("--work", type=Path, help="work directory (default: <out>.work); rerun to resume, or share it "
+    p.add_argument("--out", type=out_dir, required=True, help="pack directory to write (must not exist)")
+    p.add_argument("--work", type=out_dir, help="work directory (default: <out>.work); rerun to resume, or share it "
                                               "between builds of one source and settings: encodings are reused")
     p.add_argument("--measured-errors", action="store_true",
                    help="ours: allocate on the proxy errors measured by the encodings already in --work (earlier "

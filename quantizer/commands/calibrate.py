@@ -23,7 +23,7 @@ from quantizer.calibrate.settings import (
 from quantizer.calibrate.stage import CalibrationResult, calibrate
 from quantizer.calibrate.summary import KL_UNITS, MEASURED_KL
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.commands.arguments import add_expert_hessians, revision
+from quantizer.commands.arguments import add_expert_hessians, out_dir, revision
 from quantizer.inventory.classify import require_consistent
 from quantizer.report import table
 
@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     given.add_argument("--tokens", metavar="FILE", help="token ids: .npy, or .safetensors with key input_ids (1-D or 2-D)")
     p.add_argument("--rows", type=int, help=f"rows to use (default: up to {DEFAULT_ROWS}, as many as the text holds)")
     p.add_argument("--cols", type=int, help=f"tokens per row (default: a 2-D token file's width, else {DEFAULT_COLS})")
-    p.add_argument("--work", type=Path, help="work directory (default: ./<SRC name>.work); results go to WORK/calibration")
+    p.add_argument("--work", type=out_dir, help="work directory (default: ./<SRC name>.work); results go to WORK/calibration")
     p.add_argument("--device", choices=DEVICES, default=DEFAULTS.device)
     p.add_argument("--all-experts", action=argparse.BooleanOptionalAction, default=DEFAULTS.all_experts,
                    help="run every token through every routed expert for the experts' down-projection prior "

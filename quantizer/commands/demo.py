@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from quantizer.commands.arguments import out_dir
 from quantizer.demo.sweep import (
     DEMO_LOADERS,
     KNOWN_METHODS,
@@ -32,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "DeepSeek-V4 architecture, which stock exllamav3 runs)")
     p.add_argument("--json", action="store_true",
                    help="print a list of rows (bpw, method, bytes, ppl, kl, top1, ...) as JSON")
-    p.add_argument("--work", type=Path, help="keep the work (calibration, encodings, packs) here and resume from it "
+    p.add_argument("--work", type=out_dir, help="keep the work (calibration, encodings, packs) here and resume from it "
                                              "(default: a temporary directory, deleted at the end)")
     p.add_argument("--sizes", type=_floats, default=SIZES, help="comma-separated bpw (default 2.5,2.9,3.5)")
     p.add_argument("--methods", type=lambda s: tuple(s.split(",")), default=METHODS,

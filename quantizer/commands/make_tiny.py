@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 
+from quantizer.commands.arguments import out_dir
 from quantizer.tiny.make import make_tiny
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-tiny", help="write a small random native checkpoint, or the full-size layout as sparse files")
-    p.add_argument("out", help="output directory (must not exist or be empty)")
+    p.add_argument("out", type=out_dir, help="output directory (must not exist or be empty)")
     p.add_argument("--arch", choices=["v41", "v4"], default="v41")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--full-size", action="store_true", help="the real model's layout (V4.1-Flash or V4-Flash-0731)")

@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS
 from quantizer.calibrate.storage import CALIBRATION_DIR, SUMMARY_FILE, read_summary
@@ -34,6 +33,7 @@ from quantizer.commands.arguments import (
     load_model_config,
     overlay_of,
     tokens,
+    out_file,
 )
 from quantizer.contract.loader_profiles import Overlay, default_loader, load_profile
 from quantizer.contract.plan import Plan
@@ -96,11 +96,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hq", type=int, default=HQ, help="exllamav3's -hq for --method exl3")
     add_plan_arguments(p)
     add_one_spark_arguments(p)
-    p.add_argument("--out", type=Path, help="write the plan as JSON")
+    p.add_argument("--out", type=out_file, help="write the plan as JSON")
     p.add_argument("--json", action="store_true",
                    help="print what the plan costs as JSON instead of the text: bits, bytes, GPU-hours, and with --sparks "
                         "the fit and the decode model (tokens/s, GiB and kernel launches a token)")
-    p.add_argument("--recipe-out", type=Path, help="write the plan as an exllamav3 recipe.yaml")
+    p.add_argument("--recipe-out", type=out_file, help="write the plan as an exllamav3 recipe.yaml")
     p.add_argument("--plot", help="also draw K per layer and projection as a heatmap to FILE.png (the plots extra)")
     p.add_argument("--plot-against", metavar="PLAN.json", action="append", default=[],
                    help="a plan of the same model drawn under this one, on one colour scale (repeatable)")

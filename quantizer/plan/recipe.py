@@ -39,7 +39,7 @@ from quantizer.errors import UserError
 from quantizer.exl3 import check_k
 from quantizer.model.targets import ATTN, DRAFT, ENGRAM, HEAD_GROUP, INDEX, ROUTED, SHARED, Target, targets
 from quantizer.shipped import shipped
-from quantizer.workdir import write_text_atomic
+from quantizer.workdir import read_text, write_text_atomic
 
 NATIVE = "native"
 DRAFTER_PREFIX = "mtp."
@@ -58,10 +58,9 @@ class Recipe:
 def read_recipe(path: str | os.PathLike) -> Recipe:
     """A recipe file, or a shipped one by name (`2.9`, `mia-2.9`: configs/recipes and its published/ maps)."""
     path = _shipped_recipe(Path(path))
+    text = read_text(path, f"recipe not found (shipped: {', '.join(shipped_recipes())})")
     try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path}: recipe not found (shipped: {', '.join(shipped_recipes())})")
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
