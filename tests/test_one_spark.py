@@ -353,6 +353,16 @@ def test_build_refuses_cold_experts_without_the_calibrations_routing(rate, tmp_p
     one_line(capsys.readouterr().err, "--context, --streams and --cold-share size the fit of a Spark count: add --sparks N")
 
 
+def test_a_source_without_the_tokenizer_the_engine_reads_is_refused_before_any_stage(tiny_v41, tmp_path, capsys):
+    """The fork reads tokenizer.json from the pack directory, and the pack copies it from the source: a source
+    without one (the tiny V4.1 checkpoint has none) was quantized for hours and then failed verify (issue 60)."""
+    assert not (tiny_v41 / "tokenizer.json").exists()
+    assert main(["build", str(tiny_v41), "--loader", EXLLAMAV3_V41, "--bpw", "1.6", "--method", "uniform", "--no-calibrate",
+                 "--out", str(tmp_path / "p")]) == 2
+    one_line(capsys.readouterr().err, "no tokenizer.json, which the exllamav3-v41 engine reads from the pack directory")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_every_rule_a_profile_sets_names_the_engine_code_it_comes_from():
     from quantizer.contract.loader_profiles import LOADERS, RULES, load_profile
 

@@ -42,6 +42,7 @@ from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.fingerprint import layout_fingerprint
 from quantizer.checkpoint.source import Checkpoint
+from quantizer.contract.loader_profiles import LoaderProfile
 from quantizer.contract.plan import Plan
 from quantizer.distributed import code_fingerprint, current
 from quantizer.errors import UserError
@@ -53,7 +54,7 @@ from quantizer.fit.memory import FitReport, FitTarget
 from quantizer.fit.target import fit_plan, largest_fitting_plan, largest_launch
 from quantizer.inventory.classify import require_consistent
 from quantizer.pack.manifest import Manifest
-from quantizer.pack.writer import PackSettings, check_new_pack_dir, publish_pack, write_pack
+from quantizer.pack.writer import PackSettings, check_new_pack_dir, publish_pack, side_files, write_pack
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS, UNIFORM, planner
 from quantizer.plan.recipe import write_recipe
@@ -130,6 +131,7 @@ def build(req: BuildRequest) -> BuildResult:
     if req.plan is not None:
         check_given_plan(ck, req.plan, str(req.plan_file or "--plan"))
     estimate = req.plan or check_plannable(ck.config, req)
+    check_required_files(ck.root, estimate.profile)
     check_tuning_fits(ck.config, req)
     calibration_disk = 0 if req.calibration_rows is None else calibration_needs(
         ck.config, *req.calibration_rows.shape, req.calibration).disk
@@ -174,6 +176,16 @@ def build(req: BuildRequest) -> BuildResult:
         ranks.barrier()
     return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, tuned, e2e, manifest, verified,
                        time.monotonic() - start)
+
+
+def check_required_files(src: Path, profile: LoaderProfile) -> None:
+    """UserError, before any stage, when the source lacks a file the profile's engine reads from the pack
+    directory (the pack copies it from the source): otherwise verify finds it missing after the GPU hours."""
+    have = {f.name for f in side_files(src)}
+    missing = [name for name in profile.required_files if name not in have]
+    if missing:
+        raise UserError(f"{src}: no {', '.join(missing)}, which the {profile.name} engine reads from the pack "
+                        f"directory and the pack copies from the source; add it to the source, or choose another --loader")
 
 
 def check_tuning_fits(cfg: ModelConfig, req: BuildRequest) -> None:
