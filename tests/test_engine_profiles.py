@@ -19,6 +19,7 @@ import shutil
 import struct
 
 import pytest
+from one_line import one_line
 from test_publish import _listed  # tests/ is on sys.path (pytest prepend import mode)
 
 from quantizer.checkpoint.safetensors_file import read_bytes, read_header
@@ -218,6 +219,31 @@ def test_the_engram_directory_is_owned_like_the_pack_and_publish_uploads_the_pac
     assert "FAULT tensorfold-Engram/extra.safetensors: a symbolic link" in out and out.count("FAULT") == 2
     assert main(["publish", str(pack), "--repo", "example-org/tiny-tensorfold", "--dry-run"]) == 2
     assert "verify finds 2 fault(s)" in capsys.readouterr().err
+
+
+def test_a_flipped_byte_in_an_engram_table_beside_the_pack_is_found(packs, tmp_path, capsys):
+    """The sibling's shards carry the source's sha256 in the manifest: verify --full, publish --full and ppl
+    find a byte flipped inside a table there (they once said clean; issue 60)."""
+    pack = shutil.copytree(packs / "tensorfold", tmp_path / "tensorfold")
+    sibling = shutil.copytree(packs / "tensorfold-Engram", tmp_path / "tensorfold-Engram")
+    weight_map = json.loads((sibling / INDEX_NAME).read_text())["weight_map"]
+    name = next(n for n in sorted(weight_map) if classify(n).cls == ENGRAM_TABLE)
+    shard = sibling / weight_map[name]
+    entry = read_header(shard).tensors[name]
+    data = bytearray(shard.read_bytes())
+    data[entry.offset + entry.nbytes // 2] ^= 0x40
+    shard.write_bytes(data)
+    capsys.readouterr()
+    assert main(["verify", str(pack), "--full"]) == 1
+    out = capsys.readouterr().out
+    assert f"FAULT tensorfold-Engram/{shard.name}: sha256" in out and out.count("FAULT") == 1
+    assert main(["publish", str(pack), "--repo", "example-org/tiny-tensorfold", "--dry-run", "--full"]) == 2
+    one_line(capsys.readouterr().err, "verify finds 1 fault(s)", f"tensorfold-Engram/{shard.name}")
+    assert main(["ppl", str(pack), "--text", "heldout", "--rows", "1", "--cols", "16"]) == 2
+    one_line(capsys.readouterr().err, f"{shard}: sha256", "is not the manifest's")
+    shard.write_bytes(data[:-1])  # and one cut short is found without --full
+    assert main(["verify", str(pack)]) == 1
+    assert f"FAULT tensorfold-Engram/{shard.name}: {len(data) - 1:,} bytes but the manifest says" in capsys.readouterr().out
 
 
 def test_the_tensorfold_pack_is_measured_with_the_engram_tables_beside_it(source, packs, tmp_path, capsys,

@@ -154,6 +154,18 @@ def test_a_pack_whose_manifest_was_edited_is_refused_before_it_is_scored(built, 
     one_line(capsys.readouterr().err, "manifest.json: was edited after packing")
 
 
+def test_a_pack_whose_tokenizer_was_edited_is_refused_before_it_is_scored(built, tmp_path, capsys):
+    """The tokenizer cuts the text the pack is scored on: verify faulted an edited one while eval scored with it
+    (issue 60)."""
+    pack = shutil.copytree(built["pack"], tmp_path / "pack")
+    tokenizer = pack / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text().replace('"def"', '"fed"', 1))
+    before = _files(pack)
+    assert main(["eval", str(pack), "--tasks", TASK, "--include-path", str(built["tasks"])]) == 2
+    one_line(capsys.readouterr().err, f"{tokenizer}: not the file the pack stage wrote", "verify --full")
+    assert _files(pack) == before
+
+
 @pytest.mark.parametrize("flag, value", [("--limit", "0"), ("--limit", "-5"), ("--limit", "ten"), ("--max-length", "0"),
                                          ("--max-length", "-1")])
 def test_counts_below_one_are_refused_while_the_arguments_are_read(flag, value, capsys):

@@ -179,6 +179,13 @@ def test_a_launch_file_edited_by_hand_is_a_fault(one_spark_pack, tmp_path, capsy
     out = capsys.readouterr().out
     assert "FAULT launch.env: DRAFT=1, but the pack's drafter is in source form" in out
     assert "FAULT launch.env: not the file the pack stage wrote" in out  # its recorded sha256 (pack/owned.py)
+    for command in (["fit", str(pack), "--sparks", "1"],
+                    ["ppl", str(pack), "--text", "heldout", "--rows", "1", "--cols", "16"]):
+        assert main(command) == 2  # nothing that reads the pack uses the edited file (issue 60)
+        one_line(capsys.readouterr().err, f"{launch}: not the file the pack stage wrote", "verify --full")
+    launch.unlink()
+    assert main(["fit", str(pack), "--sparks", "1"]) == 2  # no fall back past a missing one
+    one_line(capsys.readouterr().err, f"{launch}: missing")
 
 
 def test_the_launch_file_is_a_file_the_pack_owns_and_publishes(one_spark_pack):

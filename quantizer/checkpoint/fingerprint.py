@@ -52,6 +52,19 @@ def layout_fingerprint(ck: Checkpoint) -> str:
 
 
 def files_fingerprint(root: Path, shards: list[Path], cache: Path | None = None, borrow: Path | None = None) -> str:
+    record = shard_records(shards, cache, borrow)
+    h = hashlib.sha256()
+    for name in ("config.json", INDEX_NAME):
+        if (root / name).exists():
+            h.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
+    for name in sorted(record):
+        h.update(f"{name}\0{record[name]['size']}\0{record[name]['sha256']}\0".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def shard_records(shards: list[Path], cache: Path | None = None, borrow: Path | None = None) -> dict[str, dict]:
+    """name -> {size, mtime_ns, dev, inode, sha256} of each shard; a digest this process, `cache` or `borrow`
+    already holds for the same file (its stat key) is reused, the rest are hashed in parallel."""
     known, borrowed = _load(cache), _load(borrow)
     keys = {s.name: (str(s.resolve()), *_stat_key(s)) for s in shards}  # taken before any read
     digests = {}  # this call's own: the process cache is bounded and may drop an entry while it runs
@@ -69,13 +82,7 @@ def files_fingerprint(root: Path, shards: list[Path], cache: Path | None = None,
         record[s.name] = {"size": size, "mtime_ns": mtime, "dev": dev, "inode": ino, "sha256": digests[keys[s.name]]}
     if cache is not None and record != known:
         write_json_atomic(cache, record)
-    h = hashlib.sha256()
-    for name in ("config.json", INDEX_NAME):
-        if (root / name).exists():
-            h.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
-    for name in sorted(record):
-        h.update(f"{name}\0{record[name]['size']}\0{record[name]['sha256']}\0".encode())
-    return "sha256:" + h.hexdigest()
+    return record
 
 
 def _stat_key(path: Path) -> tuple[int, int, int, int]:

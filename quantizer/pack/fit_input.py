@@ -44,8 +44,11 @@ class FitInput:
 def pack_input(path: str | Path, asked: str | None, sparks: int | None) -> FitInput:
     """A pack (its manifest's profile unless --loader asks for another) or a native checkpoint (the profile its
     layout meets, else the closest)."""
+    manifest = Manifest.load(Path(path)) if is_pack(path) else None
+    if manifest:
+        manifest.require_files(Path(path))  # its launch.env sets the context and what is mapped: as written, or refused
     cfg, stored = stored_from_pack(path)
-    plan = plan_of_headers(cfg, stored, Manifest.load(Path(path)) if is_pack(path) else None)
+    plan = plan_of_headers(cfg, stored, manifest)
     profile = load_profile(asked) if asked else plan.profile if is_pack(path) else matching_profile(cfg, plan, sparks)[0]
     return FitInput(cfg, stored, profile, str(path), Findings.of(profile, broken_rules(cfg, plan, profile)), plan,
                     read_launch(path))

@@ -8,7 +8,9 @@ Schema (manifest_version 3):
 - `source`: path, revision, arch, fingerprint and FP8 `weight_block_size` of the native checkpoint (the
   pack's own config.json carries EXL3's quantization_config, so verify reads the source grid here),
   `base_model` (its Hugging Face repo id, or null) and `license` (from its card's front matter, or null);
-- `plan`: hash, loader (the loader profile the pack is made for; verify checks it), codebook, head_bits;
+- `plan`: hash, loader (the loader profile the pack is made for; verify checks it), codebook, head_bits,
+  `engram_dir` where the profile keeps the tables beside the pack (its shards, each one's bytes and sha256)
+  and `launch` where the engine maps weights (launch.env's settings);
   `settings`: seed, device, encoder, calibration, and `tuning` when the tune stage ran (its settings,
   the tuning / held-out row split and each block's held-out error ratio, tuned over stored scales);
 - `quantization`: the integer `bits`, the `bpw` and the K histogram written into config.json;
@@ -46,7 +48,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from quantizer.checkpoint.fingerprint import sha256_file  # noqa: F401 (the pack's shard hashes)
+from quantizer.checkpoint.fingerprint import sha256_file
 from quantizer.errors import UserError
 from quantizer.pack.measurement import Measurement
 from quantizer.workdir import read_json
@@ -93,6 +95,25 @@ class Manifest:
     files: dict[str, FileRecord] = field(default_factory=dict)
     measurement: Measurement | None = None  # pack/measurement.py: set by `ppl --record` only
     claims_sha256: str | None = None  # as read; to_dict writes the digest of the claims it holds
+
+    def file_problem(self, pack: Path, name: str) -> str | None:
+        """Why the pack's recorded file `name` is not the one the pack stage wrote (missing, or its size or
+        sha256 differs), or None. verify, and every command that reads such a file, ask here first."""
+        record, path = self.files[name], Path(pack) / name
+        if not path.is_file():
+            return "missing; the pack stage wrote it"
+        if path.stat().st_size != record.bytes or sha256_file(path) != record.sha256:
+            return "not the file the pack stage wrote (its size or sha256 differs from the manifest's)"
+        return None
+
+    def require_files(self, pack: Path) -> None:
+        """UserError naming the first recorded file (index, configs, tokenizer, launch settings) that is not as
+        written: a command that reads the pack would otherwise use an edited file without a word."""
+        for name in self.files:
+            problem = self.file_problem(pack, name)
+            if problem:
+                raise UserError(f"{Path(pack) / name}: {problem}; copy the pack again, or rebuild it "
+                                f"(`quantizer verify --full {pack}` lists every fault)")
 
     def to_dict(self) -> dict:
         data = self._claims()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from quantizer.checkpoint.source import INDEX_NAME
 from quantizer.pack.card import CARD_NAME
-from quantizer.pack.manifest import MANIFEST_NAME, Manifest
+from quantizer.pack.manifest import MANIFEST_NAME, FileRecord, Manifest
 
 SYMLINK = "a symbolic link"
 ENGRAM_SUFFIX = "-Engram"  # TensorFold also finds a folder beside the model whose name holds "Engram"
@@ -49,6 +49,14 @@ def engram_dir(pack: Path, manifest: Manifest) -> Path | None:
     if not where.is_dir():  # a pack checked before it is published: its sibling still has the partial's name
         where = engram_dir_of(pack)
     return where
+
+
+def engram_records(pack: Path, manifest: Manifest) -> dict[Path, FileRecord]:
+    """The sibling Engram directory's shards with the size and sha256 the pack stage recorded (the source's),
+    by path; empty where the profile keeps no sibling or the pack predates the record."""
+    where = engram_dir(pack, manifest)
+    files = (manifest.plan.get("engram_dir") or {}).get("files", {})
+    return {where / name: FileRecord(**record) for name, record in files.items()} if where else {}
 
 
 def strays(directory: Path, owned: list[str]) -> dict[str, str]:

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from quantizer import __version__
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.checkpoint.fingerprint import source_fingerprint
+from quantizer.checkpoint.fingerprint import shard_records, source_fingerprint
 from quantizer.checkpoint.safetensors_file import (
     PAD_PREFIX,
     TORCH_DTYPES,
@@ -354,7 +354,9 @@ def _write_engram_dir(ck: Checkpoint, spec: PackSpec, where: Path) -> dict | Non
                                            "weight_map": {n: ck.tensors[n].path.name for n in tables}})
     print(f"pack: the {len(files)} source shard(s) holding the Engram tables put in {where.name}/ beside the pack "
           f"({', '.join(sorted(set(how.values())))})", file=sys.stderr)
-    return {"shards": sorted(how), "tables": len(tables)}
+    hashed = shard_records(files)  # the source shards' digests, which pinning the source took this process
+    return {"shards": sorted(how), "tables": len(tables),
+            "files": {name: {"bytes": r["size"], "sha256": r["sha256"]} for name, r in hashed.items()}}
 
 
 def _write_launch(cfg: ModelConfig, plan: Plan, launch: Launch, pack: Path) -> dict | None:

@@ -21,27 +21,30 @@ from quantizer.errors import UserError
 from quantizer.exl3 import EXL3_LEAVES
 from quantizer.model.streaming import CheckpointSource
 from quantizer.pack.manifest import MANIFEST_NAME, Manifest
+from quantizer.pack.owned import engram_records
 
 
 def require_intact(pack: Checkpoint) -> None:
     """UserError when the manifest's claims were edited (its aliases say which expert serves which), or
-    naming the first shard whose sha256 is not the manifest's: a flipped byte in a trellis decodes to
-    slightly other weights and would measure a plausible, wrong number. `ppl` and `eval` call it before
-    they score a pack. The shards are hashed in parallel threads (sha256 runs at about 1 GiB/s per
-    core), one read of the pack before the measure."""
+    naming the first recorded file or shard (the sibling Engram directory's too) whose sha256 is not the
+    manifest's: a flipped byte in a trellis decodes to slightly other weights and would measure a plausible,
+    wrong number. `ppl` and `eval` call it before they score a pack. The shards are hashed in parallel
+    threads (sha256 runs at about 1 GiB/s per core), one read of the pack before the measure."""
     manifest = Manifest.load(pack.root)
     manifest.require_claims(pack.root / MANIFEST_NAME)
-    shards = manifest.shards
-    paths = [pack.root / s.file for s in shards]
+    manifest.require_files(pack.root)  # the tokenizer the text is cut with, the config the forward is built from
+    recorded = {pack.root / s.file: s.sha256 for s in manifest.shards}
+    recorded |= {path: r.sha256 for path, r in engram_records(pack.root, manifest).items()}  # tables read beside it
+    paths = list(recorded)
     for path in paths:
         if not path.is_file():
             raise UserError(f"{path}: missing; run `quantizer verify --full {pack.root}`")
     with tqdm(total=sum(p.stat().st_size for p in paths), unit="B", unit_scale=True, desc="sha256") as bar, \
             ThreadPoolExecutor(min(len(paths), os.cpu_count() or 1) or 1) as pool:
         digests = list(pool.map(lambda p: sha256_file(p, bar.update), paths))
-    for shard, path, digest in zip(shards, paths, digests):
-        if digest != shard.sha256:
-            raise UserError(f"{path}: sha256 {digest[:16]}... is not the manifest's {shard.sha256[:16]}... (the "
+    for path, digest in zip(paths, digests):
+        if digest != recorded[path]:
+            raise UserError(f"{path}: sha256 {digest[:16]}... is not the manifest's {recorded[path][:16]}... (the "
                             f"shard changed since it was packed); run `quantizer verify --full {pack.root}` and "
                             "rebuild or copy the pack again")
 

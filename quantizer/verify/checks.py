@@ -40,7 +40,7 @@ from quantizer.model.tensor_classes import ENGRAM_TABLE as ENGRAM_TABLE_CLASS
 from quantizer.pack.card import CARD_NAME, render_card, without_fit
 from quantizer.pack.exl3_config import EXLLAMAV3_FORM
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, sha256_file
-from quantizer.pack.owned import ENGRAM_SUFFIX, SYMLINK, engram_dir, engram_files, owned_files, strays
+from quantizer.pack.owned import ENGRAM_SUFFIX, SYMLINK, engram_dir, engram_files, engram_records, owned_files, strays
 from quantizer.pack.writer import engine_quantization_config
 
 EXL3_SCALES = ("suh", "svh")
@@ -162,15 +162,11 @@ def _check_files(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
                 report.fault(prefix + name, f"{what}; not part of the pack, and publish refuses a pack that holds "
                                             "it: move it out")
     bad = 0
-    for name, record in manifest.files.items():
-        path = pack / name
+    for name in manifest.files:
         if name in found[pack]:
             continue  # a link or a directory: faulted above
-        if not path.is_file():
-            problem = "missing; the pack stage wrote it"
-        elif path.stat().st_size != record.bytes or sha256_file(path) != record.sha256:
-            problem = "not the file the pack stage wrote (its size or sha256 differs from the manifest's)"
-        else:
+        problem = manifest.file_problem(pack, name)
+        if problem is None:
             continue
         bad += 1
         report.fault(name, f"{problem}: copy the pack again, or rebuild it")
@@ -480,15 +476,23 @@ def _check_engram_dir(pack: Path, cfg: ModelConfig, manifest: Manifest, held: di
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
         fault(str(where), "engram_tables", f"no readable Engram directory index ({type(e).__name__})")
         return
+    records = engram_records(pack, manifest)
+    cut = {path.name: path.stat().st_size for path, record in records.items()
+           if path.is_file() and path.stat().st_size != record.bytes}
+    for name, size in cut.items():
+        report.fault(f"{where.name}/{name}", f"{size:,} bytes but the manifest says {records[where / name].bytes:,} "
+                                             "(truncated or replaced)")
     wrong = []
     for t in tables:
         shard = weight_map.get(t.name)
+        if shard in cut:
+            continue  # faulted above; its header may point past its end
         entry = read_header(where / shard).tensors.get(t.name) if shard and (where / shard).is_file() else None
         if entry is None or entry.dtype != t.dtype or tuple(entry.shape) != t.shape:
             wrong.append(t.name)
     for name in wrong[:10]:
         fault(name, "engram_tables", f"not in {where.name}/ as the source holds it")
-    if not wrong and not inside:
+    if not wrong and not inside and not cut:
         report.ok("engram", f"{len(tables)} Engram table tensors in {where.name}/ (point the engine at it), none in the pack")
 
 
@@ -571,15 +575,18 @@ def _held(key: str, entries: dict[str, TensorEntry]) -> tuple[float | None, str 
 
 
 def _check_hashes(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
-    present = [s for s in manifest.shards if (pack / s.file).is_file()]
-    total = sum((pack / s.file).stat().st_size for s in present)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="sha256") as bar:
-        for shard in present:
-            digest = sha256_file(pack / shard.file, bar.update)
-            if digest != shard.sha256:
-                report.fault(shard.file, f"sha256 {digest[:16]}... differs from the manifest's {shard.sha256[:16]}... (corrupt)")
+    """The sha256 of every shard: the pack's, and those of its sibling Engram directory (the source's)."""
+    recorded = {pack / s.file: s.sha256 for s in manifest.shards}
+    recorded |= {path: r.sha256 for path, r in engram_records(pack, manifest).items()}
+    present = {path: digest for path, digest in recorded.items() if path.is_file()}
+    with tqdm(total=sum(p.stat().st_size for p in present), unit="B", unit_scale=True, desc="sha256") as bar:
+        for path, want in present.items():
+            name = str(path.relative_to(pack)) if path.parent == pack else f"{path.parent.name}/{path.name}"
+            digest = sha256_file(path, bar.update)
+            if digest != want:
+                report.fault(name, f"sha256 {digest[:16]}... differs from the manifest's {want[:16]}... (corrupt)")
             else:
-                report.ok(shard.file, "sha256 matches")
+                report.ok(name, "sha256 matches")
 
 
 def _stored_linears(manifest: Manifest) -> set[str]:
