@@ -69,10 +69,13 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def test_eval_prints_source_and_pack_scores_with_paired_differences(built, capsys):
+def test_eval_prints_source_and_pack_scores_with_paired_differences(built, capfd, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no git repository: lm-eval's git probe once printed "fatal: ..." (issue 60)
     assert main(["eval", str(built["pack"]), "--against", str(built["src"]), "--tasks", TASK,
                  "--include-path", str(built["tasks"])]) == 0
-    out = capsys.readouterr().out.splitlines()
+    out, err = capfd.readouterr()
+    assert "fatal" not in err
+    out = out.splitlines()
     assert out[0].split() == ["task", "metric", "documents", "source", "pack", "pack", "-", "source", "(paired)"]
     [row] = [line.split() for line in out[2:]]
     task, metric, documents, source, pack, delta, _, stderr = row

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
+import lm_eval.evaluator
 import torch
 from datasets.exceptions import DatasetNotFoundError
 from lm_eval import simple_evaluate
@@ -148,7 +150,7 @@ def evaluate(model: str, tasks: list[str], include_path: Path | None = None, lim
     lm = ForwardLM(model, device=device, max_length=max_length)
     what = f"the dataset of {', '.join(tasks)}"
     try:
-        with hub_failures(what):
+        with hub_failures(what), _no_git_probe():
             results = simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, log_samples=True,
                                       bootstrap_iters=0)
     except DatasetNotFoundError as e:  # no such dataset on the hub, or (gated, private) none this login may read
@@ -157,6 +159,18 @@ def evaluate(model: str, tasks: list[str], include_path: Path | None = None, lim
     if results is None:
         raise UserError("lm-eval returned no results")
     return results
+
+
+@contextmanager
+def _no_git_probe():
+    """lm-eval records `git describe` of the working directory in its results, and outside a repository git
+    prints "fatal: not a git repository" on every eval; that field describes no pack, so it is left empty."""
+    probe = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = lambda: None
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = probe
 
 
 def document_scores(results: dict, task: str) -> dict[int, dict[str, float]]:
