@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test test-fast demo figures
+.PHONY: setup test test-fast test-gpu demo figures
 setup: $(VENV)/.installed
 
 # pyproject.toml declares ranges; constraints.txt pins the versions CI tests, torch==2.13.0 among
@@ -30,6 +30,15 @@ test: setup
 test-fast: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow"
+
+# The GPU suite (tests/gpu, or the files GPU_TESTS names) on a CUDA machine: exllamav3 from the kit in .device-cache/
+# if present (made for python3).
+GPU_PYTHON ?= python3
+GPU_TESTS ?= tests/gpu
+test-gpu: SHELL := /bin/bash
+test-gpu:
+	if [ -f .device-cache/setup.sh ]; then source .device-cache/setup.sh || exit 1; fi; \
+	$(GPU_PYTHON) -m pytest -q $(GPU_TESTS)
 
 # The main job on the embedded default: the bundled small model at 2.5, 2.9 and 3.5 bpw, four methods.
 demo: $(VENV)/.installed-demo

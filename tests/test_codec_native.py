@@ -76,3 +76,19 @@ def test_turned_off_means_torch_without_a_warning(fresh_kernel, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert native.kernel() is None
+
+
+def test_missing_source_falls_back_to_torch_with_one_warning_naming_it(fresh_kernel, monkeypatch, tmp_path):
+    """A package installed without viterbi_kernel.cpp (pyproject.toml's package-data; tests/test_wheel.py): the
+    one warning of a failed build, naming the missing source, then the torch encoder."""
+    missing = tmp_path / "viterbi_kernel.cpp"
+    monkeypatch.setattr(native, "SOURCE", missing)
+    tiles = torch.randn(1, 256, generator=torch.Generator().manual_seed(6))
+    with pytest.warns(RuntimeWarning) as caught:
+        states = encode_tiles(tiles, 2, "mul1", "fast")
+        encode_tiles(tiles, 2, "mul1", "fast")
+    (warned,) = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert warned.startswith("EXL3 C++ trellis encoder unavailable (the kernel source viterbi_kernel.cpp is missing "
+                             "from the installed package: no ")
+    assert warned.endswith("); using the pure-torch encoder, several times slower on a CPU") and "\n" not in warned
+    assert torch.equal(states, _encode_torch(tiles, 2, Codebook.MUL1, FAST_SEAM_WINDOW))

@@ -245,3 +245,29 @@ def test_a_damaged_kept_build_names_the_folder_to_delete(tmp_path, monkeypatch):
         kernel.build(kernel.SOURCE)
     assert str(e.value) == (f"building trellis_encode.cu failed: ImportError: {folder}/{name}.so: file too short "
                             f"(delete {folder} to compile it again)")
+
+
+def test_a_missing_source_is_one_line_and_the_fallback(tmp_path, monkeypatch, fresh_build, capsys):
+    """A package installed without trellis_encode.cu (pyproject.toml's package-data; tests/test_wheel.py): every
+    path that reads the source raises KernelUnavailable saying so in one line (never FileNotFoundError), and
+    load() says it once and falls back to exllamav3's encoder, compiling nothing."""
+    from torch.utils import cpp_extension
+
+    missing = tmp_path / "trellis_encode.cu"
+    monkeypatch.setattr(kernel, "SOURCE", missing)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/usr/local/cuda")
+    monkeypatch.setattr(cpp_extension, "load", lambda **_: pytest.fail("a missing source was compiled"))
+    why = f"the kernel source trellis_encode.cu is missing from the installed package (no {missing})"
+    for reads in (lambda: kernel._module_name(missing), lambda: kernel.build(missing), kernel.kept_build,
+                  kernel.is_built, lambda: kernel.encode_tiles(torch.zeros(2, 256), 3, kernel.CODEBOOKS["mul1"])):
+        with pytest.raises(kernel.KernelUnavailable) as e:
+            reads()
+        assert str(e.value) == why
+    said = []
+    assert kernel.load(said.append) is False and said == []
+    assert capsys.readouterr().err == f"encoder kernel: {why}; using exllamav3's quantize_tiles\n"
+    assert kernel.unavailable_reason() == why  # what each tile search on a CUDA device falls back with
+    kernel._say_once(kernel.unavailable_reason())
+    assert capsys.readouterr().err == ""  # said once

@@ -3,8 +3,8 @@
 It runs the exact node-based search of viterbi.py fused into one SIMD loop per position, 4.8-7.1x
 faster per core than the torch search at K 2-4 on an AVX2 CPU (bench/codec_cpu.py), and returns the same states
 bit for bit. It is plain C++ (no torch headers, no ninja), so the one-time build takes seconds with the
-system compiler ($CXX, else c++); when there is none, or the build fails, the encoder falls back to pure
-torch after one warning.
+system compiler ($CXX, else c++); when there is none, the build fails or the source is missing from the
+installed package, the encoder falls back to pure torch after one warning.
 QUANTIZER_NATIVE=0 turns the kernel off.
 
 The build is tuned to this CPU (-march=native), so the cache key covers the CPU's model and flags as
@@ -46,9 +46,18 @@ def _compiler() -> str:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
 
 
+def _source_text() -> str:
+    """The kernel's C++ source; a missing one (a package installed without it) is a one-line error."""
+    try:
+        return SOURCE.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"the kernel source {SOURCE.name} is missing from the installed package: "
+                                f"no {SOURCE}") from None
+
+
 def cache_dir() -> Path:
     """$XDG_CACHE_HOME (or ~/.cache)/quantizer/native/<hash of the source, flags and CPU>."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *_FLAGS, _cpu_fingerprint()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([_source_text(), *_FLAGS, _cpu_fingerprint()]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "quantizer" / "native" / key
 

@@ -21,6 +21,7 @@ from quantizer.exl3.k_values import (
 )
 from quantizer.exl3.sizes import (
     EXL3_LEAVES,
+    EXL3_QUANTIZED_LEAVES,
     HADAMARD_BLOCK,
     PACK_ALIGN,
     budget_bpw,
@@ -30,8 +31,8 @@ from quantizer.exl3.sizes import (
 )
 
 __all__ = [
-    "CODEBOOKS", "CODEBOOK_MSE_FACTOR", "EXL3_LEAVES", "HADAMARD_BLOCK", "HALF_RATES", "INTEGER_RATES", "MUL1_MSE",
-    "NUM_STATES", "PACK_ALIGN", "UNQUANTIZED", "Codebook", "budget_bpw", "check_bpw", "check_k", "codebook_values",
-    "drafter_k", "exl3_bytes", "k_from_trellis", "k_words", "leaf_layout", "model_proxy", "parse_codebook", "rate_floor",
-    "rate_grid", "trellis_k",
+    "CODEBOOKS", "CODEBOOK_MSE_FACTOR", "EXL3_LEAVES", "EXL3_QUANTIZED_LEAVES", "HADAMARD_BLOCK", "HALF_RATES",
+    "INTEGER_RATES", "MUL1_MSE", "NUM_STATES", "PACK_ALIGN", "UNQUANTIZED", "Codebook", "budget_bpw", "check_bpw",
+    "check_k", "codebook_values", "drafter_k", "exl3_bytes", "k_from_trellis", "k_words", "leaf_layout", "model_proxy",
+    "parse_codebook", "rate_floor", "rate_grid", "trellis_k",
 ]

@@ -14,7 +14,10 @@ from quantizer.caches import process_cache
 from quantizer.exl3.codebook import Codebook, parse_codebook
 from quantizer.exl3.k_values import UNQUANTIZED
 
-EXL3_LEAVES = ("trellis", "suh", "svh", "mul1", "mcg", "bias")
+# The leaves only an encoded linear stores (its trellis, scales and codebook marker); a `.bias` is stored
+# beside them, but as the plain tensor any linear may have.
+EXL3_QUANTIZED_LEAVES = ("trellis", "suh", "svh", "mul1", "mcg")
+EXL3_LEAVES = (*EXL3_QUANTIZED_LEAVES, "bias")  # every leaf stored under an EXL3 linear's key
 HADAMARD_BLOCK = 128  # EXL3 rotates 128-wide Hadamard blocks: in and out features must be multiples
 PACK_ALIGN = 64  # every tensor of a pack starts at a 64-byte offset (docs/exl3-format.md, alignment)
 

@@ -10,11 +10,11 @@ in exllamav3), and returns the same codes as exllamav3 1.6.5's `quantize_tiles` 
 `load(say)` compiles or loads it up front: the quantize stage calls it before its first unit, so that a
 first compile is announced and timed rather than hidden in a unit. `quantize_tiles(tiles, quant_args)` takes
 exllamav3's arguments and returns its outputs (reconstructed tiles, int16 states); where our kernel cannot
-run (no CUDA, no compiler, a failed compile, K 7 or 8, rows of 160) it says why in one line, once per
-reason, and calls exllamav3's own function; a compile is tried once a process. `in_exllamav3()` puts it in place of
-exllamav3's two tile searches for the length of a `with` block, so exllamav3's whole conversion (scale
-search, LDLQ, packing) runs unchanged around ours: one GPU's calls go through that module's globals,
-`quantize_tiles` at integer K and `quantize_tiles_frac` at half rates.
+run (no CUDA, no compiler, its source missing from the installed package, a failed compile, K 7 or 8, rows of
+160) it says why in one line, once per reason, and calls exllamav3's own function; a compile is tried once a
+process. `in_exllamav3()` puts it in place of exllamav3's two tile searches for the length of a `with` block,
+so exllamav3's whole conversion (scale search, LDLQ, packing) runs unchanged around ours: one GPU's calls go
+through that module's globals, `quantize_tiles` at integer K and `quantize_tiles_frac` at half rates.
 """
 
 from __future__ import annotations
@@ -31,14 +31,16 @@ from pathlib import Path
 
 import torch
 
-from quantizer.caches import process_cache
+from quantizer.caches import on_reset, process_cache
+from quantizer.exl3 import HALF_RATES, INTEGER_RATES, Codebook
 
 SOURCE = Path(__file__).with_name("trellis_encode.cu")
 EXLLAMAV3_ENCODER = "exllamav3.modules.quant.exl3_lib.quantize"  # the module whose quantize_tiles we stand in for
-KS = (1, 2, 3, 4, 5, 6, 1.5, 2.5, 3.5)
-HALF_RATES = (1.5, 2.5, 3.5)  # mul1 only, as in exllamav3
+MAX_INTEGER_K = 6  # K 7 and 8 stay with exllamav3's encoder
+KS = (*(k for k in INTEGER_RATES if k <= MAX_INTEGER_K), *HALF_RATES)  # the half rates mul1 only, as in exllamav3
 TILE = 256
-CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}
+# The kernel's codebook argument (its switch in trellis_encode.cu), by codebook name.
+CODEBOOKS = {Codebook.INST3.value: 0, Codebook.MCG.value: 1, Codebook.MUL1.value: 2}
 
 _said: set[str] = set()
 
@@ -48,7 +50,13 @@ class KernelUnavailable(RuntimeError):
 
 
 def _module_name(source: Path) -> str:
-    return "quantizer_trellis_" + hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    """The build's name: a hash of the source's text (KernelUnavailable, in one line, where the source is missing)."""
+    try:
+        text = source.read_bytes()
+    except FileNotFoundError:
+        raise KernelUnavailable(f"the kernel source {source.name} is missing from the installed package "
+                                f"(no {source})") from None
+    return "quantizer_trellis_" + hashlib.sha256(text).hexdigest()[:12]
 
 
 @process_cache(maxsize=1)
@@ -78,9 +86,9 @@ def build(source: Path):
 
     if cpp_extension.CUDA_HOME is None:
         raise KernelUnavailable("no CUDA toolkit (nvcc) to build it")
+    name = _module_name(source)  # a missing source is its own one-line reason, not a failed build
     try:
-        return cpp_extension.load(name=_module_name(source), sources=[str(source)], extra_cuda_cflags=["-O3"],
-                                  verbose=False)
+        return cpp_extension.load(name=name, sources=[str(source)], extra_cuda_cflags=["-O3"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure becomes the one-line reason for the fallback
         kept = kept_build(source)  # a damaged build torch found up to date (a killed link, a full disk)
         fix = f" (delete {kept} to compile it again)" if kept else ""
@@ -114,16 +122,16 @@ def build_root() -> Path:
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
 
 
-def kept_build(source: Path = SOURCE) -> Path | None:
+def kept_build(source: Path | None = None) -> Path | None:
     """The folder where torch's extension cache holds a compiled `source` already (loading it then takes a
     second), or None. torch builds into <root>/<name> under $TORCH_EXTENSIONS_DIR and into
-    <root>/<python>_<cuda>/<name> under its default root; both are looked at."""
-    root, name = build_root(), _module_name(source)
+    <root>/<python>_<cuda>/<name> under its default root; both are looked at. `source`: this kernel's by default."""
+    root, name = build_root(), _module_name(source or SOURCE)
     return next((d for d in (root / name, *root.glob(f"*/{name}")) if any(d.glob(f"{name}*.so"))), None)
 
 
-def is_built(source: Path = SOURCE) -> bool:
-    """Whether a compiled `source` is kept (a load, not a compile, comes next)."""
+def is_built(source: Path | None = None) -> bool:
+    """Whether a compiled `source` (this kernel's by default) is kept (a load, not a compile, comes next)."""
     return kept_build(source) is not None
 
 
@@ -132,7 +140,11 @@ def load(say: Callable[[str], None]) -> bool:
     (docs/measurements.md) and would otherwise sit unexplained inside the first unit. `say` gets a line
     before a compile and one with its time after; where the kernel cannot run, the fallback's one line is
     printed once. True when our kernel is ready."""
-    compiling = torch.cuda.is_available() and _compiler() and not is_built()
+    try:
+        compiling = torch.cuda.is_available() and _compiler() and not is_built(SOURCE)
+    except KernelUnavailable as e:  # its source is missing: nothing to compile or load
+        _say_once(str(e))
+        return False
     if compiling:
         say(f"compiling our encoder kernel ({SOURCE.name}), once for this source on this machine; torch keeps "
             f"it in {build_root()}")
@@ -168,6 +180,12 @@ def encode_tiles(tiles: torch.Tensor, K: float, codebook: int, *, max_blocks: in
     ka = int(K)
     values, states = _extension().encode_tiles(tiles, ka, ka + (K != ka), int(codebook), int(max_blocks))
     return values, states
+
+
+@on_reset
+def _forget_said() -> None:
+    """A reset process says each fallback reason again (the GPU suite resets around every test)."""
+    _said.clear()
 
 
 def _say_once(reason: str) -> None:
