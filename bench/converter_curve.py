@@ -47,7 +47,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quantizer.build.stages import plan_files
+from quantizer.orchestrate.stages import plan_files
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main as quantizer
 from quantizer.contract.plan import Plan

@@ -81,7 +81,7 @@ POINTS = (
 def _plans(cfg: ModelConfig) -> dict:
     summary = synthetic_summary(cfg)
     sage = allocate(cfg, sensitivity(cfg, summary, "mul1"), 1.59, AllocationSettings(
-        loader="exllamav3-v41", head_bits=None, overlay=Overlay(DEFAULT_OVERLAY), expert_layout="per-expert"))
+        profile=load_profile("exllamav3-v41"), head_bits=None, overlay=Overlay(DEFAULT_OVERLAY), expert_layout="per-expert"))
     plans = {"sage-1.59": sage}
     for name in ("mia-2.9", "pollard-3.51"):
         plans[name] = plan_from_recipe(cfg, read_recipe(name), keep_rules=False)

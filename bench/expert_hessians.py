@@ -34,10 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quantizer.build.stages import BuildRequest, build  # noqa: E402
+from quantizer.orchestrate.stages import BuildRequest, build  # noqa: E402
 from quantizer.calibrate.settings import EXPERT_HESSIANS, CalibrationSettings  # noqa: E402
 from quantizer.checkpoint.source import Checkpoint  # noqa: E402
-from quantizer.contract.loader_profiles import EXLLAMAV3  # noqa: E402
+from quantizer.contract.loader_profiles import EXLLAMAV3, load_profile  # noqa: E402
 from quantizer.model.streaming import CheckpointSource, LayerStreamer  # noqa: E402
 from quantizer.plan.allocate import AllocationSettings  # noqa: E402
 from quantizer.ppl.compare import compare  # noqa: E402
@@ -99,8 +99,8 @@ def main() -> None:
                     print(f"bench: {name}, {method} at {size:g} bpw", file=sys.stderr, flush=True)
                     built = build(BuildRequest(
                         src=str(ck.root), out=out, bpw=None if plan else size, plan=plan, method=method,
-                        allocation=AllocationSettings(loader=EXLLAMAV3), calibration_rows=calibration,
-                        calibration=CalibrationSettings(device="cpu", expert_hessians=hessians,
+                        allocation=AllocationSettings(profile=load_profile(EXLLAMAV3)), calibration_rows=calibration,
+                        calibration_settings=CalibrationSettings(device="cpu", expert_hessians=hessians,
                                                         measure_kl=args.measure_kl if plan is None else False),
                         work=out.parent / "build", quantize=QuantizeSettings(seed=seed, device="cpu")))
                     plans.setdefault((method, size), built.plan)

@@ -74,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     held = model_rows(ck.root, cfg, text=shipped_text_path("heldout"), rows=args.eval_rows, cols=args.cols,
                       default_cols=args.cols)
     reference = list(row_predictions(streamer(ck, quiet=True), held))
-    quantize_settings = QuantizeSettings(device="cpu", encoder="fast", calibration=store.record)
+    quantize_settings = QuantizeSettings(device="cpu", encoder="fast", hessians=store.record)
     out = []
     for size in (float(s) for s in args.sizes.split(",")):
         for layout in EXPERT_LAYOUTS:
             for halves in {"both": (True, False), "on": (True,), "off": (False,)}[args.half_rates]:
-                settings = AllocationSettings(loader=EXLLAMAV3, expert_layout=layout, half_rates=halves)
+                settings = AllocationSettings(profile=load_profile(EXLLAMAV3), expert_layout=layout, half_rates=halves)
                 alloc = Allocator(cfg, sens, settings, profile=None if layout == "per-layer" else profile)
                 plan = alloc.plan(size * alloc.total_numel, size)
                 name = f"{size:g}-{layout}-{'halves' if halves else 'integer'}"

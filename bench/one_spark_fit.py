@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import DEFAULT_OVERLAY, EXLLAMAV3_V41, Overlay
+from quantizer.contract.loader_profiles import DEFAULT_OVERLAY, EXLLAMAV3_V41, Overlay, load_profile
 from quantizer.contract.pack_spec import pack_spec
 from quantizer.fit.hardware import GIB, load_hardware
 from quantizer.fit.memory import FitTarget, fit
@@ -36,7 +36,7 @@ HOST_RESIDENT = ("embed",)  # exllamav3's Embedding prefers the CPU when unquant
 def rows() -> list[dict]:
     cfg = ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json"))
     bits = sum(k * n for k, n in ROUTED_K_HISTOGRAM.items()) / sum(ROUTED_K_HISTOGRAM.values())
-    plan = uniform_plan(cfg, bits, loader=EXLLAMAV3_V41, head_bits=None, overlay=Overlay(DEFAULT_OVERLAY))
+    plan = uniform_plan(cfg, bits, profile=load_profile(EXLLAMAV3_V41), head_bits=None, overlay=Overlay(DEFAULT_OVERLAY))
     stored = pack_spec(cfg, plan).tensors
     engine = load_hardware().engine(EXLLAMAV3_V41)
     fixed = next(r.gib for r in engine.runtime if "fixed-shape" in r.name)

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rehearsal import slice_config, write_slice  # noqa: E402
 from v41_experts import IN, OUT, spd_hessian  # noqa: E402
 
+from quantizer.calibrate.storage import HessianRecord  # noqa: E402
 from quantizer.checkpoint.config import ModelConfig  # noqa: E402
 from quantizer.codec.kernel import KS  # noqa: E402
 from quantizer.checkpoint.source import Checkpoint  # noqa: E402
@@ -85,7 +86,7 @@ def measure(root: Path, k: float) -> dict:
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     start = time.perf_counter()
-    settings = QuantizeSettings(device="cuda", calibration={"expert_inputs": True})  # what gate2's store pins
+    settings = QuantizeSettings(device="cuda", hessians=HessianRecord("synthetic", 0, 0, expert_inputs=True))  # as gate2 pins
     result = quantize(ck, plan, root / "work", settings, hessian=hessians.__getitem__)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start

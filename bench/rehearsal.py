@@ -3,7 +3,7 @@
 Writes a native checkpoint with the real shapes (hidden 5120, expert width 2304, attention, Engram,
 one drafter block, vision) but --layers trunk layers of --experts routed experts, random weights
 made on the GPU in the native formats (FP8 + E8M0, MXFP4 experts, BF16). The Engram table keeps its
-256-wide rows with far fewer of them (a small hash vocabulary). Then runs `quantizer.build.stages`,
+256-wide rows with far fewer of them (a small hash vocabulary). Then runs `quantizer.orchestrate.stages`,
 the call `quantizer build` makes (calibrate -> plan -> quantize -> pack -> verify), and prints per
 stage: time, weights/s, peak GPU memory, peak host RAM and disk.
 
@@ -63,8 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import calibrate_memory  # noqa: E402
 from v41_experts import direct  # noqa: E402
 
-from quantizer.build.preflight import disk_needs  # noqa: E402
-from quantizer.build.stages import BuildRequest, build  # noqa: E402
+from quantizer.orchestrate.preflight import disk_needs  # noqa: E402
+from quantizer.orchestrate.stages import BuildRequest, build  # noqa: E402
 from quantizer.calibrate.needs import calibration_needs  # noqa: E402
 from quantizer.calibrate.settings import CalibrationSettings  # noqa: E402
 from quantizer.calibrate.stage import calibrate  # noqa: E402
@@ -454,7 +454,7 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
     kernel_s = time.perf_counter() - start
     tokens = torch.randint(0, ck.config.vocab_size, (args.rows, args.cols),
                            generator=torch.Generator().manual_seed(args.seed))
-    build_module = importlib.import_module("quantizer.build.stages")  # the module: the package exports build()
+    build_module = importlib.import_module("quantizer.orchestrate.stages")  # the module: the package exports build()
     originals = {}
     for fn, name in (("calibrate", "calibrate"), ("choose_plan", "plan"), ("quantize", "quantize"),
                      ("write_pack", "pack"), ("verify_pack", "verify"), ("tune", TUNE_STAGE)):
@@ -462,7 +462,7 @@ def rehearse(args, root: Path, full_layer: dict | None) -> dict:
         setattr(build_module, fn, meter.wrap(name, originals[fn]))
     try:
         result = build(BuildRequest(str(src), out, bpw=args.bpw, calibration_rows=tokens, work=root / "pack.work",
-                                    calibration=CalibrationSettings(device="cuda", measure_kl=False),
+                                    calibration_settings=CalibrationSettings(device="cuda", measure_kl=False),
                                     quantize=QuantizeSettings(device="cuda"), tune=tune_settings(args)))
     finally:
         for fn, original in originals.items():

@@ -37,10 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quantizer.build.stages import QUANTIZE_DIR, BuildRequest, build
+from quantizer.orchestrate.stages import QUANTIZE_DIR, BuildRequest, build
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.contract.loader_profiles import EXLLAMAV3
+from quantizer.contract.loader_profiles import EXLLAMAV3, load_profile
 from quantizer.model.streaming import CheckpointSource, LayerStreamer
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.ppl.compare import compare
@@ -146,8 +146,8 @@ def main(argv=None) -> None:
                 out = root / "packs" / f"{size:g}-{name}"
                 shutil.rmtree(out, ignore_errors=True)
                 return BuildRequest(src=str(ck.root), out=out, bpw=size, method="ours",
-                                    allocation=AllocationSettings(loader=EXLLAMAV3), calibration_rows=calibration,
-                                    calibration=CalibrationSettings(device=args.device), work=root / "build",
+                                    allocation=AllocationSettings(profile=load_profile(EXLLAMAV3)), calibration_rows=calibration,
+                                    calibration_settings=CalibrationSettings(device=args.device), work=root / "build",
                                     quantize=QuantizeSettings(device=args.device), tune=tuning, end_to_end=e2e)
 
             base = build(request("untuned", None))

@@ -101,7 +101,12 @@ def _interrupted(e: KeyboardInterrupt, who: str) -> int:
 def _main(argv: list[str]) -> int:
     from quantizer.distributed import join_from_env, leave
 
-    args = parse(build_parser(), argv)
+    try:
+        parser = build_parser()  # reads the loader profiles (--loader's help): a faulty one of $QUANTIZER_LOADERS
+    except UserError as e:
+        _say(f"quantizer: error: {e}")
+        return 2
+    args = parse(parser, argv)
     args.argv = argv  # the command as given (build records it in the pack's card)
     ranks = join_from_env()  # under torchrun: this process's rank of the job
     who = f" (rank {ranks.rank} of {ranks.world})" if ranks.joined else ""

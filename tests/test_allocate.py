@@ -131,7 +131,7 @@ def test_marginal_allocation_infeasible():
 
 @pytest.mark.parametrize("mode", [EXLLAMAV3, TENSORFOLD])
 def test_rate_rules(small, small_sens, mode):
-    plan = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode, floor=4))
+    plan = allocate(small, small_sens, 2.9, AllocationSettings(profile=load_profile(mode), floor=4))
     check_plan(small, plan)
     for t in targets(small):
         k = plan.k[t.key]
@@ -141,20 +141,20 @@ def test_rate_rules(small, small_sens, mode):
             assert k >= 4, t.key
         elif t.group == DRAFT:  # native, or the profile's default where the engine reads it as EXL3 only
             assert k == load_profile(mode).default_drafter_bits
-    default = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode))
+    default = allocate(small, small_sens, 2.9, AllocationSettings(profile=load_profile(mode)))
     assert min(default.k[t.key] for t in targets(small) if t.group in (ATTN, INDEX, SHARED, ENGRAM)) >= DEFAULT_FLOOR
     assert plan.k["head"] == 6.0 and plan.profile.name == mode
     # mcg has no half rates; floor, head and drafter settings are honoured
     mcg_sens = sensitivity(small, synthetic_summary(small, seed=1), "mcg")
     mcg = allocate(small, mcg_sens, 2.9,
-                   AllocationSettings(loader=EXLLAMAV3, codebook="mcg", floor=3, head_bits=None, drafter_bits=5))
+                   AllocationSettings(profile=load_profile(EXLLAMAV3), codebook="mcg", floor=3, head_bits=None, drafter_bits=5))
     with pytest.raises(UserError, match="the tensorfold loader takes mul1"):  # its kernels are built for mul1
-        allocate(small, mcg_sens, 2.9, AllocationSettings(loader=TENSORFOLD, codebook="mcg"))
+        allocate(small, mcg_sens, 2.9, AllocationSettings(profile=load_profile(TENSORFOLD), codebook="mcg"))
     assert {k for k in mcg.k.values() if k is not None} <= set(range(1, 9))
     assert mcg.k["head"] is None and mcg.codebook == "mcg" and mcg.k["mtp.0.ffn.experts.0.w1"] == 5.0
     assert min(mcg.k[t.key] for t in targets(small) if t.group in (ATTN, SHARED)) == 3
     drafter_bits = 3.5 if mode == EXLLAMAV3 else 3.0  # tensorfold takes integer K only
-    drafted = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode, drafter_bits=drafter_bits))
+    drafted = allocate(small, small_sens, 2.9, AllocationSettings(profile=load_profile(mode), drafter_bits=drafter_bits))
     assert drafted.k["mtp.0.ffn.experts.0.w1"] == drafter_bits and drafted.k["mtp.0.attn.wq_b"] == 3.0
     with pytest.raises(ValueError, match="rates"):
         Allocator(small, small_sens, AllocationSettings(codebook="mcg"))
@@ -163,8 +163,8 @@ def test_rate_rules(small, small_sens, mode):
 
 
 def test_stock_groups_share_k_and_per_expert_profiles_vary(small, small_sens):
-    stock = allocate(small, small_sens, 2.9, AllocationSettings(loader=EXLLAMAV3))
-    mixed = allocate(small, small_sens, 2.9, AllocationSettings(loader=TENSORFOLD))
+    stock = allocate(small, small_sens, 2.9, AllocationSettings(profile=load_profile(EXLLAMAV3)))
+    mixed = allocate(small, small_sens, 2.9, AllocationSettings(profile=load_profile(TENSORFOLD)))
     per_group_stock, per_group_mixed = {}, {}
     for t in targets(small):
         if t.group == ROUTED:
@@ -183,10 +183,10 @@ def test_budget_and_equal_bytes_against_uniform(name, bpw):
     sens = sensitivity(cfg, synthetic_summary(cfg))
     uniform = uniform_plan(cfg, bpw)
     for mode in (EXLLAMAV3,):
-        plan = allocate(cfg, sens, bpw, AllocationSettings(loader=mode))
+        plan = allocate(cfg, sens, bpw, AllocationSettings(profile=load_profile(mode)))
         assert bpw - 0.005 <= plan.achieved_bpw <= bpw + 1e-9 and plan.target_bpw == bpw
         # at the bits uniform spends: the same bytes (within 0.2%) at a lower estimated cost
-        same = allocate(cfg, sens, uniform.achieved_bpw, AllocationSettings(loader=mode))
+        same = allocate(cfg, sens, uniform.achieved_bpw, AllocationSettings(profile=load_profile(mode)))
         assert abs(budget_bytes(cfg, same) / budget_bytes(cfg, uniform) - 1) < 0.002
         assert plan_cost(sens, same) < plan_cost(sens, uniform)
 
@@ -211,17 +211,17 @@ def with_cold_experts(summary: CalibrationSummary) -> CalibrationSummary:
 def test_aliases_are_refused_with_one_line_and_off_by_default(small, mode):
     """No engine reads an alias map (docs/loader-profiles.md): a plan never leaves an expert out."""
     sens = sensitivity(small, with_cold_experts(synthetic_summary(small, seed=1)))
-    assert not allocate(small, sens, 2.9, AllocationSettings(loader=mode)).aliases
+    assert not allocate(small, sens, 2.9, AllocationSettings(profile=load_profile(mode))).aliases
     with pytest.raises(UserError, match=f"--alias: the {mode} engine reads every expert's own tensors and no engine "
                                         "profile reads an alias map"):
-        allocate(small, sens, 2.9, AllocationSettings(loader=mode, alias=True))
+        allocate(small, sens, 2.9, AllocationSettings(profile=load_profile(mode), alias=True))
 
 
 @pytest.mark.parametrize("mode", [EXLLAMAV3, TENSORFOLD])
 def test_recipe_round_trip(small, small_sens, mode, tmp_path):
-    plan = allocate(small, small_sens, 2.9, AllocationSettings(loader=mode))
+    plan = allocate(small, small_sens, 2.9, AllocationSettings(profile=load_profile(mode)))
     write_recipe(small, plan, tmp_path / "r.yaml", header="test")
-    back = plan_from_recipe(small, read_recipe(tmp_path / "r.yaml"), loader=mode)
+    back = plan_from_recipe(small, read_recipe(tmp_path / "r.yaml"), profile=load_profile(mode))
     assert back.k == plan.k and back.target_bpw == plan.target_bpw
     text = (tmp_path / "r.yaml").read_text()
     if mode == TENSORFOLD:  # per-expert K gives per-expert keys

@@ -12,7 +12,7 @@ from test_allocate import with_cold_experts  # tests/ is on sys.path (pytest pre
 from quantizer.calibrate.summary import CalibrationSummary
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.cli import main
-from quantizer.contract.loader_profiles import EXLLAMAV3, VLLM_EXL3
+from quantizer.contract.loader_profiles import EXLLAMAV3, VLLM_EXL3, load_profile
 from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
@@ -71,7 +71,7 @@ def test_two_sparks_at_1m_plans_in_few_probes_and_fits(v41, tmp_path, capsys, mo
     header = (tmp_path / "r.yaml").read_text()
     assert "Budget: the most bits that fit 2 Sparks at 1,048,576 tokens" in header
     assert "--sparks 2 --context 1048576 --loader vllm-exl3 --synthetic --seed 0" in header
-    assert plan_from_recipe(v41, read_recipe(tmp_path / "r.yaml"), loader="vllm-exl3").k == plan.k
+    assert plan_from_recipe(v41, read_recipe(tmp_path / "r.yaml"), profile=load_profile("vllm-exl3")).k == plan.k
     assert main(["fit", "--model-config", "deepseek-v4.1-flash", "--plan", str(tmp_path / "p.json"),
                  "--sparks", "2", "--context", "1M"]) == 0  # charged to the engine it was planned for
     capsys.readouterr()
@@ -84,7 +84,7 @@ def test_equal_bpw_plans_are_within_one_percent_in_bytes(v41, real_v41_synthetic
         return sum(n for c, n in plan.expected_bytes.items() if c in classes)
 
     uniform = routed_and_budgeted(real_v41_uniform(bpw))
-    ours = allocate(v41, real_v41_synthetic_sensitivity, bpw, AllocationSettings(loader=EXLLAMAV3))
+    ours = allocate(v41, real_v41_synthetic_sensitivity, bpw, AllocationSettings(profile=load_profile(EXLLAMAV3)))
     assert abs(routed_and_budgeted(ours) / uniform - 1) < 0.01
 
 
@@ -100,8 +100,9 @@ def test_vllm_exl3_mixes_routed_k_per_expert_and_keeps_the_rest_in_source_form(v
     the plugin's tensor-mixed store loads), everything else FP8 source form as a fixed cost, every expert stored. On
     one Spark it cannot fit (every routed expert at K2 is already 127 GiB), and the refusal says by how much."""
     with pytest.raises(UserError, match=r"does not fit 1 Spark at 524,288 tokens .* short by [\d.]+ GiB"):
-        most_that_fits(v41, FitTarget(1, 512 * 1024), AllocationSettings(loader=VLLM_EXL3))
-    fitted = most_that_fits(v41, FitTarget(2, MILLION), AllocationSettings(loader=VLLM_EXL3, expert_layout="per-expert"))
+        most_that_fits(v41, FitTarget(1, 512 * 1024), AllocationSettings(profile=load_profile(VLLM_EXL3)))
+    fitted = most_that_fits(v41, FitTarget(2, MILLION), AllocationSettings(profile=load_profile(VLLM_EXL3),
+                                                                             expert_layout="per-expert"))
     plan, report = fitted.plan, fitted.report
     assert report.fits and report.sparks == 2 and plan.profile.name == VLLM_EXL3 and not plan.aliases
     assert all(plan.k[t.key] is None for t in targets(v41) if t.group != "routed")

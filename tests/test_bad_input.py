@@ -31,7 +31,7 @@ from quantizer.model.targets import targets
 from quantizer.quantize import results as results_module
 from quantizer.quantize.results import RESULTS_DIR
 
-build_module = importlib.import_module("quantizer.build.stages")  # the package exports the function `build`
+build_module = importlib.import_module("quantizer.orchestrate.stages")  # the package exports the function `build`
 FP16_KEYS = [f"layers.{layer}.attn.{p}" for layer in (0, 1) for p in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")]
 LATE = "layers.1.attn.wo_b.weight"  # read by the last unit of the plan
 

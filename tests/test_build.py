@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors_check import assert_safetensors_agree
 
-from quantizer.build.stages import plan_files
+from quantizer.orchestrate.stages import plan_files
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_bytes, read_header
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import main
@@ -171,7 +171,7 @@ def test_the_plan_predicts_the_packs_bytes_and_fit_exactly(built):
     src, pack = built
     cfg = Checkpoint.open(src).config
     saved = Plan.load(plan_files(pack.with_name("pack.work"), pack)[0])
-    plan = make_plan(cfg, saved.k, saved.codebook, saved.profile.name)
+    plan = make_plan(cfg, saved.k, saved.codebook, saved.profile)
     totals = Manifest.load(pack).totals
     assert {c: plan.expected_bytes.get(c) for c in totals} == {c: t["bytes"] for c, t in totals.items()}
     for sparks in (1, 2):
@@ -188,5 +188,5 @@ def test_the_k_map_and_bits_read_from_the_trellis_shapes_are_the_plans(built):
     assert stored_k(pack, cfg) == {key: (None if k is None else float(k)) for key, k in plan.k.items()}
     assert stored_bpw(pack, cfg) == pytest.approx(plan.achieved_bpw, rel=1e-12)
     budgeted = {t.key for t in targets(cfg) if t.budgeted}
-    spec = pack_spec(cfg, make_plan(cfg, plan.k, plan.codebook, plan.profile.name)).tensors
+    spec = pack_spec(cfg, make_plan(cfg, plan.k, plan.codebook, plan.profile)).tensors
     assert budgeted_bytes(pack) == sum(t.nbytes for t in spec if t.linear and t.linear.split(".slice.")[0] in budgeted)

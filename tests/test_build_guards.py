@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from one_line import one_line
 
-from quantizer.build.stages import plan_files
-from quantizer.build.preflight import claim
+from quantizer.orchestrate.stages import plan_files
+from quantizer.orchestrate.preflight import claim
 from quantizer.checkpoint import fingerprint as fingerprint_module
 from quantizer.checkpoint.fingerprint import source_fingerprint
 from quantizer.checkpoint.source import Checkpoint
@@ -431,7 +431,7 @@ def test_a_cuda_build_without_exllamav3_is_refused_before_calibration(tiny_v41, 
 
     import torch
 
-    build_module = importlib.import_module("quantizer.build.stages")  # the package exports the function `build`
+    build_module = importlib.import_module("quantizer.orchestrate.stages")  # the package exports the function `build`
     real = importlib.util.find_spec
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "exllamav3" else real(name, *a))

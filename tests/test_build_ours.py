@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from quantizer.build.stages import plan_files
+from quantizer.orchestrate.stages import plan_files
 from quantizer.cli import main
 from quantizer.contract.plan import Plan
 from quantizer.pack.manifest import MANIFEST_NAME

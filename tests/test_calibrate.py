@@ -17,6 +17,7 @@ from quantizer.calibrate.duration import CalibrationRate, calibration_flops, cal
 from quantizer.calibrate.storage import (
     CALIBRATION_DIR,
     SUMMARY_FILE,
+    HessianRecord,
     layer_file,
     pack_hessian,
     read_meta,
@@ -32,6 +33,7 @@ from quantizer.model.flops import model_flops
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.targets import DRAFT, ROUTED, targets
 from quantizer.model.transformer import DeepseekModel
+from quantizer.quantize.settings import QuantizeSettings
 from quantizer.shipped import shipped
 
 DEAD_LAYER, DEAD_EXPERT = 2, 5  # the router's selection bias keeps this expert from ever being picked
@@ -199,6 +201,23 @@ def test_a_stored_triangle_of_the_wrong_length_is_refused_with_the_file_and_the_
     with pytest.raises(UserError, match=rf"{layer_file(0)}: Hessian '{re.escape(group)}': .* entries, not .*; "
                                         rf"delete .* and calibrate again"):
         HessianStore(work, ck).mean(group)
+
+
+def test_the_hessian_record_round_trips_as_jobs_store_it_and_a_malformed_one_is_one_line(default_run):
+    result, store = default_run
+    record = store.record
+    stored = {"fingerprint": result.fingerprint, "rows": ROWS, "cols": COLS, "expert_inputs": True}  # gate2
+    assert record.to_dict() == stored == QuantizeSettings(hessians=record).record()["calibration"]
+    assert HessianRecord.from_dict(stored, "job.json") == record
+    shared = HessianRecord(result.fingerprint, ROWS, COLS)  # --expert-hessians shared: no key, as before it existed
+    assert shared.to_dict() == {"fingerprint": result.fingerprint, "rows": ROWS, "cols": COLS}
+    assert HessianRecord.from_dict(shared.to_dict(), "job.json") == shared
+    for bad in ({"fingerprint": "sha256:x", "rows": 2}, {**stored, "rows": "2"}, {**stored, "rows": True},
+                {**stored, "tokens": 6}, ["sha256:x", 2, 3]):
+        with pytest.raises(UserError) as e:
+            HessianRecord.from_dict(bad, "manifest.json settings")
+        assert len(str(e.value).splitlines()) == 1, bad
+        assert str(e.value).startswith("manifest.json settings: not a Hessian record {fingerprint, rows, cols"), bad
 
 
 def test_routing_counts_sum_to_rows_times_cols_times_k(ck, default_run, forward):

@@ -12,7 +12,7 @@ import torch
 
 from quantizer.calibrate import CalibrationSettings, HessianStore, calibrate
 from quantizer.calibrate.stage import job_record
-from quantizer.calibrate.storage import CALIBRATION_DIR, JOB_FILE
+from quantizer.calibrate.storage import CALIBRATION_DIR, JOB_FILE, HessianRecord
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.codec.ldlq import finalize_hessian
@@ -85,16 +85,16 @@ def test_the_setting_is_recorded_and_no_unit_digest_survives_it(weighted, tmp_pa
     job = json.loads((work / CALIBRATION_DIR / JOB_FILE).read_text())
     assert job["settings"]["expert_hessians"] == WEIGHTING
     default = job_record(ck, rows, CalibrationSettings(measure_kl=False), tmp_path)
-    assert default["settings"]["expert_hessians"] == "gate2" and default["fingerprint"] != store.record["fingerprint"]
+    assert default["settings"]["expert_hessians"] == "gate2" and default["fingerprint"] != store.record.fingerprint
     plan = uniform_plan(ck.config, 3.0)
     spec = pack_spec(ck.config, plan)
 
-    def digests(calibration):
-        job = QuantizeSettings(calibration=calibration).record()
+    def digests(hessians):
+        job = QuantizeSettings(hessians=hessians).record()
         return {u.name: u.digest for u in plan_units(spec, plan.codebook, job)}
 
     mine = digests(store.record)
-    theirs = digests({"fingerprint": default["fingerprint"], "rows": ROWS, "cols": COLS})
+    theirs = digests(HessianRecord(default["fingerprint"], ROWS, COLS))
     assert mine.keys() == theirs.keys() and all(mine[k] != theirs[k] for k in mine)
 
 

@@ -42,8 +42,8 @@ def test_the_shipped_constants_are_the_fit_of_published_rates_and_predict_the_he
 def _plan(layout: str, loader: str, bpw: float = 2.4):
     cfg = ModelConfig.from_file(model_config_path("small-v41.json"))
     plan = allocate(cfg, sensitivity(cfg, synthetic_summary(cfg), "mul1"), bpw,
-                    AllocationSettings(loader=loader, expert_layout=layout, head_bits=None if loader != "tensorfold"
-                                       else 6.0))
+                    AllocationSettings(profile=load_profile(loader), expert_layout=layout,
+                                       head_bits=None if loader != "tensorfold" else 6.0))
     return cfg, plan
 
 

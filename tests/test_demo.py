@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from quantizer.build.stages import QUANTIZE_DIR
+from quantizer.orchestrate.stages import QUANTIZE_DIR
 from quantizer.checkpoint.safetensors_file import read_header
 from quantizer.cli import main
 from quantizer.commands.demo import render
@@ -106,7 +106,7 @@ def test_a_demo_row_is_what_quantizer_build_writes(run, rows, tmp_path, capfd, m
     capfd.readouterr()
     assert main(common + ["--method", "uniform", "--out", str(tmp_path / "uniform")]) == 0
     assert re.findall(r"([\d,]+) weights to encode", capfd.readouterr().err) == ["0"]
-    pipeline_build = importlib.import_module("quantizer.build.stages")  # the module, not its build()
+    pipeline_build = importlib.import_module("quantizer.orchestrate.stages")  # the module, not its build()
     quantize = pipeline_build.quantize
 
     def quantize_with_the_demos_encodings(*args, **kwargs):

@@ -22,6 +22,7 @@ import pytest
 from one_line import one_line
 from test_publish import _listed  # tests/ is on sys.path (pytest prepend import mode)
 
+from quantizer.contract.loader_profiles import load_profile
 from quantizer.checkpoint.safetensors_file import read_bytes, read_header
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import main
@@ -61,7 +62,7 @@ def packs(source, tmp_path_factory):
         "tensorfold": {t.key: routed_k(t) if t.group == ROUTED else 2.0 for t in targets(cfg)},
     }
     for loader, k in plans.items():
-        make_plan(cfg, k, loader=loader).save(root / f"{loader}.json")
+        make_plan(cfg, k, profile=load_profile(loader)).save(root / f"{loader}.json")
         assert main(["build", str(source), "--plan", str(root / f"{loader}.json"), "--out", str(root / loader),
                      "--work", str(root / "work"), "--no-calibrate"]) == 0
     return root

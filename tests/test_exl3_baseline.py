@@ -114,7 +114,7 @@ def test_ours_costs_less_than_exl3_at_its_bytes(bpw):
             sum(a.cost for a in sens.aliases if a.expert in plan.aliases)
 
     for mode in (EXLLAMAV3,):
-        ours = allocate(cfg, sens, base.achieved_bpw, AllocationSettings(loader=mode))
+        ours = allocate(cfg, sens, base.achieved_bpw, AllocationSettings(profile=load_profile(mode)))
         assert ours.achieved_bpw <= base.achieved_bpw + 1e-9
         assert abs(budget_bytes(cfg, ours) / budget_bytes(cfg, base) - 1) < 0.002
         assert cost(ours) < cost(base)

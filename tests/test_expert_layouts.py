@@ -11,7 +11,7 @@ from one_line import one_line
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.cli import main
-from quantizer.contract.loader_profiles import EXPERT_LAYOUTS, LOADERS, load_profile
+from quantizer.contract.loader_profiles import EXPERT_LAYOUTS, loader_names, load_profile
 from quantizer.contract.plan import Plan
 from quantizer.model.targets import ROUTED, targets
 from quantizer.plan.allocate import AllocationSettings, allocate
@@ -19,7 +19,7 @@ from quantizer.plan.sensitivity import synthetic_summary, sensitivity
 from quantizer.plan.uniform import uniform_plan
 from quantizer.shipped import model_config_path
 
-PAIRS = [(name, layout) for name in LOADERS for layout in load_profile(name).layouts.allowed]  # what each engine loads
+PAIRS = [(name, layout) for name in loader_names() for layout in load_profile(name).layouts.allowed]  # what each engine loads
 
 
 def _model(name: str) -> ModelConfig:
@@ -55,7 +55,7 @@ def assert_layout(cfg: ModelConfig, plan: Plan, layout: str, tie: str, groups: i
 def test_every_layout_on_every_profile_meets_its_rule_at_its_budget(loader, layout):
     cfg = _model("small-v41.json")
     sens = sensitivity(cfg, synthetic_summary(cfg), "mul1")
-    settings = AllocationSettings(loader=loader, expert_layout=layout)
+    settings = AllocationSettings(profile=load_profile(loader), expert_layout=layout)
     profile = load_profile(loader)
     budgeted_routed_only = loader in ("vllm-exl3", "exllamav3-v41")  # everything else in source form: no floor
     for bpw in (1.6 if budgeted_routed_only and profile.k_min < 2 else 2.2 if budgeted_routed_only else 3.5, 2.9 + 1.5
@@ -65,7 +65,7 @@ def test_every_layout_on_every_profile_meets_its_rule_at_its_budget(loader, layo
         assert_layout(cfg, plan, layout, profile.layouts.fused_tie, profile.layouts.groups, profile.layouts.min_group)
         routed = {plan.k[t.key] for t in targets(cfg) if t.group == ROUTED}
         assert profile.layouts.half_rates or all(k == int(k) for k in routed), routed
-        uniform = uniform_plan(cfg, bpw, loader=loader, expert_layout=layout,
+        uniform = uniform_plan(cfg, bpw, profile=load_profile(loader), expert_layout=layout,
                                head_bits=None if budgeted_routed_only else 6)
         assert_layout(cfg, uniform, layout, profile.layouts.fused_tie, profile.layouts.groups, profile.layouts.min_group)
 
@@ -81,9 +81,9 @@ def test_a_tighter_layout_costs_more_at_equal_bits_and_half_rates_lower_the_cost
     gate = up = down is a special case of grouped, which is one of per-expert; half rates can only help."""
     cfg = _model("small-v41.json")
     sens = sensitivity(cfg, synthetic_summary(cfg), "mul1")
-    tied = [_cost(cfg, sens, 3.0, loader="tensorfold", expert_layout=layout) for layout in EXPERT_LAYOUTS]
+    tied = [_cost(cfg, sens, 3.0, profile=load_profile("tensorfold"), expert_layout=layout) for layout in EXPERT_LAYOUTS]
     assert tied[0] <= tied[1] <= tied[2] and tied[0] < tied[2]
-    one_spark = {(layout, halves): _cost(cfg, sens, 1.8, loader="exllamav3-v41", expert_layout=layout,
+    one_spark = {(layout, halves): _cost(cfg, sens, 1.8, profile=load_profile("exllamav3-v41"), expert_layout=layout,
                                          half_rates=halves, head_bits=None)
                  for layout in EXPERT_LAYOUTS for halves in (False, True)}
     for halves in (False, True):

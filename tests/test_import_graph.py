@@ -26,7 +26,7 @@ LAYERS = (
     ("contract", {"contract"}),
     ("stages", {"calibrate", "plan", "fit", "quantize", "pack", "plots", "tune", "verify", "inventory", "ppl",
                 "evaluate", "publish", "tiny"}),
-    ("orchestration", {"build", "demo"}),
+    ("orchestration", {"orchestrate", "demo"}),
     ("commands", {"commands"}),
     ("entry", {"cli", "__main__"}),
 )
@@ -131,3 +131,57 @@ def test_commands_live_in_one_folder_and_modules_do_not_stutter():
     assert not list(ROOT.glob("*/cli.py")), "a cli.py inside a stage folder: commands belong in quantizer/commands/"
     stutter = [str(p.relative_to(ROOT)) for p in ROOT.glob("*/*.py") if p.stem == p.parent.name]
     assert not stutter, f"a folder holding a module of its own name: {stutter}"
+
+
+# Where an engine's name enters and becomes its LoaderProfile (docs/ARCHITECTURE.md, "The engine is one object"):
+# the command line, plan.json, a manifest, a recipe file; and the contract itself.
+NAME_ENTRIES = {"contract/loader_profiles.py", "contract/plan.py", "pack/manifest.py", "plan/recipe.py",
+                "commands/arguments.py"}
+PROFILE_NAMES = ("EXLLAMAV3", "VLLM_EXL3", "TENSORFOLD", "EXLLAMAV3_V41")
+
+
+def _calls(tree: ast.AST, name: str) -> int:
+    return sum(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == name
+               for n in ast.walk(tree))
+
+
+def test_a_profile_is_resolved_only_where_its_name_enters():
+    resolving = {str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if _calls(ast.parse(p.read_text()), "load_profile")}
+    assert resolving <= NAME_ENTRIES, f"load_profile( outside where a name enters: {sorted(resolving - NAME_ENTRIES)}"
+
+
+def test_no_code_outside_the_contract_switches_on_an_engine_name():
+    from quantizer.contract.loader_profiles import loader_names
+
+    found = []
+    for path in ROOT.rglob("*.py"):
+        where = str(path.relative_to(ROOT))
+        if where.startswith("contract/"):
+            continue
+        tree = ast.parse(path.read_text())
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.module == "quantizer.contract.loader_profiles":
+                found += [f"{where}: imports {a.name}" for a in n.names if a.name in PROFILE_NAMES]
+            if isinstance(n, (ast.Compare, ast.Dict)):
+                text = ast.unparse(n)
+                named = [c.value for c in ast.walk(n) if isinstance(c, ast.Constant) and c.value in loader_names()]
+                if named and ("loader" in text or "profile" in text):
+                    found.append(f"{where}:{n.lineno}: {text[:80]}")
+    assert not found, "engine knowledge switched by name outside contract/:\n" + "\n".join(found)
+
+
+def test_every_command_run_is_thin():
+    for path in sorted((ROOT / "commands").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name == "run":
+                assert node.end_lineno - node.lineno + 1 <= 40, f"{path.name}: run() is {node.end_lineno - node.lineno + 1} lines"
+
+
+def test_the_architecture_drawing_is_the_layers_the_test_keeps():
+    """docs/ARCHITECTURE.md's drawing: every layer, top first, with exactly its folders and modules."""
+    text = (ROOT.parent / "docs" / "ARCHITECTURE.md").read_text()
+    block = text.split("```\nentry", 1)[1].split("```", 1)[0]
+    drawn = [line.split(None, 1) for line in ("entry" + block).strip().splitlines()]
+    assert [name for name, _ in drawn] == [name for name, _ in reversed(LAYERS)]
+    for (name, members), (_, listed) in zip(reversed(LAYERS), drawn):
+        assert {m.strip().rstrip("/") for m in listed.split(",")} == members, name

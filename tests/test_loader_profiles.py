@@ -8,7 +8,7 @@ import pytest
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.contract.loader_profiles import EXLLAMAV3, LOADERS, TENSORFOLD, load_profile, violations
+from quantizer.contract.loader_profiles import EXLLAMAV3, loader_names, TENSORFOLD, load_profile, violations
 from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
@@ -25,20 +25,20 @@ def cfg(request):
     return ModelConfig.from_file(model_config_path(request.param))
 
 
-@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize("loader", loader_names())
 @pytest.mark.parametrize("method", METHODS)
 def test_a_plan_from_every_method_keeps_its_profile(cfg, method, loader):
     profile = load_profile(loader)
     if method == "exl3" and loader != EXLLAMAV3:  # exllamav3's allocator plans exllamav3's layout only
         with pytest.raises(UserError, match="--method exl3 plans exllamav3's own layout"):
-            planner(cfg, method, AllocationSettings(loader=loader))
+            planner(cfg, method, AllocationSettings(profile=load_profile(loader)))
         return
     if cfg.arch not in profile.archs:
         with pytest.raises(UserError, match=f"--loader {loader}: .* runs v41 models, this one is v4"):
-            planner(cfg, method, AllocationSettings(loader=loader),
+            planner(cfg, method, AllocationSettings(profile=load_profile(loader)),
                     synthetic_summary(cfg, seed=3) if method == OURS else None)[0](2.5)
         return
-    plan_at, _ = planner(cfg, method, AllocationSettings(loader=loader),
+    plan_at, _ = planner(cfg, method, AllocationSettings(profile=load_profile(loader)),
                          synthetic_summary(cfg, seed=3) if method == OURS else None)
     for bpw in (2.5, 3.5):
         plan = plan_at(bpw)
@@ -56,7 +56,7 @@ def test_a_plan_from_every_method_keeps_its_profile(cfg, method, loader):
 def test_ours_under_exllamav3_spends_gate_and_up_as_one_unit(cfg):
     """Tied in the problem, not repaired after: the exllamav3 plan ties gate and up of every layer."""
     summary = synthetic_summary(cfg, seed=3)
-    stock = planner(cfg, OURS, AllocationSettings(loader=EXLLAMAV3), summary)[0](2.9)
+    stock = planner(cfg, OURS, AllocationSettings(profile=load_profile(EXLLAMAV3)), summary)[0](2.9)
     assert stock.achieved_bpw <= 2.9 + 1e-9
     for t in targets(cfg):
         if t.group == ROUTED and t.proj == "w1":
@@ -69,7 +69,7 @@ def test_make_plan_names_the_layer_and_rule_exllamav3_cannot_load(tiny_v41):
     k = {t.key: ({"w1": 2.0, "w3": 3.0}.get(t.proj) if t.group == ROUTED and t.layer == layer else None)
          for t in targets(cfg)}
     with pytest.raises(UserError, match=rf"layers\.{layer}\.ffn\.experts: gate \(w1\) and up \(w3\) must share"):
-        make_plan(cfg, k, loader=EXLLAMAV3)
+        make_plan(cfg, k, profile=load_profile(EXLLAMAV3))
     # a pack that breaks it is named by verify: tests/test_engine_profiles.py (a vllm-exl3 pack)
 
 
@@ -92,8 +92,8 @@ def test_the_budgeted_set_holds_the_compressors_and_the_v41_index_keys(tiny_v41,
 def test_the_alias_and_codebook_rules_are_refused_up_front(cfg):
     summary = synthetic_summary(cfg, seed=3)
     with pytest.raises(UserError, match="the exllamav3 engine reads every expert's own tensors"):
-        planner(cfg, OURS, AllocationSettings(loader=EXLLAMAV3, alias=True), summary)[0](2.9)
+        planner(cfg, OURS, AllocationSettings(profile=load_profile(EXLLAMAV3), alias=True), summary)[0](2.9)
     with pytest.raises(UserError, match="the tensorfold loader takes mul1"):
-        Allocator(cfg, sensitivity(cfg, summary, "mcg"), AllocationSettings(loader=TENSORFOLD, codebook="mcg"))
+        Allocator(cfg, sensitivity(cfg, summary, "mcg"), AllocationSettings(profile=load_profile(TENSORFOLD), codebook="mcg"))
     with pytest.raises(UserError, match="loader profile 'vllm'; choose one of exllamav3, vllm-exl3, tensorfold"):
         load_profile("vllm")

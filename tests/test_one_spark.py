@@ -14,11 +14,11 @@ import pytest
 from one_line import one_line
 from script_module import script_module
 
-from quantizer.build.summary import export_line
+from quantizer.orchestrate.summary import export_line
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_header
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
-from quantizer.contract.loader_profiles import DEFAULT_OVERLAY, EXLLAMAV3_V41, Overlay
+from quantizer.contract.loader_profiles import DEFAULT_OVERLAY, EXLLAMAV3_V41, Overlay, load_profile
 from quantizer.contract.pack_spec import StoredTensor, pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.fit.cold_experts import place_cold_experts, routed_tokens
@@ -296,7 +296,7 @@ def test_cold_experts_make_more_bits_fit_within_their_routing_share(real_v41):
     hw = load_hardware()
     summary = synthetic_summary(real_v41)
     tokens = routed_tokens(summary)
-    plan = uniform_plan(real_v41, 1.8, loader=EXLLAMAV3_V41, head_bits=None, overlay=Overlay(DEFAULT_OVERLAY))
+    plan = uniform_plan(real_v41, 1.8, profile=load_profile(EXLLAMAV3_V41), head_bits=None, overlay=Overlay(DEFAULT_OVERLAY))
     stored = pack_spec(real_v41, plan).tensors
     s = Scenario(sparks=1, context=524_288, engine=V41_ENGINE)
     hot = min(r.free_gib for r in evaluate(real_v41, stored, s, hw))
@@ -322,7 +322,7 @@ def test_cold_experts_make_more_bits_fit_within_their_routing_share(real_v41):
 
 
 def test_a_pack_without_a_drafter_overlay_launches_without_it(real_v41):
-    plan = uniform_plan(real_v41, 1.4, loader=EXLLAMAV3_V41, head_bits=None)
+    plan = uniform_plan(real_v41, 1.4, profile=load_profile(EXLLAMAV3_V41), head_bits=None)
     assert all(plan.k[t.key] is None for t in targets(real_v41) if t.group == DRAFT)
     assert "DRAFT=0" in Launch(drafter=False).render()
     stored, one = pack_spec(real_v41, plan).tensors, FitTarget(1, 8192, 1, V41_ENGINE)
@@ -371,9 +371,9 @@ def test_a_source_without_the_tokenizer_the_engine_reads_is_refused_before_any_s
 
 
 def test_every_rule_a_profile_sets_names_the_engine_code_it_comes_from():
-    from quantizer.contract.loader_profiles import LOADERS, RULES, load_profile
+    from quantizer.contract.loader_profiles import loader_names, RULES, load_profile
 
-    for name in LOADERS:
+    for name in loader_names():
         profile = load_profile(name)
         for rule in RULES:
             if rule in ("architectures", "required_files") and not getattr(profile, rule):

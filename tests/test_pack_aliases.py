@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from quantizer.contract.loader_profiles import load_profile
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.contract.plan import Plan
@@ -13,7 +14,7 @@ COLD, WARM = "layers.0.ffn.experts.7", "layers.0.ffn.experts.2"
 
 def test_a_plan_with_aliased_experts_is_refused_before_any_stage(tiny_v41, tmp_path, capsys):
     cfg = Checkpoint.open(tiny_v41).config
-    plan = uniform_plan(cfg, 2.5, loader="vllm-exl3")
+    plan = uniform_plan(cfg, 2.5, profile=load_profile("vllm-exl3"))
     Plan(plan.arch, plan.codebook, plan.profile, plan.k, plan.target_bpw, {COLD: WARM}).save(tmp_path / "plan.json")
     pack = tmp_path / "pack"
     assert main(["build", str(tiny_v41), "--plan", str(tmp_path / "plan.json"), "--out", str(pack),

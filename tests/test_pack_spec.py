@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3
+from quantizer.contract.loader_profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3, load_profile
 from quantizer.contract.pack_spec import EXL3, NATIVE, pack_spec, spec_bytes
 from quantizer.contract.rules import make_plan
 from quantizer.model.targets import targets
@@ -28,9 +28,9 @@ def _plans(cfg):
     return {
         "uniform": uniform_plan(cfg, 2.5),
         "native": make_plan(cfg, {t.key: None for t in targets(cfg)}),
-        "fp16": make_plan(cfg, k, loader=EXLLAMAV3),
-        "tensorfold": uniform_plan(cfg, 2.5, loader=TENSORFOLD),
-        "vllm-exl3": uniform_plan(cfg, 2.5, loader=VLLM_EXL3),
+        "fp16": make_plan(cfg, k, profile=load_profile(EXLLAMAV3)),
+        "tensorfold": uniform_plan(cfg, 2.5, profile=load_profile(TENSORFOLD)),
+        "vllm-exl3": uniform_plan(cfg, 2.5, profile=load_profile(VLLM_EXL3)),
     }
 
 

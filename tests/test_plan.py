@@ -8,7 +8,7 @@ import json
 import pytest
 
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3
+from quantizer.contract.loader_profiles import EXLLAMAV3, TENSORFOLD, VLLM_EXL3, load_profile
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
@@ -150,12 +150,12 @@ def test_lowest_uniform_bpw_is_the_first_bpw_uniform_plan_accepts(v41, loader):
     """fit and `--sparks` start their search for the most bits that fit here instead of bisecting from
     1 bpw: uniform_plan takes it, with the routed experts at the profile's lowest rate, and refuses
     anything a hair below."""
-    lowest = lowest_uniform_bpw(v41, loader=loader)
-    plan = uniform_plan(v41, lowest, loader=loader)
+    lowest = lowest_uniform_bpw(v41, profile=load_profile(loader))
+    plan = uniform_plan(v41, lowest, profile=load_profile(loader))
     routed = {plan.k[t.key] for t in targets(v41) if t.group == ROUTED}
     assert routed == {1.0 if loader == EXLLAMAV3 else 2.0}
     with pytest.raises(UserError, match="too low"):
-        uniform_plan(v41, lowest - 1e-6, loader=loader)
+        uniform_plan(v41, lowest - 1e-6, profile=load_profile(loader))
     assert lowest_uniform_bpw(v41, floor=6.0) > lowest_uniform_bpw(v41)  # a higher floor needs more bits
 
 
@@ -184,28 +184,30 @@ def test_loader_profiles_and_aliases(tiny):
     k["layers.2.ffn.experts.1.w2"] = 1.0  # below the layer's K (tiny: attention takes much of the budget)
     with pytest.raises(UserError, match=r"layers\.2\.ffn\.experts: experts of one projection must share one K.*"
                                         r"rule one_k_per_projection: exllamav3/modules/multilinear\.py"):
-        make_plan(tiny, k, loader=EXLLAMAV3)
+        make_plan(tiny, k, profile=load_profile(EXLLAMAV3))
     tied = dict(uniform_plan(tiny, 3.0).k)
     tied.update({f"layers.4.ffn.experts.{e}.w3": 3.0 for e in range(tiny.n_routed_experts)})
     with pytest.raises(UserError, match=r"gate \(w1\) and up \(w3\) must share one K.*rule gate_up_tied"):
-        make_plan(tiny, tied, loader=EXLLAMAV3)
+        make_plan(tiny, tied, profile=load_profile(EXLLAMAV3))
     with pytest.raises(UserError, match="rule codebook"):
-        make_plan(tiny, uniform_plan(tiny, 3.0, codebook="3inst").k, codebook="3inst", loader=EXLLAMAV3)
+        make_plan(tiny, uniform_plan(tiny, 3.0, codebook="3inst").k, codebook="3inst", profile=load_profile(EXLLAMAV3))
     for loader in (EXLLAMAV3, VLLM_EXL3, TENSORFOLD):  # no engine reads an alias map
         with pytest.raises(UserError, match="rule aliases"):
-            make_plan(tiny, uniform_plan(tiny, 3.0, loader=loader).k, loader=loader,
+            make_plan(tiny, uniform_plan(tiny, 3.0, profile=load_profile(loader)).k, profile=load_profile(loader),
                       aliases={"layers.2.ffn.experts.1": "layers.2.ffn.experts.0"})
     # K per expert where the engine takes it (tensorfold): one expert lowered costs fewer bytes
-    per_expert = dict(uniform_plan(tiny, 3.0, loader=TENSORFOLD).k)
+    per_expert = dict(uniform_plan(tiny, 3.0, profile=load_profile(TENSORFOLD)).k)
     per_expert["layers.2.ffn.experts.1.w2"] = 1.0
-    mixed = make_plan(tiny, per_expert, loader=TENSORFOLD)
-    base = make_plan(tiny, uniform_plan(tiny, 3.0, loader=TENSORFOLD).k, loader=TENSORFOLD)
+    mixed = make_plan(tiny, per_expert, profile=load_profile(TENSORFOLD))
+    base = make_plan(tiny, uniform_plan(tiny, 3.0, profile=load_profile(TENSORFOLD)).k, profile=load_profile(TENSORFOLD))
     assert base.k["layers.2.ffn.experts.0.w2"] > mixed.k["layers.2.ffn.experts.1.w2"]
     assert mixed.expected_bytes["routed_expert"] < base.expected_bytes["routed_expert"]
     with pytest.raises(UserError, match="same layer"):
-        make_plan(tiny, per_expert, loader=TENSORFOLD, aliases={"layers.2.ffn.experts.1": "layers.3.ffn.experts.0"})
+        make_plan(tiny, per_expert, profile=load_profile(TENSORFOLD),
+                  aliases={"layers.2.ffn.experts.1": "layers.3.ffn.experts.0"})
     with pytest.raises(UserError, match="not a routed expert"):
-        make_plan(tiny, per_expert, loader=TENSORFOLD, aliases={"layers.2.ffn.experts.99": "layers.2.ffn.experts.0"})
+        make_plan(tiny, per_expert, profile=load_profile(TENSORFOLD),
+                  aliases={"layers.2.ffn.experts.99": "layers.2.ffn.experts.0"})
     k.pop("head")
     with pytest.raises(UserError, match="no K for 1 target"):
-        make_plan(tiny, k, loader=EXLLAMAV3)
+        make_plan(tiny, k, profile=load_profile(EXLLAMAV3))

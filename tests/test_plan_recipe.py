@@ -11,7 +11,7 @@ import pytest
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.cli import main
-from quantizer.contract.loader_profiles import EXLLAMAV3, TENSORFOLD
+from quantizer.contract.loader_profiles import EXLLAMAV3, TENSORFOLD, load_profile
 from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.exl3 import exl3_bytes
@@ -43,7 +43,7 @@ def _recipe(tmp_path, body: str, name="r.yaml"):
 def test_last_matching_entry_wins(tiny, tmp_path):
     r = _recipe(tmp_path, RECIPE_HEAD + '  "layers.*.ffn.experts.*.w2": 2\n  layers.3.ffn.experts.1.w2: 1.5\n'
                 '  "layers.3.ffn.experts.*.w2": 2.5\n')
-    plan = plan_from_recipe(tiny, r, loader=EXLLAMAV3)
+    plan = plan_from_recipe(tiny, r, profile=load_profile(EXLLAMAV3))
     assert plan.k["layers.3.ffn.experts.1.w2"] == 2.5  # the later pattern overrides the exact key
     assert plan.k["layers.4.ffn.experts.1.w2"] == 2.0 and plan.k["layers.4.ffn.experts.1.w1"] == 3.0
     assert plan.k["layers.2.attn.indexer.wq_b"] == 4.0  # `layers.*.attn.*` also covers the indexer
@@ -108,15 +108,15 @@ def test_written_recipes_round_trip(v41, tiny, tmp_path, real_v41_uniform):
     assert back.k == plan.k and back.content_hash() == plan.content_hash()
     assert len(recipe_entries(v41, plan)) == 15  # default + 10 middle layers + 4 floors
     # a per-expert (tensorfold) plan with drafter entries round-trips too, and one with native entries
-    k = dict(uniform_plan(tiny, 2.5, drafter_bits=3, loader=TENSORFOLD).k)
+    k = dict(uniform_plan(tiny, 2.5, drafter_bits=3, profile=load_profile(TENSORFOLD)).k)
     k.update({"layers.3.ffn.experts.1.w2": 4.0, "mtp.2.ffn.experts.0.w1": 2.0})
-    mixed = make_plan(tiny, k, loader=TENSORFOLD)
+    mixed = make_plan(tiny, k, profile=load_profile(TENSORFOLD))
     write_recipe(tiny, mixed, tmp_path / "m.yaml")
-    assert plan_from_recipe(tiny, read_recipe(tmp_path / "m.yaml"), loader=TENSORFOLD).k == mixed.k
+    assert plan_from_recipe(tiny, read_recipe(tmp_path / "m.yaml"), profile=load_profile(TENSORFOLD)).k == mixed.k
     native = dict(uniform_plan(tiny, 2.5).k, **{"layers.0.attn.wkv": None})
-    partly = make_plan(tiny, native, loader=EXLLAMAV3)
+    partly = make_plan(tiny, native, profile=load_profile(EXLLAMAV3))
     write_recipe(tiny, partly, tmp_path / "n.yaml")
-    assert plan_from_recipe(tiny, read_recipe(tmp_path / "n.yaml"), loader=EXLLAMAV3).k == partly.k
+    assert plan_from_recipe(tiny, read_recipe(tmp_path / "n.yaml"), profile=load_profile(EXLLAMAV3)).k == partly.k
 
 
 def test_a_recipe_means_what_it_says_about_the_head(tiny, tmp_path):
@@ -126,7 +126,7 @@ def test_a_recipe_means_what_it_says_about_the_head(tiny, tmp_path):
     assert native.head_bits is None and native.profile.name == "vllm-exl3"  # the routed-only layout vLLM loads
     assert plan_from_recipe(tiny, _recipe(tmp_path, 'tensors:\n  "*": 4\n')).head_bits == 4.0
     named = _recipe(tmp_path, 'head_bits: 5\ntensors:\n  "*": native\n  "layers.*.ffn.experts.*": 2\n')
-    assert plan_from_recipe(tiny, named, loader=TENSORFOLD, keep_rules=False).head_bits == 5.0
+    assert plan_from_recipe(tiny, named, profile=load_profile(TENSORFOLD), keep_rules=False).head_bits == 5.0
     assert plan_from_recipe(tiny, _recipe(tmp_path, RECIPE_HEAD.replace("head_bits: 6\n", ""))).head_bits == 6.0
 
 

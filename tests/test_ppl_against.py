@@ -13,7 +13,7 @@ import torch
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.codec import EXL3Linear, dequantize
-from quantizer.contract.loader_profiles import EXLLAMAV3
+from quantizer.contract.loader_profiles import EXLLAMAV3, load_profile
 from quantizer.contract.rules import make_plan
 from quantizer.model.hooks import ForwardHooks
 from quantizer.model.targets import targets
@@ -34,7 +34,7 @@ def rows_file(tmp_path_factory):
 
 def _pack(src, root, k: dict[str, float | None]):
     cfg = Checkpoint.open(src).config
-    make_plan(cfg, {t.key: k.get(t.key) for t in targets(cfg)}, loader=EXLLAMAV3).save(root / "plan.json")
+    make_plan(cfg, {t.key: k.get(t.key) for t in targets(cfg)}, profile=load_profile(EXLLAMAV3)).save(root / "plan.json")
     assert main(["build", str(src), "--plan", str(root / "plan.json"), "--out", str(root / "pack"),
                  "--no-calibrate"]) == 0
     return root / "pack"

@@ -18,7 +18,7 @@ from quantizer.checkpoint import fingerprint
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import trellis
-from quantizer.contract.loader_profiles import LOADERS, load_profile
+from quantizer.contract.loader_profiles import loader_names, load_profile
 from quantizer.contract.pack_spec import native_tensors
 from quantizer.model.targets import targets
 from quantizer.shipped import model_config_path
@@ -119,7 +119,7 @@ def test_configs_and_profiles_key_caches_by_value():
     assert same == cfg and hash(same) == hash(cfg) and hash(other) != hash(cfg)
     assert annotated == cfg and hash(annotated) == hash(cfg)
     assert targets(same) is targets(cfg) is targets(annotated)  # one cached index for equal configs
-    profiles = [load_profile(name) for name in LOADERS]
+    profiles = [load_profile(name) for name in loader_names()]
     caches.reset()
-    assert [load_profile(name) for name in LOADERS] == profiles
-    assert {hash(p) for p in profiles} == {hash(load_profile(name)) for name in LOADERS}
+    assert [load_profile(name) for name in loader_names()] == profiles
+    assert {hash(p) for p in profiles} == {hash(load_profile(name)) for name in loader_names()}

@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from quantizer.calibrate.storage import HessianRecord
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear, dequantize
 from quantizer.contract.rules import make_plan
@@ -16,14 +17,14 @@ from quantizer.quantize import QuantizeSettings, quantize
 from quantizer.workdir import JOB_NAME
 
 KEY = "layers.2.attn.wq_a"
-CALIBRATION = {"fingerprint": "sha256:test", "rows": 4, "cols": 64}
+HESSIANS = HessianRecord("sha256:test", rows=4, cols=64)
 
 
 def test_a_calibrated_linear_is_quantized_in_the_hessian_metric(tiny_v41, tmp_path):
     ck = Checkpoint.open(tiny_v41)
     plan = make_plan(ck.config, {t.key: (4.0 if t.key == KEY else None) for t in targets(ck.config)})
     w = ck.weight(KEY + ".weight")
-    x = torch.randn(CALIBRATION["rows"] * CALIBRATION["cols"], w.shape[1], generator=torch.Generator().manual_seed(0))
+    x = torch.randn(HESSIANS.rows * HESSIANS.cols, w.shape[1], generator=torch.Generator().manual_seed(0))
     x[:, :8] *= 10  # a few loud input channels, as real activations have
     h = x.T @ x
     asked = []
@@ -32,10 +33,11 @@ def test_a_calibrated_linear_is_quantized_in_the_hessian_metric(tiny_v41, tmp_pa
         asked.append(key)
         return h, x.shape[0]
 
-    settings = QuantizeSettings(calibration=CALIBRATION)
+    settings = QuantizeSettings(hessians=HESSIANS)
     result = quantize(ck, plan, tmp_path / "work", settings, hessian=hessian)
     assert asked == [KEY]
-    assert json.loads((tmp_path / "work" / JOB_NAME).read_text())["settings"]["calibration"] == CALIBRATION
+    assert json.loads((tmp_path / "work" / JOB_NAME).read_text())["settings"]["calibration"] == {
+        "fingerprint": "sha256:test", "rows": 4, "cols": 64}
 
     write_pack(ck, plan, tmp_path / "work", tmp_path / "pack", PackSettings(job_settings=settings.record()))
     packed = Checkpoint.open(tmp_path / "pack")

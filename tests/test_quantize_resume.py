@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from quantizer.build.stages import QUANTIZE_DIR
+from quantizer.orchestrate.stages import QUANTIZE_DIR
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.contract.rules import make_plan

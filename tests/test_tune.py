@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantizer.build.stages import QUANTIZE_DIR, BuildRequest, build, plan_and_state, plan_files
+from quantizer.orchestrate.stages import QUANTIZE_DIR, BuildRequest, build, plan_and_state, plan_files
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, read_bytes, read_header
@@ -66,7 +66,7 @@ def packs(tiny_v41, tmp_path_factory):
 
     def request(out: str, tune: TuneSettings | None) -> BuildRequest:
         return BuildRequest(str(tiny_v41), root / out, plan=plan, calibration_rows=rows,
-                            calibration=CalibrationSettings(measure_kl=False), work=root / "work", tune=tune)
+                            calibration_settings=CalibrationSettings(measure_kl=False), work=root / "work", tune=tune)
 
     build(request("plain", None))
     result = build(request("tuned", SETTINGS))
@@ -184,7 +184,7 @@ def test_tune_without_calibration_is_refused_in_one_line(tiny_v41, tmp_path, cap
 def test_a_source_byte_changed_during_tuning_keeps_no_tuned_block(packs, src, tmp_path, capsys, monkeypatch):
     """Blocks tuned from changed bytes are deleted before the refusal, like the units encoded from them,
     so a rerun with the bytes put back never reuses them."""
-    build_module = importlib.import_module("quantizer.build.stages")  # the package exports the function
+    build_module = importlib.import_module("quantizer.orchestrate.stages")  # the package exports the function
 
     work = tmp_path / "work"
     real = build_module.tune
@@ -202,7 +202,7 @@ def test_a_source_byte_changed_during_tuning_keeps_no_tuned_block(packs, src, tm
     monkeypatch.setattr(build_module, "tune", tune_then_change)
     rows = torch.load(packs / "rows.pt")[:4, :32]
     request = BuildRequest(str(src), tmp_path / "pack", plan=_plan(Checkpoint.open(src).config), calibration_rows=rows,
-                           calibration=CalibrationSettings(measure_kl=False), work=work,
+                           calibration_settings=CalibrationSettings(measure_kl=False), work=work,
                            tune=TuneSettings(steps=1, eval_every=1, batch_rows=4))
     with pytest.raises(UserError, match=r"changed while this build read it \(tune\).*block\(s\) tuned in this run"):
         build(request)
@@ -219,7 +219,7 @@ def e2e_pack(packs, tiny_v41):
     """Block-wise, then end to end, in the work directory of `packs` (the same codes; the blocks reused)."""
     rows = torch.load(packs / "rows.pt")
     result = build(BuildRequest(str(tiny_v41), packs / "e2e", plan=_plan(Checkpoint.open(tiny_v41).config),
-                                calibration_rows=rows, calibration=CalibrationSettings(measure_kl=False),
+                                calibration_rows=rows, calibration_settings=CalibrationSettings(measure_kl=False),
                                 work=packs / "work", tune=SETTINGS, end_to_end=E2E))
     assert result.tuned.tuned == 0  # the block files of `packs`
     return result
@@ -289,7 +289,7 @@ def test_tuning_that_does_not_fit_is_refused_before_any_stage(flag, instead, tin
 @pytest.mark.parametrize("flag", ["--tune-e2e", "--tune"])
 def test_too_few_calibration_rows_to_tune_are_refused_before_any_stage(flag, tiny_v41, tmp_path, capsys, monkeypatch):
     """One row leaves none to hold out: refused before calibration and quantize, not after them."""
-    build_module = importlib.import_module("quantizer.build.stages")
+    build_module = importlib.import_module("quantizer.orchestrate.stages")
     monkeypatch.setattr(build_module, "calibrate", lambda *a, **k: pytest.fail("calibrated before refusing"))
     ids = tmp_path / "ids.npy"
     np.save(ids, np.random.default_rng(0).integers(3, 200, size=(1, 32)))
@@ -312,7 +312,7 @@ def test_a_rerun_of_a_finished_tuned_build_needs_none_of_the_tuning_memory(e2e_p
 
     def request(out: Path, work: Path, tune: TuneSettings) -> BuildRequest:
         return BuildRequest(str(tiny_v41), out, plan=plan, calibration_rows=rows,
-                            calibration=CalibrationSettings(measure_kl=False), work=work, tune=tune, end_to_end=E2E)
+                            calibration_settings=CalibrationSettings(measure_kl=False), work=work, tune=tune, end_to_end=E2E)
 
     again = build(request(tmp_path / "again", packs / "work", SETTINGS))
     assert again.tuned.tuned == 0 and not again.end_to_end.tuned

@@ -14,8 +14,8 @@ import pytest
 from one_line import one_line
 
 from quantizer import distributed, workdir
-from quantizer.build.preflight import claim
-from quantizer.build.stages import plan_files
+from quantizer.orchestrate.preflight import claim
+from quantizer.orchestrate.stages import plan_files
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.contract.plan import Plan

@@ -1,4 +1,4 @@
-"""How calibration results sit on disk, and the reader the quantize stage uses.
+"""How calibration results sit on disk, the reader the quantize stage uses, and what a quantize job pins of them.
 
 WORK/calibration/
   job.json              source fingerprint, token rows hash, settings, calibration fingerprint
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -103,6 +104,33 @@ def read_meta(path: Path) -> dict:
     return json.loads(read_header(path).metadata[META_KEY])
 
 
+@dataclass(frozen=True)
+class HessianRecord:
+    """What a quantize job pins of the Hessians it reads, stored under "calibration" in its job.json and the
+    pack's manifest: a rerun with other Hessians is refused, the pack's quantization_config names the token
+    rows x cols, and with `expert_inputs` (routed gate/up projections have one H per expert) the quantize
+    stage's memory estimate counts one H per expert."""
+
+    fingerprint: str  # of the calibration (source, tokens, settings)
+    rows: int
+    cols: int
+    expert_inputs: bool = False
+
+    def to_dict(self) -> dict:
+        """The stored form: `expert_inputs` only when true, so records from before it read the same."""
+        record = {"fingerprint": self.fingerprint, "rows": self.rows, "cols": self.cols}
+        return {**record, "expert_inputs": True} if self.expert_inputs else record
+
+    @classmethod
+    def from_dict(cls, data, where: str) -> HessianRecord:
+        """The record read back from a job file or manifest at `where`; one UserError line if malformed."""
+        types = {"fingerprint": str, "rows": int, "cols": int, "expert_inputs": bool}
+        if (not isinstance(data, dict) or not {"fingerprint", "rows", "cols"} <= data.keys() <= types.keys()
+                or any(type(v) is not types[k] for k, v in data.items())):
+            raise UserError(f"{where}: not a Hessian record {{fingerprint, rows, cols[, expert_inputs]}}: {data!r}")
+        return cls(**data)
+
+
 class HessianStore:
     """The Hessians of a finished calibration, by EXL3 key (what the quantize stage asks for).
 
@@ -134,13 +162,10 @@ class HessianStore:
         self._cache: OrderedDict[str, tuple[torch.Tensor, int]] = OrderedDict()
 
     @property
-    def record(self) -> dict:
-        """What a quantize job pins: {"fingerprint", "rows", "cols"} of these Hessians, and
-        "expert_inputs": true where routed gate/up projections have their own (so the quantize stage
-        counts one H per expert in its memory estimate)."""
+    def record(self) -> HessianRecord:
+        """What a quantize job reading these Hessians pins."""
         tokens = self.job["tokens"]
-        record = {"fingerprint": self.job["fingerprint"], "rows": tokens["rows"], "cols": tokens["cols"]}
-        return {**record, "expert_inputs": True} if self.expert_inputs else record
+        return HessianRecord(self.job["fingerprint"], tokens["rows"], tokens["cols"], self.expert_inputs)
 
     def summary(self) -> CalibrationSummary:
         return CalibrationSummary.load(self.dir / SUMMARY_FILE)

@@ -41,7 +41,7 @@ def source_fingerprint(ck: Checkpoint, cache: Path | None = None, borrow: Path |
 
 def layout_fingerprint(ck: Checkpoint) -> str:
     """config.json, the index and every shard's name and size, read in milliseconds: what the ranks of a
-    distributed build compare first; then each hashes the content it reads (build/source_guard.py)."""
+    distributed build compare first; then each hashes the content it reads (orchestrate/source_guard.py)."""
     h = hashlib.sha256()
     for name in ("config.json", INDEX_NAME):
         if (ck.root / name).exists():

@@ -21,12 +21,14 @@ from quantizer.checkpoint.config import ModelConfig
 from quantizer.contract.loader_profiles import (
     DEFAULT_OVERLAY,
     EXPERT_LAYOUTS,
-    LOADERS,
     OVERLAY,
     LoaderProfile,
     Overlay,
     check_overlay,
+    load_profile,
     loader_for_engine,
+    loader_help,
+    loader_names,
     parse_overlay,
 )
 from quantizer.distributed import current
@@ -34,7 +36,7 @@ from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
 from quantizer.exl3.codebook import Codebook
 from quantizer.exl3.k_values import UNQUANTIZED, rate_grid
-from quantizer.fit.memory import MARGIN_GIB
+from quantizer.fit.memory import MARGIN_GIB, FitTarget
 from quantizer.hub import branch_problem, repo_id_problem
 from quantizer.model.targets import DRAFT
 from quantizer.plan.allocate import AllocationSettings
@@ -98,24 +100,31 @@ def add_model_arguments(p: argparse.ArgumentParser, src_help: str = SRC_HELP) ->
     p.add_argument("--model-config", help="a config.json, or a shipped shape such as deepseek-v4.1-flash")
 
 
+def profile_arg(text: str) -> LoaderProfile:
+    """--loader NAME, resolved where it enters: the profile object is what every later step takes."""
+    if text not in loader_names():
+        raise argparse.ArgumentTypeError(f"{text!r}: choose one of {', '.join(loader_names())}")
+    return load_profile(text)
+
+
 def add_loader_argument(p: argparse.ArgumentParser, what: str) -> None:
     """--loader, the one flag that names the engine (docs/loader-profiles.md), and --engine, hidden: the
-    engine names (vllm, the old name of vllm-exl3, tensorfold, ...) mapped to a profile by `chosen_loader`."""
-    p.add_argument("--loader", choices=LOADERS, help=f"loader profile (docs/loader-profiles.md): {what}")
+    engine names (vllm, the old name of vllm-exl3, tensorfold, ...) mapped to a profile by `chosen_profile`."""
+    p.add_argument("--loader", type=profile_arg, metavar="PROFILE", help=loader_help(what))
     p.add_argument("--engine", help=argparse.SUPPRESS)
 
 
-def chosen_loader(args: argparse.Namespace) -> str | None:
+def chosen_profile(args: argparse.Namespace) -> LoaderProfile | None:
     """--loader, or the profile the deprecated --engine names (with a one-line note); None where neither."""
     if args.engine is None:
         return args.loader
     loader = loader_for_engine(args.engine)
-    if args.loader and args.loader != loader:
-        raise UserError(f"--engine {args.engine} (loader {loader}) conflicts with --loader {args.loader}; "
+    if args.loader and args.loader.name != loader:
+        raise UserError(f"--engine {args.engine} (loader {loader}) conflicts with --loader {args.loader.name}; "
                         "give --loader alone")
     if current().main:
         sys.stderr.write(f"note: --engine is deprecated; --engine {args.engine} is --loader {loader}\n")
-    return loader
+    return load_profile(loader)
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -176,6 +185,26 @@ def overlay_of(args: argparse.Namespace, profile: LoaderProfile, codebook: str) 
         raise UserError(f"--drafter-bits sets the drafter's overlay K, but --overlay {args.overlay} leaves the drafter "
                         "in source form; add drafter to --overlay or drop --drafter-bits")
     return check_overlay(profile, overlay, codebook, head_bits)
+
+
+def allocation_of(args: argparse.Namespace, profile: LoaderProfile, codebook: str = "mul1",
+                  overlay: Overlay | None = None) -> AllocationSettings:
+    """The plan flags (--head-bits, --drafter-bits, --expert-layout, --half-rates, and plan's --alias options) as
+    the allocator's settings for `profile`, with the overlay the flags ask for."""
+    aliasing = {k: getattr(args, k) for k in ("alias", "alias_below", "alias_cap") if hasattr(args, k)}
+    return AllocationSettings(profile=profile, codebook=codebook, head_bits=args.head_bits, drafter_bits=args.drafter_bits,
+                              overlay=overlay, expert_layout=args.expert_layout, half_rates=args.half_rates, **aliasing)
+
+
+def fit_target(args: argparse.Namespace, cfg: ModelConfig, profile: LoaderProfile, sparks: int | None = None,
+               context: int | None = None) -> FitTarget | None:
+    """--sparks (or `sparks`), --context (else `context`, else the model's max positions), --streams, --cold-share and
+    --margin as a fit target on `profile`'s engine; None without a Spark count."""
+    sparks = sparks or args.sparks
+    if not sparks:
+        return None
+    return FitTarget(sparks, args.context or context or cfg.max_position_embeddings, args.streams, profile.fit_engine,
+                     args.cold_share, args.margin)
 
 
 def add_expert_hessians(p: argparse.ArgumentParser) -> None:

@@ -1,6 +1,6 @@
 """`quantizer build SRC (--bpw B | --plan PLAN.json | --recipe R.yaml | --sparks N) [--sparks N [--context C] [--cold-share S]]
 --out PACK
-[--method ours|uniform|exl3] [--loader vllm-exl3|tensorfold|exllamav3|exllamav3-v41] [--head-bits K]
+[--method ours|uniform|exl3] [--loader PROFILE] [--head-bits K]
 [--drafter-bits K] [--overlay [GROUPS]]
 [--text FILE | --tokens FILE | --no-calibrate] ...`
 
@@ -19,8 +19,8 @@ import re
 import sys
 from pathlib import Path
 
-from quantizer.build.stages import BuildRequest, build
-from quantizer.build.summary import build_summary
+from quantizer.orchestrate.stages import BuildRequest, build
+from quantizer.orchestrate.summary import build_summary
 from quantizer.calibrate.rows import calibration_rows
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
@@ -31,7 +31,9 @@ from quantizer.commands.arguments import (
     add_loader_argument,
     add_margin_argument,
     add_one_spark_arguments,
-    chosen_loader,
+    allocation_of,
+    chosen_profile,
+    fit_target,
     count,
     overlay_of,
     repo_id,
@@ -39,13 +41,13 @@ from quantizer.commands.arguments import (
     tokens,
     out_dir,
 )
-from quantizer.contract.loader_profiles import check_loader, default_loader, load_profile
+from quantizer.contract.loader_profiles import LoaderProfile, check_loader, default_profile
 from quantizer.contract.plan import Plan
 from quantizer.distributed import current
 from quantizer.errors import UserError
 from quantizer.exl3 import CODEBOOKS
 from quantizer.fit.hardware import load_hardware
-from quantizer.fit.memory import TOPOLOGIES, FitTarget
+from quantizer.fit.memory import TOPOLOGIES
 from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS
@@ -72,11 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_margin_argument(p, "with --sparks, the pack keeps it")
     p.add_argument("--method", choices=METHODS, default=OURS,
                    help="ours: the allocator on the calibration (default); uniform; exl3: exllamav3's own allocator")
-    add_loader_argument(p, "the engine the pack must load in: vllm-exl3 (vLLM + vllm-exl3, routed experts EXL3 with "
-                           "K per expert; default for V4.1), exllamav3-v41 (native ExLlamaV3's V4.1 loader on one Spark: "
-                           "routed K1..K8, the rest source form or --overlay, launch.env; default for V4.1 with --sparks "
-                           "1), tensorfold (every linear EXL3 mul1, Engram tables in <out>-Engram) or exllamav3 (stock "
-                           "1.6.5; default for V4); the pack is verified against it. A --plan or --recipe decides it")
+    add_loader_argument(p, "the engine the pack must load in; the pack is verified against it. A --plan or --recipe "
+                           "decides it")
     add_head_drafter_arguments(p)
     add_layout_arguments(p)
     add_one_spark_arguments(p)
@@ -140,11 +139,42 @@ def parse_size(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    calibration = CalibrationSettings(device=args.device, row_chunk=args.row_chunk, expert_hessians=args.expert_hessians)
-    asked = chosen_loader(args)
-    plan = Plan.load(args.plan) if args.plan else None
-    if plan and args.codebook and args.codebook != plan.codebook:
-        raise UserError(f"--codebook {args.codebook} conflicts with {args.plan}, which uses {plan.codebook}")
+    calibration_settings = CalibrationSettings(device=args.device, row_chunk=args.row_chunk,
+                                               expert_hessians=args.expert_hessians)  # a bad name: one line, first
+    asked, given = chosen_profile(args), args.plan or args.recipe
+    plan = _plan_file(args)
+    _check_flags(args)
+    ck = Checkpoint.open(args.src, revision=args.revision)
+    plan = plan or _recipe_plan(args, ck.config, asked)
+    profile = check_loader(asked, plan.profile, str(given)) if plan else asked or default_profile(ck.config, args.sparks)
+    codebook = args.codebook or "mul1"
+    overlay = overlay_of(args, profile, codebook)
+    sparks = args.sparks or (profile.sparks[0] if len(profile.sparks) == 1 else None)  # a one-Spark engine's count
+    if sparks is None and (args.context is not None or args.streams != 1 or args.cold_share):
+        raise UserError("--context, --streams and --cold-share size the fit of a Spark count: add --sparks N")
+    asks_fit = args.sparks or args.context is not None or args.streams != 1 or args.cold_share
+    rows = None if args.no_calibrate else calibration_rows(ck, args.text, args.tokens, args.calib_rows, args.calib_cols)
+    req = BuildRequest(
+        src=args.src, out=args.out, bpw=args.bpw, plan=plan,
+        target=fit_target(args, ck.config, profile, sparks) if asks_fit else None, method=args.method,
+        allocation=allocation_of(args, profile, codebook, overlay), calibration_rows=rows,
+        calibration_settings=calibration_settings,
+        work=args.work, revision=args.revision, shard_size=args.shard_size,
+        quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
+        measured_from_work=args.measured_errors, plan_file=given,
+        base_model=args.base_model or (None if Path(args.src).expanduser().exists() else args.src),
+        command=rebuild_command(args.argv), tune=_tune(args),
+        end_to_end=EndToEndSettings(steps=args.tune_e2e_steps or EndToEndSettings.steps) if args.tune_e2e else None,
+        hardware=load_hardware(args.hardware) if args.hardware else None,
+    )
+    result = build(req)
+    if current().main:
+        print(build_summary(result))
+    return 1 if result.fit and not result.fit.fits else 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The flag combinations refused before the source is opened: no budget, or plan flags beside a plan."""
     if (args.bpw, args.plan, args.recipe, args.sparks) == (None, None, None, None):
         raise UserError("give --bpw B, --plan PLAN.json, --recipe R.yaml or --sparks N")
     given = args.plan or args.recipe
@@ -154,50 +184,39 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--head-bits and --drafter-bits make a plan; {given} is one already (its K map decides)")
     if given and (args.expert_layout, args.half_rates) != (None, None):
         raise UserError(f"--expert-layout and --half-rates make a plan; {given} is one already (its K map decides)")
-    ck = Checkpoint.open(args.src, revision=args.revision)
-    if args.recipe:
-        recipe = read_recipe(args.recipe)
-        if recipe.loader:
-            check_loader(asked, recipe.loader, str(args.recipe))
-        plan = plan_from_recipe(ck.config, recipe, args.codebook or "mul1", asked, args.sparks)
-        if current().main and not recipe.loader and not asked:
-            print(f"{args.recipe}{profile_note(ck.config, recipe, plan, args.sparks)}", file=sys.stderr)
-    loader = check_loader(asked, plan.profile.name, str(given)) if plan else asked or default_loader(ck.config, args.sparks)
-    profile = load_profile(loader)
-    overlay = overlay_of(args, profile, args.codebook or "mul1")
     if not args.tune and (args.tune_steps, args.tune_inputs, args.tune_target) != (None, None, None):
         raise UserError("--tune-steps, --tune-inputs and --tune-target set the tune stage; add --tune")
     if args.tune_e2e_steps is not None and not args.tune_e2e:
         raise UserError("--tune-e2e-steps sets end-to-end tuning; add --tune-e2e")
-    target = None
-    sparks = args.sparks or (profile.sparks[0] if len(profile.sparks) == 1 else None)  # a one-Spark engine's count
-    if sparks is None and (args.context is not None or args.streams != 1 or args.cold_share):
-        raise UserError("--context, --streams and --cold-share size the fit of a Spark count: add --sparks N")
-    if sparks and (args.sparks or args.context is not None or args.streams != 1 or args.cold_share):
-        context = ck.config.max_position_embeddings if args.context is None else args.context
-        target = FitTarget(sparks, context, args.streams, profile.fit_engine, args.cold_share, args.margin)
-    rows = None if args.no_calibrate else calibration_rows(ck, args.text, args.tokens, args.calib_rows, args.calib_cols)
-    req = BuildRequest(
-        src=args.src, out=args.out, bpw=args.bpw, plan=plan, target=target, method=args.method,
-        allocation=AllocationSettings(loader=loader, codebook=args.codebook or "mul1", head_bits=args.head_bits,
-                                      drafter_bits=args.drafter_bits, overlay=overlay,
-                                      expert_layout=args.expert_layout, half_rates=args.half_rates),
-        calibration_rows=rows,
-        calibration=calibration, work=args.work, revision=args.revision,
-        shard_size=args.shard_size, quantize=QuantizeSettings(seed=args.seed, device=args.device, encoder=args.encoder),
-        measured_from_work=args.measured_errors,
-        plan_file=given,
-        base_model=args.base_model or (None if Path(args.src).expanduser().exists() else args.src),
-        command=rebuild_command(args.argv),
-        tune=TuneSettings(steps=args.tune_steps or TuneSettings.steps, inputs=args.tune_inputs or TuneSettings.inputs,
-                          target=args.tune_target or TuneSettings.target) if args.tune else None,
-        end_to_end=EndToEndSettings(steps=args.tune_e2e_steps or EndToEndSettings.steps) if args.tune_e2e else None,
-        hardware=load_hardware(args.hardware) if args.hardware else None,
-    )
-    result = build(req)
-    if current().main:
-        print(build_summary(result))
-    return 1 if result.fit and not result.fit.fits else 0
+
+
+def _plan_file(args: argparse.Namespace) -> Plan | None:
+    if not args.plan:
+        return None
+    plan = Plan.load(args.plan)
+    if args.codebook and args.codebook != plan.codebook:
+        raise UserError(f"--codebook {args.codebook} conflicts with {args.plan}, which uses {plan.codebook}")
+    return plan
+
+
+def _recipe_plan(args: argparse.Namespace, cfg, asked: LoaderProfile | None) -> Plan | None:
+    """--recipe read for the profile it names (else --loader's, else the one whose rules it meets)."""
+    if not args.recipe:
+        return None
+    recipe = read_recipe(args.recipe)
+    if recipe.profile:
+        check_loader(asked, recipe.profile, str(args.recipe))
+    plan = plan_from_recipe(cfg, recipe, args.codebook or "mul1", asked, args.sparks)
+    if current().main and not recipe.profile and not asked:
+        print(f"{args.recipe}{profile_note(cfg, recipe, plan, args.sparks)}", file=sys.stderr)
+    return plan
+
+
+def _tune(args: argparse.Namespace) -> TuneSettings | None:
+    if not args.tune:
+        return None
+    return TuneSettings(steps=args.tune_steps or TuneSettings.steps, inputs=args.tune_inputs or TuneSettings.inputs,
+                        target=args.tune_target or TuneSettings.target)
 
 
 def rebuild_command(argv: list[str]) -> tuple[str, ...]:

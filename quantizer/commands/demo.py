@@ -10,7 +10,7 @@ from pathlib import Path
 
 from quantizer.commands.arguments import out_dir
 from quantizer.demo.sweep import (
-    DEMO_LOADERS,
+    demo_loaders,
     KNOWN_METHODS,
     METHODS,
     MODELS,
@@ -39,8 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", type=lambda s: tuple(s.split(",")), default=METHODS,
                    help=f"comma-separated, from {','.join(KNOWN_METHODS)} (default {','.join(METHODS)}; ours-tuned: "
                         "ours with build --tune)")
-    p.add_argument("--loader", type=lambda s: tuple(s.split(",")), default=DEMO_LOADERS,
-                   help=f"comma-separated loader profiles our allocator plans for (default {','.join(DEMO_LOADERS)}); "
+    p.add_argument("--loader", type=lambda s: tuple(s.split(",")), default=demo_loaders(),
+                   help=f"comma-separated loader profiles our allocator plans for (default {','.join(demo_loaders())}); "
                         "uniform and exl3 plans are made for exllamav3")
     p.add_argument("--eval-rows", type=int, default=DemoSettings.eval_rows, help="held-out rows of 512 tokens")
     p.add_argument("--eval-text", default=DemoSettings.eval_text, metavar="SET|FILE",

@@ -22,23 +22,21 @@ from quantizer.commands.arguments import (
     add_model_arguments,
     add_one_spark_arguments,
     add_plan_arguments,
-    chosen_loader,
+    chosen_profile,
     count,
     load_model_config,
     overlay_of,
     tokens,
 )
-from quantizer.contract.loader_profiles import default_loader, load_profile
 from quantizer.contract.pack_spec import pack_spec
 from quantizer.errors import UserError
-from quantizer.exl3 import check_bpw
 from quantizer.fit.decode import decode_cost
 from quantizer.fit.hardware import DESIGN_FLOOR, load_hardware
 from quantizer.fit.memory import TOPOLOGIES, FitOptions, FitTarget, fit
 from quantizer.fit.placement import DRAFTER_MODES, ENGRAM_MODES, SPLITS, VISION_MODES
 from quantizer.fit.render import render
 from quantizer.fit.target import runs_drafter
-from quantizer.pack.fit_input import FitInput, bpw_input, pack_input, plan_input, recipe_input
+from quantizer.pack.fit_input import FitInput, open_fit_input
 from quantizer.plan.uniform import lowest_uniform_bpw, uniform_plan
 from quantizer.plots import plot_path, save_figure
 
@@ -114,26 +112,18 @@ def run(args: argparse.Namespace) -> int:
 
 def _open(args: argparse.Namespace) -> FitInput:
     """The pack, plan, recipe or --bpw plan the flags name, with the profile that charges it."""
-    asked = chosen_loader(args)
     if args.overlay is not None and args.bpw is None:
         raise UserError("--overlay makes a plan for --bpw; a pack, plan or recipe holds its K already")
-    if args.src and not (args.recipe or args.bpw is not None or args.plan):
-        return pack_input(args.src, asked, args.sparks)
-    cfg = load_model_config(args.src, args.model_config)
-    if args.plan:
-        return plan_input(cfg, args.plan, asked)
-    if args.recipe:
-        return recipe_input(cfg, args.recipe, args.codebook, asked, args.sparks)
-    if args.bpw is None:
-        raise UserError("with --model-config give --recipe R.yaml, --bpw B or --plan P.json")
-    check_bpw(args.bpw, args.codebook)
-    return bpw_input(cfg, _uniform_at(cfg, args, load_profile(asked or default_loader(cfg, args.sparks))), args.bpw)
+    pack_only = args.src and not (args.recipe or args.bpw is not None or args.plan)
+    cfg = None if pack_only else load_model_config(args.src, args.model_config)
+    return open_fit_input(args.src, cfg, chosen_profile(args), args.sparks, args.plan, args.recipe, args.bpw,
+                          args.codebook, lambda profile: _uniform_at(cfg, args, profile))
 
 
 def _uniform_at(cfg, args, profile):
     """bpw -> the uniform plan `plan --bpw` makes for the profile and the flags."""
     overlay = overlay_of(args, profile, args.codebook)
-    return lambda bpw: uniform_plan(cfg, bpw, args.codebook, args.head_bits, args.drafter_bits, loader=profile.name,
+    return lambda bpw: uniform_plan(cfg, bpw, args.codebook, args.head_bits, args.drafter_bits, profile=profile,
                                     overlay=overlay, expert_layout=args.expert_layout, half_rates=args.half_rates)
 
 
@@ -142,4 +132,4 @@ def _bpw_search(cfg, args, profile) -> dict:
     plan_at = _uniform_at(cfg, args, profile)
     stored_at = functools.lru_cache(maxsize=1)(lambda b: pack_spec(cfg, plan_at(b)).tensors)
     return {"stored_at_bpw": stored_at, "bpw": args.bpw,
-            "lowest_bpw": lowest_uniform_bpw(cfg, args.codebook, loader=profile.name, half_rates=args.half_rates)}
+            "lowest_bpw": lowest_uniform_bpw(cfg, args.codebook, profile=profile, half_rates=args.half_rates)}

@@ -1,5 +1,5 @@
 """`quantizer plan SRC|--model-config C (--bpw B | --sparks N [--context C] [--streams S])
-[--calibration WORK_OR_SUMMARY | --synthetic] [--loader vllm-exl3|tensorfold|exllamav3|exllamav3-v41]
+[--calibration WORK_OR_SUMMARY | --synthetic] [--loader PROFILE]
 [--method ours|uniform|exl3] [--overlay [GROUPS]] [--cold-share S] [--alias/--no-alias] [--out plan.json]
 [--recipe-out recipe.yaml]`
 
@@ -28,14 +28,16 @@ from quantizer.commands.arguments import (
     add_model_arguments,
     add_one_spark_arguments,
     add_plan_arguments,
-    chosen_loader,
+    allocation_of,
+    chosen_profile,
+    fit_target,
     count,
     load_model_config,
     overlay_of,
     tokens,
     out_file,
 )
-from quantizer.contract.loader_profiles import Overlay, default_loader, load_profile
+from quantizer.contract.loader_profiles import default_profile
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import TOTAL_RESIDENT, check_plan
 from quantizer.errors import UserError
@@ -44,9 +46,9 @@ from quantizer.fit.cold_experts import check_share, routed_tokens
 from quantizer.fit.hardware import load_hardware
 from quantizer.fit.memory import MARGIN_GIB, TOPOLOGIES
 from quantizer.fit.render import render as render_fit
-from quantizer.fit.target import fit_plan, largest_fitting_plan
+from quantizer.fit.target import FittedPlan, choose_plan
 from quantizer.fit.memory import FitTarget
-from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR, AllocationSettings
+from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR
 from quantizer.plan.exl3_baseline import HQ
 from quantizer.plan.methods import EXL3, METHODS, OURS, UNIFORM, planner
 from quantizer.plan.recipe import write_recipe
@@ -78,12 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the --synthetic summary")
     p.add_argument("--method", choices=METHODS,
                    help="allocator (default: ours with --calibration/--synthetic, else uniform)")
-    add_loader_argument(p, "the engine the plan must load in, and the one its fit charges: vllm-exl3 (routed experts "
-                           "EXL3 with K per expert, the rest in source FP8; default for V4.1), exllamav3-v41 (native "
-                           "ExLlamaV3's V4.1 loader, one Spark: routed K1..K8 per expert, the rest source form or "
-                           "--overlay; default for V4.1 with --sparks 1), tensorfold (every linear EXL3 mul1; two or "
-                           "four Sparks) or exllamav3 (stock 1.6.5: one K per projection per layer, gate = up; default "
-                           "for V4)")
+    add_loader_argument(p, "the engine the plan must load in, and the one its fit charges")
     p.add_argument("--alias", action=argparse.BooleanOptionalAction, default=None,
                    help="alias cold experts to warm ones: refused, no engine profile reads an alias map "
                         "(docs/loader-profiles.md)")
@@ -112,8 +109,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--plot-against draws into --plot FILE.png: give --plot too")
     plot = plot_path(args.plot) if args.plot else None
     cfg = load_model_config(args.src, args.model_config)
-    args.loader = chosen_loader(args) or default_loader(cfg, args.sparks)
-    profile = load_profile(args.loader)
+    profile = chosen_profile(args) or default_profile(cfg, args.sparks)
     if args.sparks:
         profile.check_sparks(args.sparks)
     check_share(args.cold_share)
@@ -129,33 +125,37 @@ def run(args: argparse.Namespace) -> int:
     if args.cold_share and summary is None:
         raise UserError("--cold-share picks cold experts by the calibration's routing: give --calibration WORK "
                         "(or --synthetic)")
-    plan_at, lo = _planner(cfg, args, method, summary, overlay_of(args, profile, args.codebook))
-    target = FitTarget(args.sparks, cfg.max_position_embeddings if args.context is None else args.context,
-                       args.streams, profile.fit_engine, args.cold_share, args.margin) if args.sparks else None
-    tokens = routed_tokens(summary) if summary else None
-    hw = load_hardware(args.hardware)
-    fitted = None
-    if args.bpw is not None:
-        plan = plan_at(args.bpw)
-        fitted = fit_plan(cfg, plan, target, tokens, hw) if target else None
-    else:
-        fitted = largest_fitting_plan(cfg, plan_at, lo, rate_grid(args.codebook)[-1], target, hw, tokens)
-        plan = fitted.plan
-    report = fitted.report if fitted else None
+    settings = allocation_of(args, profile, args.codebook, overlay_of(args, profile, args.codebook))
+    plan_at, lowest = planner(cfg, method, settings, summary, args.floor, args.hq)
+    target = fit_target(args, cfg, profile)
+    plan, fitted = choose_plan(cfg, plan_at, lowest, rate_grid(args.codebook)[-1], target, args.bpw,
+                               hardware=load_hardware(args.hardware), tokens=routed_tokens(summary) if summary else None)
+    _print(cfg, plan, fitted, args.json)
+    _write(cfg, args, plan, method, target, against, plot)
+    return 1 if fitted and not fitted.report.fits else 0
+
+
+def _print(cfg: ModelConfig, plan: Plan, fitted: FittedPlan | None, as_json: bool) -> None:
+    """The plan's bits and bytes, its GPU-hours, and with a target its fit and launch settings (or the JSON of them)."""
     hours = [plan_estimate(cfg, plan, RateTable.load(encoder=encoder)) for encoder in ENCODERS["cuda"]]
-    if args.json:
+    if as_json:
         print(json.dumps(plan_json(plan, hours, fitted), indent=1))
-    else:
-        print(plan_summary(cfg, plan))
-        for estimate in hours:  # the default's hours, then the other's (its line names it)
-            print(estimate.line())
-        print(tune_line(cfg, DEFAULT_ROWS, DEFAULT_COLS, TuneSettings()))
-        if report:
-            print("\n" + render_fit(report))
-    if fitted and fitted.launch.cold_experts and not args.json:
+        return
+    print(plan_summary(cfg, plan))
+    for estimate in hours:  # the default's hours, then the other's (its line names it)
+        print(estimate.line())
+    print(tune_line(cfg, DEFAULT_ROWS, DEFAULT_COLS, TuneSettings()))
+    if fitted:
+        print("\n" + render_fit(fitted.report))
+    if fitted and fitted.launch.cold_experts:
         print(f"cold experts: {len(fitted.launch.cold_experts)} served from the mapped file "
               f"({fitted.launch.cold_share:.2%} of the calibration's routed tokens); `build` writes them into the "
               "pack's launch.env")
+
+
+def _write(cfg: ModelConfig, args: argparse.Namespace, plan: Plan, method: str, target: FitTarget | None,
+           against: list[Plan], plot) -> None:
+    """--out, --recipe-out and --plot, each with a line saying so (on stderr with --json)."""
     note = sys.stderr if args.json else sys.stdout  # --json keeps stdout to the one JSON object
     if args.out:
         plan.save(args.out)
@@ -168,7 +168,6 @@ def run(args: argparse.Namespace) -> int:
 
         save_figure(k_figure(cfg, [plan] + against), plot)
         print(f"wrote {plot}", file=note)
-    return 1 if report and not report.fits else 0
 
 
 def plan_json(plan: Plan, hours: list, fitted) -> dict:
@@ -182,15 +181,6 @@ def plan_json(plan: Plan, hours: list, fitted) -> dict:
         out["fit"] = fitted.report.to_dict()
         out["launch"] = asdict(fitted.launch) | {"copy_pattern": fitted.launch.copy_pattern}
     return out
-
-
-def _planner(cfg: ModelConfig, args: argparse.Namespace, method: str, summary: CalibrationSummary | None,
-             overlay: Overlay | None):
-    """(bpw -> Plan for the chosen method, the lowest bpw worth trying)."""
-    settings = AllocationSettings(args.loader, args.codebook, DEFAULT_FLOOR, args.head_bits, args.drafter_bits,
-                                  args.alias, args.alias_below, args.alias_cap, overlay, args.expert_layout,
-                                  args.half_rates)
-    return planner(cfg, method, settings, summary, args.floor, args.hq)
 
 
 def load_summary(cfg: ModelConfig, args: argparse.Namespace) -> CalibrationSummary:

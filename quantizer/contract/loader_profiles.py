@@ -23,27 +23,37 @@ its K (None: source form, 16: fp16) and codebook:
 Pack-level rules (verify/checks.py): `plain_dtypes`, `forbidden_dtypes`, `engram_tables`,
 `quantization_config`, `required_config_keys`, `architectures`, `required_files`, `index`; and
 `sparks`: the Spark counts the engine runs on (a plan for another count is refused).
+
+The profile is the engine as one object: resolved once where a name enters (a command's --loader, plan.json,
+a manifest) and passed as the object after that. Besides its rules it owns what differs by engine elsewhere:
+the `quantization_config` the engine reads (`engine_quantization_config`), the card's run section and Hub tags
+(`card`), whether the demo plans for it, which model and Spark count it is the default for, and its --loader help.
+A profile is one JSON file: the shipped ones in configs/loaders/, and any in the directory $QUANTIZER_LOADERS
+names (an engine of one's own, tests/test_fifth_profile.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from pathlib import Path
 
 from quantizer.caches import process_cache, value_hash
 from quantizer.checkpoint.config import V4, ModelConfig
+from quantizer.contract.engine_config import EXLLAMAV3_FORM, fill_template, template_values
 from quantizer.contract.stored_linear import StoredLinear
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED, check_k, drafter_k
 from quantizer.model.targets import ATTN, BUDGETED_GROUPS, DRAFT, ENGRAM, GROUPS, HEAD_GROUP, INDEX, ROUTED, SHARED, Target
 from quantizer.shipped import shipped
 
-EXLLAMAV3 = "exllamav3"
+EXLLAMAV3 = "exllamav3"  # stock exllamav3: the EXL3 format's own engine, the baseline converter's target
 VLLM_EXL3 = "vllm-exl3"
 TENSORFOLD = "tensorfold"
 EXLLAMAV3_V41 = "exllamav3-v41"
-LOADERS = (EXLLAMAV3, VLLM_EXL3, TENSORFOLD, EXLLAMAV3_V41)
+EXTRA_PROFILES = "QUANTIZER_LOADERS"  # a directory of further profile JSON files
 EXL3_FORM, SOURCE_FORM, EITHER, OVERLAY = "exl3", "source", "either", "overlay"
 ENGRAM_IN_PACK, ENGRAM_SIBLING = "pack", "sibling"
 RULES = ("layout", "codebook", "k_range", "half_rates", "integer_attention", "head_bits",
@@ -121,6 +131,31 @@ class Dispatch:
     source: str
 
 
+RUN_SECTIONS = ("exllamav3", "vllm", "tensorfold", "mapped")  # the card's run-section writers (pack/card.py)
+
+
+@dataclass(frozen=True)
+class CardInfo:
+    """What the pack's card says of the engine: Hugging Face's library_name (only for the engine that library
+    names), extra tags, and which run-section writer describes the launch (one per launch shape: stock
+    exllamav3, vLLM's serve, TensorFold's launcher, the mapped one-Spark launch)."""
+
+    library_name: str | None
+    tags: tuple[str, ...]
+    run: str
+
+
+@dataclass(frozen=True)
+class DefaultFor:
+    """A model architecture (and Spark counts, None: any) for which this profile is the default engine."""
+
+    arch: str
+    sparks: tuple[int, ...] | None = None
+
+    def matches(self, arch: str, sparks: int | None) -> bool:
+        return arch == self.arch and (self.sparks is None or sparks in self.sparks)
+
+
 @dataclass(frozen=True)
 class LoaderProfile:
     name: str
@@ -153,6 +188,11 @@ class LoaderProfile:
     ignored: dict[str, str] = field(default_factory=dict)  # what the engine does not read, and where that is seen
     layouts: Layouts = Layouts(PER_EXPERT, EXPERT_LAYOUTS, GATE_UP, True, "")  # the allocator's expert layouts
     decode: Dispatch | None = None  # how its engine runs a decode step (fit/decode.py)
+    help: str = ""  # one line for --loader's help
+    order: int = 0  # where it sorts among profiles (help, demo rows)
+    default_for: tuple[DefaultFor, ...] = ()
+    demo: bool = False  # whether `quantizer demo` plans ours for it
+    card: CardInfo = CardInfo(None, (), "exllamav3")
 
     __hash__ = value_hash  # its rule sources are a dict
 
@@ -231,7 +271,21 @@ class LoaderProfile:
     def check_arch(self, cfg: ModelConfig) -> None:
         if cfg.arch not in self.archs:
             raise UserError(f"--loader {self.name}: {self.engine.split(':')[0]} runs {' and '.join(self.archs)} "
-                            f"models, this one is {cfg.arch}; use --loader {default_loader(cfg)}")
+                            f"models, this one is {cfg.arch}; use --loader {default_profile(cfg).name}")
+
+    def engine_quantization_config(self, qcfg: dict, source_config: dict, cfg: ModelConfig,
+                                   linears: list[StoredLinear]) -> dict:
+        """The quantization_config the engine reads: exllamav3's record, or the profile's template filled from
+        the stored linears (contract/engine_config.py). The pack writer writes it, verify refills it from the shards."""
+        if self.quantization_config == EXLLAMAV3_FORM:
+            return qcfg
+        return fill_template(self.quantization_config, template_values(qcfg, source_config, cfg, linears,
+                                                                       self.config_bits_range))
+
+    @property
+    def is_stock(self) -> bool:
+        """Whether this is stock exllamav3, whose own allocator the exl3 method mirrors."""
+        return self.name == EXLLAMAV3
 
     def check_sparks(self, sparks: int) -> None:
         """UserError when the engine does not run on this many Sparks (a plan for it could not be served)."""
@@ -242,7 +296,7 @@ class LoaderProfile:
 
 
 def _sparks_hint(sparks: int) -> str:
-    other = [name for name in LOADERS if sparks in load_profile(name).sparks and name != EXLLAMAV3]
+    other = [p.name for p in all_profiles() if sparks in p.sparks and p.name != EXLLAMAV3]
     return f"use --loader {' or '.join(other)} for {sparks} Spark(s)" if other else "choose another Spark count"
 
 
@@ -311,14 +365,74 @@ def check_overlay(profile: LoaderProfile, overlay: Overlay, codebook: str, head_
     return overlay
 
 
-@process_cache(maxsize=len(LOADERS))
+def _profile_files() -> dict[str, Path]:
+    """name -> JSON file of every profile: the shipped ones, then those in $QUANTIZER_LOADERS (a name there
+    replaces no shipped one)."""
+    files = {p.stem: p for p in sorted(shipped("configs", "loaders").glob("*.json"))}
+    extra = os.environ.get(EXTRA_PROFILES)
+    if extra:
+        for p in sorted(Path(extra).glob("*.json")):
+            if p.stem in files:
+                raise UserError(f"${EXTRA_PROFILES}: {p} has the name of a shipped loader profile; give it its own")
+            files.setdefault(p.stem, p)
+    return files
+
+
+@process_cache(maxsize=4)
+def all_profiles() -> tuple[LoaderProfile, ...]:
+    """Every loader profile, in their `order`."""
+    return tuple(sorted((_read_profile(name, path) for name, path in _profile_files().items()),
+                        key=lambda p: (p.order, p.name)))
+
+
+def loader_names() -> tuple[str, ...]:
+    return tuple(p.name for p in all_profiles())
+
+
+def stock_profile() -> LoaderProfile:
+    """Stock exllamav3, the EXL3 format's own engine: the profile of a plan when no engine is named (a library
+    caller's default, the exl3 baseline, a pack measured in exllamav3)."""
+    return load_profile(EXLLAMAV3)
+
+
 def load_profile(name: str) -> LoaderProfile:
-    if name not in LOADERS:
-        raise UserError(f"loader profile {name!r}; choose one of {', '.join(LOADERS)}")
-    data = json.loads(shipped("configs", "loaders", f"{name}.json").read_text())
+    """The profile a name from outside (--loader, plan.json, a manifest, a recipe) stands for."""
+    for p in all_profiles():
+        if p.name == name:
+            return p
+    raise UserError(f"loader profile {name!r}; choose one of {', '.join(loader_names())}")
+
+
+def loader_help(what: str) -> str:
+    """--loader's help: what it decides in this command, then every profile with its one line."""
+    return f"loader profile (docs/loader-profiles.md): {what}. " + "; ".join(
+        f"{p.name}: {p.help}" + (f" (default for {', '.join(_default_words(d) for d in p.default_for)})"
+                                 if p.default_for else "") for p in all_profiles())
+
+
+def _default_words(d: DefaultFor) -> str:
+    arch = {V4: "V4", "v41": "V4.1"}.get(d.arch, d.arch)
+    return arch + (f" on {'/'.join(map(str, d.sparks))} Spark(s)" if d.sparks else "")
+
+
+def _read_profile(name: str, path: Path) -> LoaderProfile:
+    """The profile in `path`, or one UserError line naming the file and what is wrong in it."""
+    try:
+        return _profile_from(json.loads(path.read_text()), name)
+    except (OSError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"{path}: not a loader profile ({type(e).__name__}: {e}); docs/loader-profiles.md says what "
+                        "one holds") from None
+
+
+def _profile_from(data: dict, name: str) -> LoaderProfile:
+    if data["name"] != name:
+        raise ValueError(f"name {data['name']!r} is not the file's name")
     layout = dict(data["layout"])
     if set(layout) != set(GROUPS) or not set(layout.values()) <= {EXL3_FORM, SOURCE_FORM, EITHER, OVERLAY}:
-        raise ValueError(f"configs/loaders/{name}.json: layout must give exl3|source|either|overlay for {GROUPS}")
+        raise ValueError(f"layout must give exl3|source|either|overlay for {GROUPS}")
+    card = data["card"]
+    if card["run"] not in RUN_SECTIONS:
+        raise ValueError(f"card.run must be one of {RUN_SECTIONS}")
     return LoaderProfile(
         name=data["name"], engine=data["engine"], archs=tuple(data["archs"]), fit_engine=data["fit_engine"],
         codebooks=tuple(data["codebooks"]), k_min=float(data["k_min"]), k_max=float(data["k_max"]),
@@ -335,6 +449,9 @@ def load_profile(name: str) -> LoaderProfile:
         sparks=tuple(int(n) for n in data["sparks"]), architectures=tuple(data.get("architectures", ())),
         required_files=tuple(data.get("required_files", ())), ignored=dict(data.get("ignored", {})),
         layouts=_layouts(data["expert_layouts"]), decode=_dispatch(data["decode"]),
+        help=data["help"], order=int(data["order"]), demo=bool(data["demo"]),
+        default_for=tuple(DefaultFor(d["arch"], tuple(d["sparks"]) if "sparks" in d else None) for d in data["default_for"]),
+        card=CardInfo(card["library_name"], tuple(card["tags"]), card["run"]),
     )
 
 
@@ -356,20 +473,23 @@ def _layouts(d: dict) -> Layouts:
     return layouts
 
 
-def default_loader(cfg: ModelConfig, sparks: int | None = None) -> str:
-    """The engine a source of this architecture runs in: exllamav3 for V4; for V4.1 native ExLlamaV3's V4.1
-    loader on one Spark, vLLM + vllm-exl3 otherwise."""
-    if cfg.arch == V4:
-        return EXLLAMAV3
-    return EXLLAMAV3_V41 if sparks == 1 else VLLM_EXL3
+def default_profile(cfg: ModelConfig, sparks: int | None = None) -> LoaderProfile:
+    """The engine a source of this architecture runs in on `sparks` Sparks, by the profiles' `default_for`, an
+    entry for this Spark count before one for any (shipped: exllamav3 for V4; for V4.1 native ExLlamaV3's V4.1
+    loader on one Spark, vLLM + vllm-exl3 otherwise)."""
+    for specific in (True, False):  # an entry naming the Spark count wins over one for any count
+        for p in all_profiles():
+            if any(d.matches(cfg.arch, sparks) and (d.sparks is not None) == specific for d in p.default_for):
+                return p
+    raise UserError(f"no loader profile is the default for {cfg.arch} models; give --loader")
 
 
 def profiles_for(cfg: ModelConfig, sparks: int | None = None) -> list[LoaderProfile]:
     """The profiles whose engine runs this model's architecture (on `sparks` Sparks, where given), the
     default one first."""
-    first = default_loader(cfg, sparks)
-    names = [first] + [name for name in LOADERS if name != first]
-    return [p for p in map(load_profile, names) if cfg.arch in p.archs and (sparks is None or sparks in p.sparks)]
+    first = default_profile(cfg, sparks)
+    ordered = [first] + [p for p in all_profiles() if p != first]
+    return [p for p in ordered if cfg.arch in p.archs and (sparks is None or sparks in p.sparks)]
 
 
 OLD_ENGINE_NAMES = {"vllm": VLLM_EXL3}  # the hardware file's engine names before they became the profiles' names
@@ -380,20 +500,21 @@ def loader_for_engine(engine: str) -> str:
     or an old name such as vllm) maps to the profile whose `fit_engine` it is; the design floor `native`
     runs no pack, so no profile."""
     engine = OLD_ENGINE_NAMES.get(engine, engine)
-    by_engine = {load_profile(name).fit_engine: name for name in LOADERS}
-    if engine in LOADERS or engine in by_engine:
+    names = loader_names()
+    by_engine = {p.fit_engine: p.name for p in all_profiles()}
+    if engine in names or engine in by_engine:
         return by_engine.get(engine, engine)
     if engine == "native":
         raise UserError("--engine native: not an engine a pack runs in (DeepSeek's design floor, a lower bound "
-                        f"`fit --explain` shows); use --loader {'|'.join(LOADERS)}")
-    raise UserError(f"--engine {engine}: no such engine; use --loader {'|'.join(LOADERS)}")
+                        f"`fit --explain` shows); use --loader {'|'.join(names)}")
+    raise UserError(f"--engine {engine}: no such engine; use --loader {'|'.join(names)}")
 
 
-def check_loader(asked: str | None, named: str, where: str) -> str:
+def check_loader(asked: LoaderProfile | None, named: LoaderProfile, where: str) -> LoaderProfile:
     """`named` (the profile a pack, plan or recipe is made for), or a one-line UserError where --loader
     asks for another: the file's layout decides the engine, not the flag."""
     if asked and asked != named:
-        raise UserError(f"--loader {asked} conflicts with {where}, which is made for the {named} loader profile")
+        raise UserError(f"--loader {asked.name} conflicts with {where}, which is made for the {named.name} loader profile")
     return named
 
 

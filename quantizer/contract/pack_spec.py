@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from quantizer.caches import process_cache
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import tensor_nbytes
-from quantizer.contract.loader_profiles import ENGRAM_SIBLING, LOADERS, load_profile
+from quantizer.contract.loader_profiles import ENGRAM_SIBLING, LoaderProfile
 from quantizer.contract.stored_linear import StoredLinear
 from quantizer.exl3 import UNQUANTIZED, exl3_bytes, leaf_layout
 from quantizer.model.targets import classified_layout, stored_parts, targets
@@ -98,14 +98,13 @@ def pack_spec(cfg: ModelConfig, plan: "Plan") -> PackSpec:
               for suffix, shape, dtype, nbytes in leaf_layout(s.in_features, s.out_features, s.K, plan.codebook)]
     profile = plan.profile
     placed = profile.plain_dtypes or profile.engram_tables == ENGRAM_SIBLING  # else every native as it is
-    natives = [_placed(n, plan.profile.name) if placed else n for n in native_tensors(cfg) if n.name not in replaced]
+    natives = [_placed(n, profile) if placed else n for n in native_tensors(cfg) if n.name not in replaced]
     return PackSpec(tuple(linears), tuple(natives + leaves), frozenset(replaced))
 
 
-def _placed(n: StoredTensor, loader: str) -> StoredTensor:
+def _placed(n: StoredTensor, profile: LoaderProfile) -> StoredTensor:
     """A passed-through tensor as the loader profile stores it: an Engram table in the sibling directory
     where the engine reads them from there, a plain tensor in the dtype the engine's loader takes."""
-    profile = load_profile(loader)
     if n.cls == ENGRAM_TABLE and profile.engram_tables == ENGRAM_SIBLING:
         return n._replace(storage=ENGRAM_DIR)
     dtype = profile.plain_dtype(n.name, n.dtype)
@@ -118,7 +117,7 @@ def spec_bytes(cfg: ModelConfig, plan: "Plan") -> dict[str, int]:
     """`pack_spec(cfg, plan).bytes_by_class()` without building the tensor list (planning searches
     ask it for many plans of the full model): native bytes, less what encoded targets replace, plus
     their linears' leaves."""
-    natives, replaced_bytes = _native_bytes(cfg, plan.profile.name)
+    natives, replaced_bytes = _native_bytes(cfg, plan.profile)
     cold = aliased_keys(plan) if plan.aliases else ()
     parts = _parts(cfg)
     out = defaultdict(int, natives)
@@ -138,6 +137,12 @@ def expert_of(key: str) -> str:
     return key.rsplit(".", 1)[0]
 
 
+def alias_of(plan: "Plan", key: str) -> str | None:
+    """The linear that serves an aliased expert's `key` (same projection of the warm expert)."""
+    expert = expert_of(key)
+    return plan.aliases[expert] + key[len(expert):] if expert in plan.aliases else None
+
+
 def aliased_keys(plan: "Plan") -> set[str]:
     """Target keys of the aliased cold experts: they store nothing."""
     return {key for key in plan.k if expert_of(key) in plan.aliases}
@@ -151,14 +156,14 @@ def native_tensors(cfg: ModelConfig) -> tuple[StoredTensor, ...]:
                  for spec, cls in classified_layout(cfg))
 
 
-@process_cache(maxsize=2 * len(LOADERS))
-def _native_bytes(cfg: ModelConfig, loader: str) -> tuple[dict[str, int], dict[str, int]]:
+@process_cache(maxsize=8)
+def _native_bytes(cfg: ModelConfig, profile: LoaderProfile) -> tuple[dict[str, int], dict[str, int]]:
     """(native bytes per class as the loader stores them, bytes of each target's `.weight` and `.scale`),
-    once per model shape and loader."""
+    once per model shape and profile."""
     by_class: dict[str, int] = defaultdict(int)
     by_name = {}
     for n in native_tensors(cfg):
-        by_class[n.cls] += _placed(n, loader).nbytes
+        by_class[n.cls] += _placed(n, profile).nbytes
         by_name[n.name] = n.nbytes
     replaced = {t.key: sum(by_name.get(t.key + leaf, 0) for leaf in REPLACED_LEAVES) for t in targets(cfg)}
     return dict(by_class), replaced

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import EXLLAMAV3, LoaderProfile, Violation, load_profile, profiles_for, violations
+from quantizer.contract.loader_profiles import LoaderProfile, Violation, profiles_for, stock_profile, violations
 from quantizer.contract.pack_spec import aliased_keys, expert_of, spec_bytes, stored_linears
 from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
@@ -28,7 +28,7 @@ def make_plan(
     cfg: ModelConfig,
     k: dict[str, float | None],
     codebook: str = "mul1",
-    loader: str = EXLLAMAV3,
+    profile: LoaderProfile | None = None,
     target_bpw: float | None = None,
     aliases: dict[str, str] | None = None,
     made_by: str = "",
@@ -36,9 +36,9 @@ def make_plan(
 ) -> Plan:
     """A checked plan with its expected bytes; every target of `cfg` must have an entry in `k`. With
     `keep_rules` False the loader profile's rules are not enforced (what `fit` sizes: broken_rules says
-    which it breaks)."""
+    which it breaks). `profile` None: stock exllamav3."""
     k = {key: (None if v is None else float(v)) for key, v in k.items()}
-    plan = Plan(cfg.arch, codebook, load_profile(loader), k, target_bpw, dict(aliases or {}), made_by=made_by)
+    plan = Plan(cfg.arch, codebook, profile or stock_profile(), k, target_bpw, dict(aliases or {}), made_by=made_by)
     check_plan(cfg, plan, keep_rules)
     return priced(cfg, plan)
 

@@ -1,7 +1,7 @@
 """`quantizer demo`: a bundled small model (V4.1 by default, or V4) built at several sizes by four
 methods, on the CPU, with the size, fit and quality of every pack.
 
-Every pack is an ordinary `build` (build/stages.py) into one shared work directory, so every row
+Every pack is an ordinary `build` (orchestrate/stages.py) into one shared work directory, so every row
 is exactly what `quantizer build` writes with the same settings (tests/test_demo.py checks one).
 They share one calibration and the quantize stage's cache of encodings: each (tensor, K) any plan
 needs is encoded once. Each size is anchored on exllamav3's own allocator (its plan's `bits`), and
@@ -29,15 +29,15 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from quantizer.build.stages import QUANTIZE_DIR, BuildRequest, BuildResult, build
+from quantizer.orchestrate.stages import QUANTIZE_DIR, BuildRequest, BuildResult, build
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.contract.loader_profiles import EXLLAMAV3, LOADERS, TENSORFOLD, VLLM_EXL3, load_profile
+from quantizer.contract.loader_profiles import LoaderProfile, all_profiles, stock_profile
 from quantizer.contract.pack_spec import pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
@@ -62,8 +62,12 @@ UNIFORM, EXL3, OURS = "uniform", "exl3", "ours"
 METHODS = (UNIFORM, EXL3, OURS)  # the default rows
 TUNED = "ours-tuned"  # opt-in row: ours with `build --tune` (docs/tuning.md), same codes and bytes as ours
 KNOWN_METHODS = METHODS + (TUNED,)
-DEMO_LOADERS = (EXLLAMAV3, VLLM_EXL3, TENSORFOLD)  # the profiles ours plans for (exllamav3-v41: one Spark only)
 BUILD_DIR = "build"  # the shared build work directory: calibration and the encoding cache
+def demo_loaders() -> tuple[str, ...]:
+    """The profiles ours plans for in the demo: those whose JSON says `demo` (not exllamav3-v41: one Spark only)."""
+    return tuple(p.name for p in all_profiles() if p.demo)
+
+
 # The bundled trained models, by the name `--model` takes, and the package folder that holds each.
 MODELS = {"small-v41": "small_model", "small-v4": "small_model_v4"}
 
@@ -72,7 +76,7 @@ MODELS = {"small-v41": "small_model", "small-v4": "small_model_v4"}
 class DemoSettings:
     sizes: tuple[float, ...] = SIZES
     methods: tuple[str, ...] = METHODS
-    loaders: tuple[str, ...] = DEMO_LOADERS  # ours is planned once per profile; uniform and exl3 for exllamav3
+    loaders: tuple[str, ...] = field(default_factory=demo_loaders)  # ours once per profile; uniform, exl3 for stock
     model: str = "small-v41"
     calib_rows: int = 16
     eval_rows: int = 16
@@ -85,9 +89,9 @@ class DemoSettings:
             raise UserError("give at least one size, one method and one loader")
         for size in self.sizes:
             check_bpw(size, "mul1", "--sizes")
-        unknown = [name for name in self.loaders if name not in DEMO_LOADERS]
+        unknown = [name for name in self.loaders if name not in demo_loaders()]
         if unknown:
-            raise UserError(f"loader(s) {', '.join(unknown)} not in the demo; choose from {', '.join(DEMO_LOADERS)}")
+            raise UserError(f"loader(s) {', '.join(unknown)} not in the demo; choose from {', '.join(demo_loaders())}")
         if self.model not in MODELS:
             raise UserError(f"unknown --model {self.model!r}; choose from {', '.join(MODELS)}")
         if min(self.calib_rows, self.eval_rows) < 1 or self.cols < 2:
@@ -122,8 +126,10 @@ class DemoResult:
     eval_text: str  # the text measured on, as asked for (DemoSettings.eval_text)
 
 
-def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
+def run_demo(work: Path, settings: DemoSettings | None = None) -> DemoResult:
     start = time.monotonic()
+    settings = settings or DemoSettings()
+    stock, order = stock_profile(), {p.name: p.order for p in all_profiles()}
     eval_text = text_argument(settings.eval_text)  # a bad name fails here, before minutes of builds
     methods = _available(settings.methods)
     ck = Checkpoint.open(shipped(MODELS[settings.model]))
@@ -134,37 +140,37 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
 
     _say(f"demo: {ck.root.name}, sizes {', '.join(f'{s:g}' for s in settings.sizes)} bpw, methods "
          f"{', '.join(methods)}; work in {work}")
-    calibration = rows(shipped_text_path("calibration"), settings.calib_rows)
+    calibration_rows = rows(shipped_text_path("calibration"), settings.calib_rows)
     built: dict[tuple[float, str, str], BuildResult] = {}
 
-    def make(size: float, method: str, loader: str, bpw: float, measured=None) -> None:
-        out = work / "packs" / f"{size:g}-{method}-{loader}"
+    def make(size: float, method: str, profile: LoaderProfile, bpw: float, measured=None) -> None:
+        out = work / "packs" / f"{size:g}-{method}-{profile.name}"
         _say(f"demo: build {out.name} at {bpw:.4g} bpw")
         for old in (out, engram_dir_of(out)):  # a pack of an earlier demo run in this work directory
             shutil.rmtree(old, ignore_errors=True)
-        built[size, method, loader] = build(BuildRequest(
+        built[size, method, profile.name] = build(BuildRequest(
             src=str(ck.root), out=out, bpw=bpw, method=OURS if method == TUNED else method,
-            allocation=AllocationSettings(loader=loader), calibration_rows=calibration,
-            calibration=CalibrationSettings(device="cpu"), work=work / BUILD_DIR,
+            allocation=AllocationSettings(profile=profile), calibration_rows=calibration_rows,
+            calibration_settings=CalibrationSettings(device="cpu"), work=work / BUILD_DIR,
             quantize=QuantizeSettings(seed=settings.seed, device="cpu", encoder="fast"), measured=measured,
             tune=TuneSettings() if method == TUNED else None))
 
     def budget(size: float) -> float:
-        return built[size, EXL3, EXLLAMAV3].plan.achieved_bpw if EXL3 in methods else size
+        return built[size, EXL3, stock.name].plan.achieved_bpw if EXL3 in methods else size
 
     for size in settings.sizes:
         if EXL3 in methods:
-            make(size, EXL3, EXLLAMAV3, size)
+            make(size, EXL3, stock, size)
         if UNIFORM in methods:
-            make(size, UNIFORM, EXLLAMAV3, budget(size))
+            make(size, UNIFORM, stock, budget(size))
     measured = _measured(cfg, work / BUILD_DIR, list(built.values()))
-    loaders = [name for name in settings.loaders if cfg.arch in load_profile(name).archs]
-    if len(loaders) < len(settings.loaders):
-        _say(f"demo: {cfg.arch} runs in {', '.join(loaders)} only of the loaders asked for")
+    profiles = [p for p in all_profiles() if p.name in settings.loaders and cfg.arch in p.archs]
+    if len(profiles) < len(settings.loaders):
+        _say(f"demo: {cfg.arch} runs in {', '.join(p.name for p in profiles)} only of the loaders asked for")
     for size in settings.sizes:
         for method in (m for m in (OURS, TUNED) if m in methods):
-            for loader in loaders:
-                make(size, method, loader, budget(size), measured)
+            for profile in profiles:
+                make(size, method, profile, budget(size), measured)
 
     held = rows(eval_text, settings.eval_rows)
     reference = list(row_predictions(streamer(ck, quiet=True), held))
@@ -173,7 +179,7 @@ def run_demo(work: Path, settings: DemoSettings = DemoSettings()) -> DemoResult:
     for (size, method, _), result in built.items():
         c = compare(reference, row_predictions(streamer(open_model(result.out), quiet=True), held))
         out.append(_row(size, method, result.plan, result.manifest, result.out, c, not result.verify.faults))
-    rows_sorted = sorted(out, key=lambda r: (r.bpw, KNOWN_METHODS.index(r.method), LOADERS.index(r.loader)))
+    rows_sorted = sorted(out, key=lambda r: (r.bpw, KNOWN_METHODS.index(r.method), order[r.loader]))
     return DemoResult(rows_sorted, float(native_nll.mean().exp()), native_nll.numel(), time.monotonic() - start,
                       settings.eval_text)
 

@@ -1,4 +1,4 @@
-"""The largest plan that fits a number of Sparks: `plan --sparks` and `build --sparks` ask this.
+"""The plan that fits a number of Sparks: `plan` and `build` choose theirs with `choose_plan`.
 
 The planner is passed in (bpw -> Plan, any method); the search over bpw is fit's own
 (memory.highest_fitting_bpw), the same one `quantizer fit --bpw` uses to say what would fit. On an engine
@@ -31,6 +31,19 @@ class FittedPlan:
     plan: Plan
     report: FitReport
     launch: Launch  # which experts stay in the page cache (none where the engine copies every weight)
+
+
+def choose_plan(cfg: ModelConfig, plan_at: Callable[[float], Plan] | None, lowest: float, highest: float,
+                target: FitTarget | None, bpw: float | None = None, given: Plan | None = None,
+                hardware: Hardware | None = None, tokens: dict[str, float] | None = None
+                ) -> tuple[Plan, FittedPlan | None]:
+    """The plan `plan` and `build` make: `given`, or the one at `bpw`, fitted to `target` where one is given;
+    else the largest plan in [lowest, highest] bpw that fits `target`."""
+    if given is not None or bpw is not None:
+        plan = given or plan_at(bpw)
+        return plan, fit_plan(cfg, plan, target, tokens, hardware) if target else None
+    fitted = largest_fitting_plan(cfg, plan_at, lowest, highest, target, hardware, tokens)
+    return fitted.plan, fitted
 
 
 def fit_plan(cfg: ModelConfig, plan: Plan, target: FitTarget, tokens: dict[str, float] | None = None,

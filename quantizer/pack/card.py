@@ -23,7 +23,8 @@ from pathlib import Path
 import yaml
 from huggingface_hub import ModelCardData
 
-from quantizer.contract.loader_profiles import EXLLAMAV3, EXLLAMAV3_V41, TENSORFOLD, VLLM_EXL3, LoaderProfile, load_profile
+from quantizer.calibrate.storage import HessianRecord
+from quantizer.contract.loader_profiles import LoaderProfile
 from quantizer.model.tensor_classes import DRAFTER, ENGRAM_TABLE, ROUTED_EXPERT, VISION, classify
 from quantizer.pack.fit_table import pack_fit_table
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest
@@ -66,16 +67,15 @@ def _vouched(pack: Path) -> Manifest:
 
 
 def card_data(m: Manifest) -> ModelCardData:
-    """The Hugging Face metadata: base_model (and its relation) only when the source is a known repo;
-    `library_name: exllamav3` only on a pack stock exllamav3 loads (its profile), the engine as a tag on the others."""
-    loader = m.plan["loader"]
+    """The Hugging Face metadata: base_model (and its relation) only when the source is a known repo; the
+    library_name and tags the pack's profile gives its engine (configs/loaders/, `card`)."""
+    card = m.profile.card
     base = m.source.get("base_model")
-    engine_tags = ["vllm"] if loader == VLLM_EXL3 else []
     return ModelCardData(
         base_model=base or None, base_model_relation="quantized" if base else None,
-        library_name=EXLLAMAV3 if loader == EXLLAMAV3 else None, pipeline_tag="text-generation",
+        library_name=card.library_name, pipeline_tag="text-generation",
         license=m.source.get("license") or None,
-        tags=list(dict.fromkeys(["exl3", loader, *engine_tags, "quantizer", m.source["arch"]])),
+        tags=list(dict.fromkeys(["exl3", m.profile.name, *card.tags, "quantizer", m.source["arch"]])),
     )
 
 
@@ -120,7 +120,7 @@ def _source(m: Manifest) -> str:
 
 
 def _loads_in(m: Manifest) -> str:
-    profile = load_profile(m.plan["loader"])
+    profile = m.profile
     encoded = f"exllamav3 {m.tool['exllamav3']} on a GPU" if m.tool.get("exllamav3") else "quantizer's CPU codec"
     features = ", ".join(m.loader_features) or "none beyond stock EXL3"
     return "\n".join([
@@ -142,10 +142,8 @@ def _run_it(m: Manifest) -> str:
     the ones docs/loader-profiles.md gives (with the engine document it cites); where it gives none, the
     card says what the engine reads and where its launcher is. A function of the manifest alone (the fit
     table is not: its verdicts follow today's hardware profile)."""
-    profile = load_profile(m.plan["loader"])
     given = _flag_value(m.tool.get("command") or [], "--sparks")
-    run = {EXLLAMAV3: _run_exllamav3, VLLM_EXL3: _run_vllm, TENSORFOLD: _run_tensorfold, EXLLAMAV3_V41: _run_one_spark}
-    return "\n".join([RUN_HEADING, "", *run[profile.name](m, profile, given)])
+    return "\n".join([RUN_HEADING, "", *RUN_SECTIONS[m.profile.card.run](m, m.profile, given)])
 
 
 def _sparks_text(profile: LoaderProfile, given: str | None) -> str:
@@ -234,6 +232,10 @@ def _run_one_spark(m: Manifest, profile: LoaderProfile, given: str | None) -> li
     ]
 
 
+# The profile's `card.run` names the writer of its launch shape (contract/loader_profiles.RUN_SECTIONS).
+RUN_SECTIONS = {"exllamav3": _run_exllamav3, "vllm": _run_vllm, "tensorfold": _run_tensorfold, "mapped": _run_one_spark}
+
+
 def _fenced(*lines: str, language: str = "") -> list[str]:
     """A command block of the card, and the blank line after it."""
     return ["", f"```{language}", *lines, "```", ""]
@@ -261,7 +263,7 @@ def _flag_value(command: list[str], flag: str) -> str | None:
 def bits_text(m: Manifest) -> str:
     """The pack's bits in words: per weight of which tensors, and how exllamav3's record rounds them."""
     q = m.quantization
-    groups = load_profile(m.plan["loader"]).budgeted_groups
+    groups = m.profile.budgeted_groups
     which = "the routed experts" if groups == ("routed",) else f"the budgeted tensors ({', '.join(groups)})"
     rounded = "" if q["bits"] == q["bpw"] else f"; exllamav3's record (quantization_config.json) rounds it to bits {q['bits']}"
     return f"{q['bpw']:g} bits per weight over {which}{rounded}; codebook {m.plan['codebook']}"
@@ -300,11 +302,12 @@ def _class_policy(m: Manifest, cls: str, source_classes: set[str]) -> str:
 
 
 def _calibration(m: Manifest) -> str:
-    cal = m.settings.get("calibration")
-    if not cal:
+    record = m.settings.get("calibration")
+    if not record:
         return "## Calibration\n\nnone: the linears were quantized without Hessians."
-    return (f"## Calibration\n\n{cal['rows']:,} rows x {cal['cols']:,} tokens of {_calibration_text(m)}; "
-            f"Hessians fingerprint `{cal['fingerprint']}`.{_tuning(m)}")
+    hessians = HessianRecord.from_dict(record, f"{MANIFEST_NAME} settings")
+    return (f"## Calibration\n\n{hessians.rows:,} rows x {hessians.cols:,} tokens of {_calibration_text(m)}; "
+            f"Hessians fingerprint `{hessians.fingerprint}`.{_tuning(m)}")
 
 
 def _tuning(m: Manifest) -> str:

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import LoaderProfile, default_loader, load_profile
+from quantizer.contract.loader_profiles import LoaderProfile, default_profile
 from quantizer.contract.pack_spec import ENCODED_PROBE, pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import Findings, broken_rules, check_plan, for_profile, make_plan, matching_profile
-from quantizer.exl3 import UNQUANTIZED
+from quantizer.errors import UserError
+from quantizer.exl3 import UNQUANTIZED, check_bpw
 from quantizer.fit.launch import LaunchSettings, read_launch
 from quantizer.fit.stored import StoredTensor, stored_from_pack
 from quantizer.model.targets import stored_parts, targets
@@ -41,7 +42,25 @@ class FitInput:
     launch: LaunchSettings | None = None  # a pack's launch.env
 
 
-def pack_input(path: str | Path, asked: str | None, sparks: int | None) -> FitInput:
+def open_fit_input(src: str | None, cfg: ModelConfig | None, asked: LoaderProfile | None, sparks: int,
+                   plan_file: str | None = None, recipe: str | None = None, bpw: float | None = None,
+                   codebook: str = "mul1", uniform: Callable[[LoaderProfile], Callable[[float], Plan]] | None = None
+                   ) -> FitInput:
+    """What `fit` sizes, in one call: the pack (or checkpoint) at `src` where no plan file, recipe or bpw is given;
+    else that layout of the model shape `cfg`, a bpw through `uniform` (profile -> bpw -> the plan `plan` makes)."""
+    if src and not (plan_file or recipe or bpw is not None):
+        return pack_input(src, asked, sparks)
+    if plan_file:
+        return plan_input(cfg, plan_file, asked)
+    if recipe:
+        return recipe_input(cfg, recipe, codebook, asked, sparks)
+    if bpw is None:
+        raise UserError("with --model-config give --recipe R.yaml, --bpw B or --plan P.json")
+    check_bpw(bpw, codebook)
+    return bpw_input(cfg, uniform(asked or default_profile(cfg, sparks)), bpw)
+
+
+def pack_input(path: str | Path, asked: LoaderProfile | None, sparks: int | None) -> FitInput:
     """A pack (its manifest's profile unless --loader asks for another) or a native checkpoint (the profile its
     layout meets, else the closest)."""
     manifest = Manifest.load(Path(path)) if is_pack(path) else None
@@ -49,19 +68,19 @@ def pack_input(path: str | Path, asked: str | None, sparks: int | None) -> FitIn
         manifest.require_files(Path(path))  # its launch.env sets the context and what is mapped: as written, or refused
     cfg, stored = stored_from_pack(path)
     plan = plan_of_headers(cfg, stored, manifest)
-    profile = load_profile(asked) if asked else plan.profile if is_pack(path) else matching_profile(cfg, plan, sparks)[0]
+    profile = asked or (plan.profile if is_pack(path) else matching_profile(cfg, plan, sparks)[0])
     return FitInput(cfg, stored, profile, str(path), Findings.of(profile, broken_rules(cfg, plan, profile)), plan,
                     read_launch(path))
 
 
-def plan_input(cfg: ModelConfig, path: str, asked: str | None) -> FitInput:
+def plan_input(cfg: ModelConfig, path: str, asked: LoaderProfile | None) -> FitInput:
     """A plan file: charged as its own profile's engine, or --loader's."""
     plan = Plan.load(path)
     check_plan(cfg, plan, keep_rules=False)
-    return _planned(cfg, for_profile(cfg, plan, load_profile(asked)) if asked else plan, path)
+    return _planned(cfg, for_profile(cfg, plan, asked) if asked else plan, path)
 
 
-def recipe_input(cfg: ModelConfig, path: str, codebook: str, asked: str | None, sparks: int) -> FitInput:
+def recipe_input(cfg: ModelConfig, path: str, codebook: str, asked: LoaderProfile | None, sparks: int) -> FitInput:
     """A recipe: read for --loader, else the profile it names, else the one whose rules it meets."""
     recipe = read_recipe(path)
     plan = plan_from_recipe(cfg, recipe, codebook, asked, sparks, keep_rules=False)
@@ -91,5 +110,5 @@ def plan_of_headers(cfg: ModelConfig, stored: list[StoredTensor], manifest: Mani
         trellis = kept.get(f"{key}.trellis")
         k[t.key] = trellis.K if trellis else UNQUANTIZED if f"{t.key}.weight" in fp16 else None
     codebook = manifest.plan["codebook"] if manifest else "mul1"
-    loader = manifest.plan["loader"] if manifest else default_loader(cfg)
-    return make_plan(cfg, k, codebook, loader, made_by="the pack's headers", keep_rules=False)
+    profile = manifest.profile if manifest else default_profile(cfg)
+    return make_plan(cfg, k, codebook, profile, made_by="the pack's headers", keep_rules=False)

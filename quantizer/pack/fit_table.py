@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quantizer.contract.loader_profiles import load_profile
 from quantizer.fit.decode import decode_cost
 from quantizer.fit.hardware import load_hardware
 from quantizer.fit.launch import read_launch
@@ -22,7 +21,7 @@ def pack_fit_table(pack) -> dict:
     cfg, stored = stored_from_pack(pack)
     launch = read_launch(pack)  # a one-Spark pack's launch.env: what its engine copies, and whether the drafter runs
     manifest = Manifest.load(Path(pack))
-    profile = load_profile(manifest.plan["loader"])  # the pack's engine, no other
+    profile = manifest.profile  # the pack's engine, no other
     drafter = not launch or launch.drafter
     table = fit_table(cfg, stored, context=cfg.max_position_embeddings, engine=profile.fit_engine,
                       copy_pattern=launch and launch.copy_pattern, mmap_min=launch and launch.mmap_min,

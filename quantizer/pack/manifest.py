@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from quantizer.checkpoint.fingerprint import sha256_file
+from quantizer.contract.loader_profiles import LoaderProfile, load_profile
 from quantizer.errors import UserError
 from quantizer.pack.measurement import Measurement
 from quantizer.workdir import read_json
@@ -95,6 +96,10 @@ class Manifest:
     files: dict[str, FileRecord] = field(default_factory=dict)
     measurement: Measurement | None = None  # pack/measurement.py: set by `ppl --record` only
     claims_sha256: str | None = None  # as read; to_dict writes the digest of the claims it holds
+    profile: LoaderProfile = field(init=False, repr=False, compare=False)  # plan["loader"], resolved on load
+
+    def __post_init__(self):
+        self.profile = load_profile(self.plan["loader"])
 
     def file_problem(self, pack: Path, name: str) -> str | None:
         """Why the pack's recorded file `name` is not the one the pack stage wrote (missing, or its size or
@@ -124,6 +129,8 @@ class Manifest:
         """Every key of manifest.json but the digest, as written."""
         data = {"manifest_version": MANIFEST_VERSION}
         for f in fields(self):
+            if not f.init:
+                continue
             value = getattr(self, f.name)
             data[f.name] = asdict(value) if f.name == "measurement" and value is not None else value
         data["shards"] = [asdict(s) for s in self.shards]

@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from quantizer import __version__
+from quantizer.calibrate.storage import HessianRecord
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.fingerprint import shard_records, source_fingerprint
 from quantizer.checkpoint.safetensors_file import (
@@ -46,7 +47,7 @@ from quantizer.checkpoint.safetensors_file import (
 )
 from quantizer.checkpoint.source import INDEX_NAME, SIDE_FILES, Checkpoint
 from quantizer.contract.loader_profiles import ENGRAM_SIBLING
-from quantizer.contract.pack_spec import CONVERTED, ENGRAM_DIR, REPLACED_LEAVES, PackSpec, StoredTensor, expert_of, pack_spec
+from quantizer.contract.pack_spec import CONVERTED, ENGRAM_DIR, REPLACED_LEAVES, PackSpec, StoredTensor, alias_of, pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import achieved_bpw
 from quantizer.contract.stored_linear import StoredLinear
@@ -56,18 +57,10 @@ from quantizer.fit.hardware import load_hardware
 from quantizer.fit.launch import LAUNCH_FILE, Launch, write_launch
 from quantizer.fit.target import drafter_in_exl3
 from quantizer.model.layout import TensorSpec
-from quantizer.model.targets import DRAFT, HEAD_GROUP, ROUTED, targets
+from quantizer.model.targets import targets
 from quantizer.model.tensor_classes import classify
 from quantizer.pack.card import source_license, write_card
-from quantizer.pack.exl3_config import (
-    EXLLAMAV3_FORM,
-    EXLLAMAV3_TARGET,
-    fill_template,
-    pack_config,
-    profile_values,
-    quantization_config,
-    tensor_storage,
-)
+from quantizer.pack.exl3_config import EXLLAMAV3_TARGET, pack_config, quantization_config, tensor_storage
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, FileRecord, Manifest, ShardRecord, TensorRecord, sha256_file
 from quantizer.pack.owned import engram_dir_of
 from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, link_or_copy, reusable_sources, write_shards
@@ -144,7 +137,7 @@ def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settin
         print(f"pack: {len(reused)} Engram source shard(s) reused: {', '.join(sorted(set(reused)))}", file=sys.stderr)
     records = _shard_records(partial, shards)
     _write_index(partial, shards)
-    qcfg = _write_configs(ck, plan, spec, tensors, partial, _calibration(settings))
+    qcfg = _write_configs(ck, plan, spec, tensors, partial, _calibration_tokens(settings))
     written = [INDEX_NAME, *CONFIG_FILES, *_copy_side_files(ck.root, partial)]
     launch = _write_launch(ck.config, plan, settings.launch, partial)
     if launch:
@@ -269,12 +262,6 @@ def _sources(ck: Checkpoint, plan: Plan, spec: PackSpec) -> dict[str, object]:
     return {name: fates.get(name, NATIVE) for name in ck.tensors}
 
 
-def alias_of(plan: Plan, key: str) -> str | None:
-    """The linear that serves an aliased expert's `key` (same projection of the warm expert)."""
-    expert = expert_of(key)
-    return plan.aliases[expert] + key[len(expert):] if expert in plan.aliases else None
-
-
 def _k(k: float):
     return int(k) if float(k).is_integer() else float(k)
 
@@ -299,10 +286,14 @@ def _write_index(pack: Path, shards: list[ShardPlan]) -> None:
     write_json_atomic(pack / INDEX_NAME, index)
 
 
-def _calibration(settings: PackSettings) -> dict | None:
-    """{rows, cols} of the calibration the Hessians came from, or None for an uncalibrated pack."""
-    cal = settings.job_settings.get("calibration")
-    return {"rows": cal["rows"], "cols": cal["cols"]} if cal else None
+def _calibration_tokens(settings: PackSettings) -> dict | None:
+    """{rows, cols} of the token rows the Hessians came from (exllamav3's "calibration"), or None for an
+    uncalibrated pack."""
+    record = settings.job_settings.get("calibration")
+    if not record:
+        return None
+    hessians = HessianRecord.from_dict(record, "the quantize job's settings")
+    return {"rows": hessians.rows, "cols": hessians.cols}
 
 
 def _source_config(ck: Checkpoint) -> dict:
@@ -310,35 +301,17 @@ def _source_config(ck: Checkpoint) -> dict:
 
 
 def _write_configs(ck: Checkpoint, plan: Plan, spec: PackSpec, tensors: list[PackTensor], pack: Path,
-                   calibration: dict | None) -> dict:
+                   calibration_tokens: dict | None) -> dict:
     """config.json with the quantization_config the plan's engine reads (its profile's form), and
     quantization_config.json with exllamav3's record plus tensor_storage. Returns exllamav3's record."""
     source_config = _source_config(ck)
     codebook = parse_codebook(plan.codebook)
     bpw = achieved_bpw(ck.config, plan)
-    qcfg = quantization_config(source_config, bpw, _head_bits(plan), codebook, calibration)
-    engine_qcfg = engine_quantization_config(plan.profile, qcfg, source_config, ck.config, spec.linears)
+    qcfg = quantization_config(source_config, bpw, _head_bits(plan), codebook, calibration_tokens)
+    engine_qcfg = plan.profile.engine_quantization_config(qcfg, source_config, ck.config, spec.linears)
     write_json_atomic(pack / "config.json", pack_config(source_config, engine_qcfg))
     write_json_atomic(pack / "quantization_config.json", {**qcfg, "tensor_storage": tensor_storage(tensors, codebook)})
     return qcfg
-
-
-def engine_quantization_config(profile, qcfg: dict, source_config: dict, cfg, linears) -> dict:
-    """The quantization_config the profile's engine reads: exllamav3's record, or the profile's template
-    filled from the stored linears (pack/exl3_config.py). verify calls it on what the shards hold."""
-    if profile.quantization_config == EXLLAMAV3_FORM:
-        return qcfg
-    by_group: dict[str, list[float]] = defaultdict(list)
-    routed: list[tuple[int, float]] = []
-    for s in linears:
-        if s.K is not None and s.K != UNQUANTIZED:
-            by_group[s.target.group].append(s.K)
-            if s.target.group == ROUTED:
-                routed.append((s.target.layer, s.K))
-    head = by_group[HEAD_GROUP][0] if by_group[HEAD_GROUP] else None
-    values = profile_values(qcfg["bits"], qcfg["bpw"], qcfg["codebook"], head, by_group[DRAFT], routed,
-                            source_config, cfg.fp8_block, cfg.num_layers, profile.config_bits_range)
-    return fill_template(profile.quantization_config, values)
 
 
 def _write_engram_dir(ck: Checkpoint, spec: PackSpec, where: Path) -> dict | None:

@@ -29,21 +29,20 @@ profile reads an alias map today (docs/loader-profiles.md), so `--alias` is refu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.contract.loader_profiles import (
     ALL_PROJECTIONS,
-    EXLLAMAV3,
     GROUPED,
     PER_LAYER,
     ExpertLayout,
     LoaderProfile,
     Overlay,
-    load_profile,
     overlay_note,
+    stock_profile,
 )
 from quantizer.contract.pack_spec import expert_of
 from quantizer.contract.plan import Plan
@@ -64,7 +63,7 @@ ALIAS_ROUNDS = 6
 
 @dataclass(frozen=True)
 class AllocationSettings:
-    loader: str = EXLLAMAV3  # a loader profile name (contract/loader_profiles.py)
+    profile: LoaderProfile = field(default_factory=stock_profile)  # the engine the plans are for
     codebook: str = "mul1"
     floor: float = DEFAULT_FLOOR
     head_bits: float | None = 6.0
@@ -76,9 +75,10 @@ class AllocationSettings:
     expert_layout: str | None = None  # per-expert | grouped | per-layer; None: the profile's default
     half_rates: bool | None = None  # whether K may be 1.5 / 2.5 / 3.5; None: the profile's default
 
-    @property
-    def profile(self) -> LoaderProfile:
-        return load_profile(self.loader)
+    def record(self) -> dict:
+        """What a resume must agree on, the profile by its name."""
+        settings = asdict(self)  # the profile's rules come with its name; the record keeps the name
+        return {"loader": self.profile.name} | {k: v for k, v in settings.items() if k != "profile"}
 
     @property
     def layout(self) -> ExpertLayout:
@@ -102,7 +102,7 @@ class AllocationSettings:
         """Whether cold experts may be aliased; UserError where the loader cannot serve aliases."""
         allowed = self.profile.aliases
         if self.alias and not allowed:
-            raise UserError(alias_refusal(self.loader))
+            raise UserError(alias_refusal(self.profile.name))
         return allowed if self.alias is None else self.alias
 
 
@@ -117,11 +117,12 @@ class Allocator:
     """One model, one sensitivity, one set of rules; `plan(bits)` for any budget (the fit search
     asks for several)."""
 
-    def __init__(self, cfg: ModelConfig, sens: Sensitivity, settings: AllocationSettings = AllocationSettings(),
+    def __init__(self, cfg: ModelConfig, sens: Sensitivity, settings: AllocationSettings | None = None,
                  profile: LoaderProfile | None = None):
         """`profile` in place of the settings' own: a profile whose rules the plans need not keep (what a bench
         that measures a layout no engine of the model loads asks for: bench/expert_layouts.py)."""
         self.keep_rules = profile is None
+        settings = settings or AllocationSettings()
         profile = profile or settings.profile
         if settings.codebook not in profile.codebooks:
             raise UserError(f"--codebook {settings.codebook}: the {profile.name} loader takes "
@@ -307,7 +308,7 @@ class Allocator:
                    f"site gains, proxy errors "
                    f"{f'measured for {self.sens.measured} targets' if self.sens.measured else 'modelled'}"
                    + overlay_note(s.overlay) + ")")
-        return make_plan(self.cfg, k, s.codebook, s.loader, target_bpw=round(bpw, 4), aliases=aliased,
+        return make_plan(self.cfg, k, s.codebook, s.profile, target_bpw=round(bpw, 4), aliases=aliased,
                          made_by=made_by, keep_rules=self.keep_rules)
 
 
@@ -397,7 +398,7 @@ class InfeasibleBudget(Exception):
 # ---- entry points ---------------------------------------------------------------------------------
 
 def allocate(cfg: ModelConfig, sens: Sensitivity, bpw: float,
-             settings: AllocationSettings = AllocationSettings()) -> Plan:
+             settings: AllocationSettings | None = None) -> Plan:
     """The plan whose budgeted bits come to at most `bpw` (exllamav3 accounting) at the least cost."""
     alloc = Allocator(cfg, sens, settings)
     return alloc.plan(bpw * alloc.total_numel, target_bpw=bpw)

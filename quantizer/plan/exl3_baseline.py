@@ -49,7 +49,7 @@ from pathlib import Path
 
 from quantizer.caches import process_cache
 from quantizer.checkpoint.config import V4, ModelConfig
-from quantizer.contract.loader_profiles import EXLLAMAV3, load_profile
+from quantizer.contract.loader_profiles import LoaderProfile, stock_profile
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import achieved_bpw, make_plan
 from quantizer.errors import UserError
@@ -71,12 +71,14 @@ def exl3_strategy(cfg: ModelConfig, bits: float, codebook: str = "mul1", head_bi
 
 
 def exl3_plan(cfg: ModelConfig, bpw: float, codebook: str = "mul1", head_bits: float | None = 6.0,
-              hq: int = HQ, drafter_bits: float | None = None, loader: str = EXLLAMAV3) -> Plan:
-    """exllamav3's allocation at the largest `bits` whose plan stays within `bpw` (our accounting)."""
+              hq: int = HQ, drafter_bits: float | None = None, profile: LoaderProfile | None = None) -> Plan:
+    """exllamav3's allocation at the largest `bits` whose plan stays within `bpw` (our accounting), for stock
+    exllamav3 unless `profile` says otherwise."""
+    profile = profile or stock_profile()
     def rates_at(bits: float) -> tuple[dict[str, float | None], float]:
         strategy, _ = exl3_strategy(cfg, bits, codebook, 6.0 if head_bits is None else head_bits, hq)
         k = our_rates(cfg, strategy, head_bits, drafter_bits)
-        return k, achieved_bpw(cfg, Plan(cfg.arch, codebook, load_profile(loader), k))
+        return k, achieved_bpw(cfg, Plan(cfg.arch, codebook, profile, k))
 
     lo, hi = float(rate_grid(codebook)[0]), float(rate_grid(codebook)[-1])
     best, achieved = rates_at(lo)
@@ -95,7 +97,7 @@ def exl3_plan(cfg: ModelConfig, bpw: float, codebook: str = "mul1", head_bits: f
             hi = mid
     made_by = (f"exllamav3.create_q_strategy(bits={lo:.4f}, hq={hq}, half_steps={codebook == 'mul1'}) "
                f"matched to {bpw:g} bpw; exllamav3 {EXLLAMAV3_VERSION} on a V4 twin")
-    return make_plan(cfg, best, codebook, loader, target_bpw=bpw, made_by=made_by)
+    return make_plan(cfg, best, codebook, profile, target_bpw=bpw, made_by=made_by)
 
 
 def our_rates(cfg: ModelConfig, strategy: dict[str, float], head_bits: float | None,

@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import LOADERS, default_loader
+from quantizer.contract.loader_profiles import LoaderProfile, default_profile, load_profile, loader_names
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import broken_rules, check_plan, for_profile, make_plan, matching_profile
 from quantizer.errors import UserError
@@ -52,7 +52,7 @@ class Recipe:
     head_bits: float | None  # None: native head
     entries: tuple[tuple[str, float | None], ...]  # (pattern, K or None = native), file order
     path: str = "recipe"
-    loader: str | None = None  # the loader profile it names; None: the default for the model and Spark count
+    profile: LoaderProfile | None = None  # the loader profile it names; None: the default for the model and Spark count
 
 
 def read_recipe(path: str | os.PathLike) -> Recipe:
@@ -73,9 +73,10 @@ def read_recipe(path: str | os.PathLike) -> Recipe:
     if bpw is not None and not isinstance(bpw, (int, float)):
         raise UserError(f"{path}: target_bpw {bpw!r} is not a number")
     loader = data.get("loader")
-    if loader is not None and loader not in LOADERS:
-        raise UserError(f"{path}: loader {loader!r}; choose one of {', '.join(LOADERS)}")
-    return Recipe(None if bpw is None else float(bpw), _value(head, f"{path}: head_bits"), entries, str(path), loader)
+    if loader is not None and loader not in loader_names():
+        raise UserError(f"{path}: loader {loader!r}; choose one of {', '.join(loader_names())}")
+    return Recipe(None if bpw is None else float(bpw), _value(head, f"{path}: head_bits"), entries, str(path),
+                  None if loader is None else load_profile(loader))
 
 
 def shipped_recipes() -> list[str]:
@@ -103,13 +104,13 @@ def _head_entry(entries: tuple[tuple[str, float | None], ...]) -> float | str | 
 
 def profile_note(cfg: ModelConfig, recipe: Recipe, plan: Plan, sparks: int | None) -> str:
     """What the output says of a recipe that names no profile: which one it was read for, and why."""
-    if recipe.loader:
+    if recipe.profile:
         return ""
     where = f" on {sparks} Spark{'s' if sparks != 1 else ''}" if sparks else ""
     name = plan.profile.name
     if broken_rules(cfg, plan):
         return f" (names no loader profile and none for {cfg.arch}{where} takes it as it is: read for {name}, the closest)"
-    if name == default_loader(cfg, sparks):
+    if name == default_profile(cfg, sparks).name:
         return f" (names no loader profile: read for {name}, the default for {cfg.arch}{where})"
     return f" (names no loader profile: read for {name}, whose rules it meets)"
 
@@ -122,18 +123,18 @@ def _value(v, what: str) -> float | None:
     return float(v)
 
 
-def plan_from_recipe(cfg: ModelConfig, recipe: Recipe, codebook: str = "mul1", loader: str | None = None,
+def plan_from_recipe(cfg: ModelConfig, recipe: Recipe, codebook: str = "mul1", profile: LoaderProfile | None = None,
                      sparks: int | None = None, keep_rules: bool = True) -> Plan:
     """Apply the recipe to the model's targets: last matching entry wins, as in exllamav3. The plan is for
-    `loader`, else the profile the recipe names, else the one whose rules its K map meets among those that
+    `profile`, else the profile the recipe names, else the one whose rules its K map meets among those that
     run the model on `sparks` Sparks (the closest where none does). `keep_rules` False makes a plan that
     may break its profile (what `fit` sizes)."""
     k = _recipe_k(cfg, recipe, codebook)
     made_by = f"recipe {recipe.path}"
-    chosen = loader or recipe.loader
+    chosen = profile or recipe.profile
     if chosen:
         return make_plan(cfg, k, codebook, chosen, recipe.target_bpw, made_by=made_by, keep_rules=keep_rules)
-    plan = make_plan(cfg, k, codebook, default_loader(cfg, sparks), recipe.target_bpw, made_by=made_by,
+    plan = make_plan(cfg, k, codebook, default_profile(cfg, sparks), recipe.target_bpw, made_by=made_by,
                      keep_rules=False)
     plan = for_profile(cfg, plan, matching_profile(cfg, plan, sparks)[0])
     if keep_rules:

@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass
 
 from quantizer.checkpoint.config import ModelConfig
-from quantizer.contract.loader_profiles import GROUPED, PER_LAYER, EXLLAMAV3, ExpertLayout, Overlay, load_profile, overlay_note
+from quantizer.contract.loader_profiles import GROUPED, PER_LAYER, ExpertLayout, LoaderProfile, Overlay, stock_profile
+from quantizer.contract.loader_profiles import overlay_note
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
@@ -42,15 +43,16 @@ def uniform_plan(
     head_bits: float | None = 6,
     drafter_bits: float | None = None,
     floor: float | None = None,
-    loader: str = EXLLAMAV3,
+    profile: LoaderProfile | None = None,
     overlay: Overlay | None = None,
     expert_layout: str | None = None,
     half_rates: bool | None = None,
 ) -> Plan:
     """One K per layer's routed experts (per expert or per group of experts under those layouts, so the budget
-    is spent to the unit), whose budgeted bits come to at most `bpw` (exllamav3's `bits` accounting)."""
+    is spent to the unit), whose budgeted bits come to at most `bpw` (exllamav3's `bits` accounting), for
+    `profile` (None: stock exllamav3)."""
     all_targets = targets(cfg)
-    profile = load_profile(loader)
+    profile = profile or stock_profile()
     layout = profile.expert_layout(expert_layout)
     budgeted = [t for t in all_targets if profile.budgets(t)]
     routed = [t for t in budgeted if t.group == ROUTED]
@@ -92,7 +94,7 @@ def uniform_plan(
                f"{' / '.join(f'{x:g}' for x in sorted(set(unit_k.values())))} bits, {layout.describe()}{others}, "
                f"head {k_words(k.get('head'))}, "
                f"drafter {' / '.join(map(k_words, drafter)) or 'none'}{overlay_note(overlay)})")
-    return make_plan(cfg, k, codebook, loader, target_bpw=bpw, made_by=made_by)
+    return make_plan(cfg, k, codebook, profile, target_bpw=bpw, made_by=made_by)
 
 
 @dataclass(frozen=True)
@@ -126,11 +128,11 @@ def _budget_terms(budgeted: list, codebook: str, profile, half_rates: bool | Non
 
 
 def lowest_uniform_bpw(cfg: ModelConfig, codebook: str = "mul1", floor: float | None = None,
-                       loader: str = EXLLAMAV3, half_rates: bool | None = None) -> float:
+                       profile: LoaderProfile | None = None, half_rates: bool | None = None) -> float:
     """The lowest bpw uniform_plan accepts: where the fixed floor leaves the routed experts exactly the
     grid's lowest rate. In closed form, so a search for the most bits that fit starts there instead of
     bisecting from 1 bpw (each accepted probe plans the whole model: about a second at full size)."""
-    profile = load_profile(loader)
+    profile = profile or stock_profile()
     terms = _budget_terms([t for t in targets(cfg) if profile.budgets(t)], codebook, profile, half_rates)
     fixed_rates = sorted({MIN_FLOOR, *(r for r in rate_grid("mcg") if r >= MIN_FLOOR)}) if floor is None else [floor]
     for fixed in fixed_rates:  # floor_rate grows with bpw, and so does the bpw each floor needs
@@ -138,4 +140,4 @@ def lowest_uniform_bpw(cfg: ModelConfig, codebook: str = "mul1", floor: float | 
         bpw = math.nextafter(bpw, math.inf)  # at the root, rounding may leave the routed average a hair short
         if floor is not None or floor_rate(bpw) == fixed:
             return bpw
-    raise UserError(f"no uniform plan exists for {loader} with codebook {codebook}")
+    raise UserError(f"no uniform plan exists for {profile.name} with codebook {codebook}")

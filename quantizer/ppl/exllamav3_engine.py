@@ -14,7 +14,7 @@ import torch
 
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.contract.loader_profiles import EXLLAMAV3, load_profile
+from quantizer.contract.loader_profiles import stock_profile
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import achieved_bpw
 from quantizer.model.targets import targets
@@ -62,7 +62,7 @@ def stored_k(pack: str | Path, cfg: ModelConfig) -> dict[str, float | None]:
 def stored_bpw(pack: str | Path, cfg: ModelConfig) -> float:
     """The pack's bits per weight over our budgeted targets (our accounting; not EXL3: 16 bits)."""
     k = {key: 16.0 if v is None else v for key, v in stored_k(pack, cfg).items()}
-    return achieved_bpw(cfg, Plan(cfg.arch, "mul1", load_profile(EXLLAMAV3), k))
+    return achieved_bpw(cfg, Plan(cfg.arch, "mul1", stock_profile(), k))
 
 
 def budgeted_bytes(pack: str | Path) -> int:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from quantizer import __version__
+from quantizer.calibrate.storage import HessianRecord
 from quantizer.errors import UserError
 
 DEVICES = ("cpu", "cuda")
@@ -20,7 +21,7 @@ class QuantizeSettings:
     seed: int = 0
     device: str = "cpu"  # cpu: our codec; cuda: exllamav3's conversion (ours or its own loop)
     encoder: str | None = None  # one of ENCODERS[device]; None: the device's default
-    calibration: dict | None = None  # {"fingerprint", "rows", "cols"} of the Hessians; None: uncalibrated
+    hessians: HessianRecord | None = None  # the Hessians the linears are quantized with; None: without
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -33,8 +34,7 @@ class QuantizeSettings:
 
     def record(self) -> dict:
         """What job.json pins: a resume with any other value is refused. On cuda both encoders write
-        exllamav3's codes bit for bit (tests/gpu/test_encoder_kernel.py), so either resumes the other's cache."""
-        rec = asdict(self)
-        if self.device == "cuda":
-            rec["encoder"] = "exllamav3"
-        return {**rec, "quantizer_version": __version__}
+        exllamav3's codes bit for bit (tests/gpu/test_encoder_kernel.py), so either resumes the other's cache.
+        The Hessians' record keeps the key "calibration", so job files and manifests written before read the same."""
+        return {"seed": self.seed, "device": self.device, "encoder": "exllamav3" if self.device == "cuda" else self.encoder,
+                "calibration": self.hessians.to_dict() if self.hessians else None, "quantizer_version": __version__}

@@ -94,7 +94,7 @@ def quantize(
     results are the same). `on_start` runs once the job is locked and accepted, before any encoding
     (build saves the plan there, so a refused rerun changes nothing). `source_check(names)` runs before
     each unit is saved with the source tensors it was read from, and raises if they may have changed
-    since (build: build/source_guard.py), so no unit of changed bytes enters the cache. Under torchrun
+    since (build: orchestrate/source_guard.py), so no unit of changed bytes enters the cache. Under torchrun
     rank 0 holds the lock and checks the job; every rank encodes its share."""
     work = Path(work)
     if settings.device == "cuda":
@@ -124,7 +124,7 @@ def _run(ck: Checkpoint, plan: Plan, work: Path, settings: QuantizeSettings, hes
     store = ResultStore(work)
     ranks = current()
     todo = ranks.on_main(lambda: _todo(store, units))
-    expert_inputs = bool((settings.calibration or {}).get("expert_inputs"))
+    expert_inputs = settings.hessians is not None and settings.hessians.expert_inputs
     mine = [todo[i] for i in ranks.spread([u.weights for u in todo])]
     ram = quantize_ram(mine, by_key, depth, settings.device, expert_inputs, settings.encoder)
     gpu = quantize_gpu_memory(mine, by_key, depth, expert_inputs) if settings.encoder == "ours" else None

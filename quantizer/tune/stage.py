@@ -30,7 +30,7 @@ from quantizer.calibrate.unit_kl import free_memory
 from quantizer.checkpoint.safetensors_file import TensorEntry, read_tensor
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear
-from quantizer.contract.pack_spec import pack_spec
+from quantizer.contract.pack_spec import alias_of, pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.errors import UserError
 from quantizer.exl3 import UNQUANTIZED
@@ -38,7 +38,6 @@ from quantizer.model.linear import NativeLinear
 from quantizer.model.streaming import CheckpointSource, block_weight_bytes, estimate_stream_memory, load_block
 from quantizer.model.targets import targets
 from quantizer.model.transformer import DeepseekModel
-from quantizer.pack.writer import alias_of
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.results import ResultStore
 from quantizer.report import GIB, gib

@@ -27,24 +27,24 @@ from tqdm import tqdm
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.checkpoint.safetensors_file import PAD_PREFIX, SafetensorsHeader, TensorEntry, read_header
 from quantizer.checkpoint.source import INDEX_NAME, is_engram_table
-from quantizer.contract.loader_profiles import ENGRAM_SIBLING, LoaderProfile, Violation, load_profile, violations
+from quantizer.contract.engine_config import EXLLAMAV3_FORM
+from quantizer.contract.loader_profiles import ENGRAM_SIBLING, LoaderProfile, Violation, violations
 from quantizer.contract.pack_spec import expert_of, native_tensors, pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.contract.stored_linear import StoredLinear
 from quantizer.errors import UserError
-from quantizer.exl3 import UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
+from quantizer.exl3 import EXL3_QUANTIZED_LEAVES, UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
 from quantizer.fit.launch import read_launch
 from quantizer.pack.fit_table import pack_fit_table
 from quantizer.model.targets import target_map
 from quantizer.model.tensor_classes import ENGRAM_TABLE as ENGRAM_TABLE_CLASS
 from quantizer.pack.card import CARD_NAME, render_card, without_fit
-from quantizer.pack.exl3_config import EXLLAMAV3_FORM
 from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, sha256_file
 from quantizer.pack.owned import ENGRAM_SUFFIX, SYMLINK, engram_dir, engram_files, engram_records, owned_files, strays
-from quantizer.pack.writer import engine_quantization_config
 
 EXL3_SCALES = ("suh", "svh")
-EXL3_LEAVES = (".trellis", ".suh", ".svh", ".mul1", ".mcg")
+# Names of an encoded linear's own leaves, which the plain-dtype check skips (its `.bias` is a plain tensor: checked).
+QUANTIZED_SUFFIXES = tuple(f".{leaf}" for leaf in EXL3_QUANTIZED_LEAVES)
 
 
 @dataclass(frozen=True)
@@ -79,14 +79,14 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def verify_pack(pack: str | Path, full: bool = False, loader: str | None = None) -> VerifyReport:
-    """All checks, the loader rules of `loader` (default: the profile the manifest names); raises
+def verify_pack(pack: str | Path, full: bool = False, profile: LoaderProfile | None = None) -> VerifyReport:
+    """All checks, the loader rules of `profile` (default: the profile the manifest names); raises
     UserError only when there is nothing to check against (no pack, no manifest, unknown profile)."""
     pack = Path(pack)
     if not pack.is_dir():
         raise UserError(f"{pack}: not a directory; pass the pack directory that holds manifest.json")
     manifest = Manifest.load(pack)
-    profile = load_profile(loader or manifest.plan["loader"])
+    profile = profile or manifest.profile
     report = VerifyReport(pack)
     headers = _check_shards(pack, manifest, profile, report)
     _check_files(pack, manifest, report)
@@ -344,11 +344,7 @@ def _check_claims(manifest: Manifest, report: VerifyReport) -> None:
         report.fault(MANIFEST_NAME, f"{problem}; rebuild the pack, or copy it again from where it was built")
     else:
         report.ok(MANIFEST_NAME, "every claim as the pack stage (and ppl --record) wrote it (claims_sha256)")
-    try:
-        per_expert = load_profile(manifest.plan["loader"]).per_expert_k
-    except UserError:
-        return  # an unknown loader was refused already when none was given
-    features = (["per-expert-K"] if per_expert else []) + (["expert-aliases"] if manifest.aliases else [])
+    features = (["per-expert-K"] if manifest.profile.per_expert_k else []) + (["expert-aliases"] if manifest.aliases else [])
     if manifest.loader_features != features:
         report.fault(MANIFEST_NAME, f"loader_features {manifest.loader_features} but loader "
                                     f"{manifest.plan['loader']} with {len(manifest.aliases)} aliases implies {features}")
@@ -407,7 +403,7 @@ def _check_contract(pack: Path, cfg: ModelConfig, manifest: Manifest, headers: d
         record = {"bits": manifest.quantization["bits"], "bpw": manifest.quantization["bpw"],
                   "codebook": manifest.plan["codebook"], "head_bits": manifest.plan["head_bits"]}
         source = {"quantization_config": manifest.source.get("quantization_config")}
-        want = engine_quantization_config(profile, record, source, cfg, linears)
+        want = profile.engine_quantization_config(record, source, cfg, linears)
         fields = want if profile.quantization_config != EXLLAMAV3_FORM else {k: record[k] for k in ("bits", "bpw")}
         wrong = {k: qcfg.get(k) for k, v in fields.items() if qcfg.get(k) != v}
         if wrong or (profile.quantization_config == EXLLAMAV3_FORM and not isinstance(qcfg.get("bits"), int)):
@@ -424,7 +420,7 @@ def _check_contract(pack: Path, cfg: ModelConfig, manifest: Manifest, headers: d
     if profile.forbidden_dtypes and not bad:
         report.ok("dtypes", f"no {'/'.join(profile.forbidden_dtypes)} tensor in the model directory")
     plain = [(n, e.dtype, profile.plain_dtype(n, e.dtype)) for n, (_, e) in held.items()
-             if not n.endswith(EXL3_LEAVES) and profile.plain_dtype(n, e.dtype) != e.dtype]
+             if not n.endswith(QUANTIZED_SUFFIXES) and profile.plain_dtype(n, e.dtype) != e.dtype]
     for name, dtype, wanted in plain[:10]:
         fault(name, "plain_dtypes", f"{dtype}; the engine's loader reads it as {wanted}")
     if profile.plain_dtypes and not plain:
@@ -520,7 +516,7 @@ def _check_spec(cfg: ModelConfig, manifest: Manifest, headers: dict[str, Safeten
         first = held if f"{held}.trellis" in entries or f"{held}.weight" in entries else f"{held}.slice.0"
         k[key] = _held(first, entries)[0]
     aliases = {expert_of(cold): expert_of(warm) for cold, warm in manifest.aliases.items()}
-    plan = Plan(cfg.arch, manifest.plan["codebook"], load_profile(manifest.plan["loader"]), k, aliases=aliases)
+    plan = Plan(cfg.arch, manifest.plan["codebook"], manifest.profile, k, aliases=aliases)
     want = {t.name: t for t in pack_spec(cfg, plan).model_dir}
     faults = [f"missing ({t.dtype}{list(t.shape)})" if n not in entries else None for n, t in want.items()]
     problems = {n: f for n, f in zip(want, faults) if f}

@@ -28,7 +28,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quantizer.build.stages import plan_files
+from quantizer.orchestrate.stages import plan_files
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.contract.plan import Plan

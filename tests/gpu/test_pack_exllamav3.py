@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import quantizer.model.attention as attention
-from quantizer.build.stages import BuildRequest, build
+from quantizer.orchestrate.stages import BuildRequest, build
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.codec import EXL3Linear, decode_rotated, dequantize
 from quantizer.contract.rules import make_plan

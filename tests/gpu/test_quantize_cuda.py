@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantizer.build.stages import BuildRequest, build
+from quantizer.orchestrate.stages import BuildRequest, build
 from quantizer.quantize.settings import QuantizeSettings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device and exllamav3")

@@ -19,7 +19,7 @@ import torch
 # tests/gpu is on sys.path (pytest prepend import mode)
 from test_pack_exllamav3 import _load, _stored, assert_engines_agree, check_linears_decode_as_ours
 
-from quantizer.build.stages import QUANTIZE_DIR, plan_files
+from quantizer.orchestrate.stages import QUANTIZE_DIR, plan_files
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.contract.plan import Plan

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from quantizer.build.stages import BuildResult, plan_files
+from quantizer.orchestrate.stages import BuildResult, plan_files
 from quantizer.exl3 import k_words
 from quantizer.fit.render import render as render_fit
 from quantizer.pack.card import bits_text
@@ -59,7 +59,7 @@ def _engine_lines(r: BuildResult) -> list[str]:
 
 
 def _calibration_line(r: BuildResult) -> str:
-    c = r.calibration
+    c = r.calibration_summary
     if c is None:
         return "calibration: none (linears quantized without Hessians)"
     return f"calibration: {c.rows} rows x {c.cols} tokens, site sensitivity {c.gains}"

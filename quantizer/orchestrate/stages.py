@@ -27,13 +27,13 @@ import json
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from quantizer.build.preflight import check_given_plan, check_places, check_space, claim, disk_needs
-from quantizer.build.source_guard import PinnedSource, StageOutputs, pin_source, require_unchanged
+from quantizer.orchestrate.preflight import check_given_plan, check_places, check_space, claim, disk_needs
+from quantizer.orchestrate.source_guard import PinnedSource, StageOutputs, pin_source, require_unchanged
 from quantizer.calibrate.needs import calibration_needs
 from quantizer.calibrate.settings import CalibrationSettings
 from quantizer.calibrate.stage import calibrate, tokens_digest
@@ -51,7 +51,7 @@ from quantizer.fit.cold_experts import check_share, routed_tokens
 from quantizer.fit.hardware import Hardware
 from quantizer.fit.launch import Launch
 from quantizer.fit.memory import FitReport, FitTarget
-from quantizer.fit.target import fit_plan, largest_fitting_plan, largest_launch
+from quantizer.fit.target import choose_plan, largest_fitting_plan, largest_launch
 from quantizer.inventory.classify import require_consistent
 from quantizer.pack.manifest import Manifest
 from quantizer.pack.writer import PackSettings, check_new_pack_dir, publish_pack, side_files, write_pack
@@ -83,9 +83,9 @@ class BuildRequest:
     plan: Plan | None = None  # a plan made elsewhere (quantizer plan); with either, `target` is what it is fitted to
     target: FitTarget | None = None  # alone: the most bits whose plan fits these Sparks
     method: str = OURS  # how K is chosen for bpw / target (plan/methods.py)
-    allocation: AllocationSettings = AllocationSettings()
+    allocation: AllocationSettings = field(default_factory=AllocationSettings)
     calibration_rows: torch.Tensor | None = None  # token rows [R, C]; None: no calibration, no Hessians
-    calibration: CalibrationSettings = CalibrationSettings()
+    calibration_settings: CalibrationSettings = CalibrationSettings()
     work: Path | None = None  # default <out>.work
     revision: str | None = None
     shard_size: int = PackSettings.shard_size
@@ -110,7 +110,7 @@ class BuildResult:
     work: Path
     plan: Plan
     fit: FitReport | None  # the fit of the plan to req.target, when one was asked for
-    calibration: CalibrationSummary | None
+    calibration_summary: CalibrationSummary | None
     quantized: QuantizeResult
     tuned: TuneResult | None  # the tune stage's result, when the request asked for it
     end_to_end: EndToEndResult | None  # the end-to-end tuning's, when the request asked for it
@@ -134,7 +134,7 @@ def build(req: BuildRequest) -> BuildResult:
     check_required_files(ck.root, estimate.profile)
     check_tuning_fits(ck.config, req)
     calibration_disk = 0 if req.calibration_rows is None else calibration_needs(
-        ck.config, *req.calibration_rows.shape, req.calibration).disk
+        ck.config, *req.calibration_rows.shape, req.calibration_settings).disk
     check_space(req.out, req.work_dir, disk_needs(ck, estimate, calibration_disk, req.work_dir))
     ranks = current()
     ranks.agree(request_record(ck, req))
@@ -147,11 +147,11 @@ def build(req: BuildRequest) -> BuildResult:
             req = replace(req, measured=measured_proxies(ck.config, measured_encodings(req.work_dir / QUANTIZE_DIR)))
         store, summary = None, None
         if req.calibration_rows is not None:
-            summary = calibrate(ck, req.calibration_rows, req.work_dir, req.calibration).summary
+            summary = calibrate(ck, req.calibration_rows, req.work_dir, req.calibration_settings).summary
             require_unchanged(pin, "calibrate", made, req.work_dir)
             store = HessianStore(req.work_dir, ck)
         plan, report, launch = ranks.on_main(lambda: plan_and_state(ck.config, req, summary, ranks.world))
-        settings = replace(req.quantize, calibration=store.record if store else None)
+        settings = replace(req.quantize, hessians=store.record if store else None)
         quantized = quantize(ck, plan, req.work_dir / QUANTIZE_DIR, settings, store.hessian if store else None,
                              on_start=lambda: save_plan(ck.config, plan, req.work_dir, req.out), source_check=pin.check_read)
         require_unchanged(pin, "quantize", made, req.work_dir)
@@ -227,7 +227,7 @@ def plan_and_state(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSumm
     """The plan (req.plan, or chosen by req.method), its fit report and launch settings (the cold experts
     of a one-Spark target); the GPU time it implies stated (the tune stage's too, with --tune, for a job
     of `ranks` GPUs)."""
-    plan, report, launch = choose_plan(cfg, req, summary)
+    plan, report, launch = plan_for_request(cfg, req, summary)
     if launch.context is None:  # a one-Spark pack fitted to no context: launched at the largest that fits
         launch = largest_launch(cfg, plan, req.hardware)
     table = RateTable.load(encoder=req.quantize.encoder) if req.quantize.device == "cuda" else None
@@ -275,7 +275,7 @@ def request_record(ck: Checkpoint, req: BuildRequest) -> dict:
         "tokens": None if rows is None else tokens_digest(rows),
         "bpw": req.bpw, "plan": None if req.plan is None else req.plan.content_hash(),
         "target": None if req.target is None else asdict(req.target), "method": req.method,
-        "allocation": asdict(req.allocation), "calibration": req.calibration.record(),
+        "allocation": req.allocation.record(), "calibration": req.calibration_settings.record(),
         "quantize": req.quantize.record(), "shard_size": req.shard_size, "revision": req.revision,
         "measured": None if req.measured is None else json.dumps(req.measured, sort_keys=True),
         "measured_from_work": req.measured_from_work, "tune": None if req.tune is None else req.tune.record(),
@@ -323,22 +323,16 @@ def check_plannable(cfg: ModelConfig, req: BuildRequest) -> Plan:
                                 hardware=req.hardware).plan
 
 
-def choose_plan(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None
-                ) -> tuple[Plan, FitReport | None, Launch]:
+def plan_for_request(cfg: ModelConfig, req: BuildRequest, summary: CalibrationSummary | None
+                     ) -> tuple[Plan, FitReport | None, Launch]:
     """req.plan, or the plan at req.bpw, fitted to req.target where one is given; else the largest plan that
-    fits req.target, by req.method (its cold experts placed on the calibration's routing)."""
+    fits req.target, by req.method (its cold experts placed on the calibration's routing): fit/target.choose_plan,
+    as `quantizer plan` chooses."""
     if req.measured is not None:
         pairs = sum(len(ks) for ks in req.measured.values())
         print(f"plan: allocating on {pairs:,} measured proxy errors of {len(req.measured):,} targets", file=sys.stderr)
-    tokens = routed_tokens(summary) if summary else None
-    if req.plan is None:
-        plan_at, lowest = planner(cfg, req.method, req.allocation, summary, measured=req.measured)
-    if req.plan is not None or req.bpw is not None:
-        plan = req.plan or plan_at(req.bpw)
-        if req.target is None:
-            return plan, None, Launch()
-        fitted = fit_plan(cfg, plan, req.target, tokens, req.hardware)
-    else:
-        fitted = largest_fitting_plan(cfg, plan_at, lowest, rate_grid(req.allocation.codebook)[-1], req.target,
-                                      hardware=req.hardware, tokens=tokens)
-    return fitted.plan, fitted.report, fitted.launch
+    plan_at, lowest = (None, 0.0) if req.plan is not None else planner(cfg, req.method, req.allocation, summary,
+                                                                         measured=req.measured)
+    plan, fitted = choose_plan(cfg, plan_at, lowest, rate_grid(req.allocation.codebook)[-1], req.target, req.bpw,
+                               req.plan, req.hardware, routed_tokens(summary) if summary else None)
+    return (plan, fitted.report, fitted.launch) if fitted else (plan, None, Launch())

@@ -1,5 +1,5 @@
 """The build command: plan, quantize, pack and verify in one resumable work directory."""
 
-from quantizer.build.stages import BuildRequest, BuildResult, build
+from quantizer.orchestrate.stages import BuildRequest, BuildResult, build
 
 __all__ = ["BuildRequest", "BuildResult", "build"]
