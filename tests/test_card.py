@@ -22,7 +22,6 @@ from huggingface_hub import ModelCard
 
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import build_parser, main
-from quantizer.contract.loader_profiles import load_profile
 from quantizer.contract.rules import make_plan
 from quantizer.pack.fit_table import pack_fit_table
 from quantizer.model.targets import targets
@@ -148,7 +147,7 @@ def test_the_cards_fit_table_is_what_quantizer_fit_prints_for_the_pack(built, ca
     rows = _block((pack / CARD_NAME).read_text(), "Fit on DGX Sparks")
     want = [(s, e) for s, engines in fit["topologies"].items() for e in engines]
     assert [(r[0], r[1]) for r in rows] == want and rows
-    engine = load_profile(Manifest.load(pack).plan["loader"]).fit_engine
+    engine = Manifest.load(pack).profile.fit_engine
     assert {r[1] for r in rows} == {engine}  # the engine that loads the pack, never the design floor `native`
     for sparks, _, fits, weights, free, context, decode in rows:
         capsys.readouterr()

@@ -80,8 +80,22 @@ def test_the_fifth_profile_is_in_the_help_and_not_in_the_demo(fifth):
 ])
 def test_a_faulty_profile_file_is_one_line(tmp_path, monkeypatch, capsys, changes, needle):
     _profile_dir(tmp_path, monkeypatch, **changes)
+    _refused(capsys, needle)
+
+
+def _refused(capsys, needle):
     try:
         assert main(["plan", "--model-config", "small-v41", "--bpw", "2", "--loader", "vllm-exl3"]) == 2
         one_line(capsys.readouterr().err, needle)
     finally:
         caches.reset()
+
+
+def test_a_truncated_profile_file_or_a_missing_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    _profile_dir(tmp_path, monkeypatch)
+    path = tmp_path / "loaders" / f"{NAME}.json"
+    path.write_text(path.read_text()[:200])
+    _refused(capsys, f"{path}: not a loader profile (JSONDecodeError")
+    monkeypatch.setenv(EXTRA_PROFILES, str(tmp_path / "no-such-folder"))
+    caches.reset()
+    _refused(capsys, "no-such-folder: not a directory")

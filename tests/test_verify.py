@@ -10,6 +10,7 @@ import json
 import shutil
 
 import pytest
+from one_line import one_line
 
 from quantizer.checkpoint.safetensors_file import PlannedTensor, read_header, read_tensor, write_safetensors
 from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
@@ -150,6 +151,14 @@ def test_a_tensor_dropped_from_shard_manifest_index_and_sources_is_caught_by_the
     _write_sealed(copy, manifest)
     code, out = _verify(copy, capsys)
     assert code == 1 and f"FAULT {dropped}: missing (F32[" in out and out.count("FAULT") == 1
+
+
+def test_a_manifest_for_an_unknown_loader_profile_is_one_line(copy, capsys):
+    manifest = json.loads((copy / MANIFEST_NAME).read_text())
+    manifest["plan"]["loader"] = "bogus"
+    (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert main(["verify", str(copy)]) == 2
+    one_line(capsys.readouterr().err, f"{copy / MANIFEST_NAME}: made for loader profile 'bogus'")
 
 
 def test_a_directory_without_a_manifest_is_unusable_input(tiny_v41, capsys):

@@ -371,6 +371,8 @@ def _profile_files() -> dict[str, Path]:
     files = {p.stem: p for p in sorted(shipped("configs", "loaders").glob("*.json"))}
     extra = os.environ.get(EXTRA_PROFILES)
     if extra:
+        if not Path(extra).is_dir():
+            raise UserError(f"${EXTRA_PROFILES}={extra}: not a directory; name the folder that holds your profile JSON files")
         for p in sorted(Path(extra).glob("*.json")):
             if p.stem in files:
                 raise UserError(f"${EXTRA_PROFILES}: {p} has the name of a shipped loader profile; give it its own")

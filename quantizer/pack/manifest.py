@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from quantizer.checkpoint.fingerprint import sha256_file
-from quantizer.contract.loader_profiles import LoaderProfile, load_profile
+from quantizer.contract.loader_profiles import LoaderProfile, load_profile, loader_names
 from quantizer.errors import UserError
 from quantizer.pack.measurement import Measurement
 from quantizer.workdir import read_json
@@ -171,6 +171,9 @@ class Manifest:
                                 "new --out with the old --work repacks without encoding again)")
             if version != MANIFEST_VERSION:
                 raise UserError(f"{where}: manifest_version {version} is not {MANIFEST_VERSION}; use a matching quantizer")
+            if data["plan"]["loader"] not in loader_names():
+                raise UserError(f"{where}: made for loader profile {data['plan']['loader']!r}, which this quantizer "
+                                f"does not know ({', '.join(loader_names())}); use the quantizer that wrote it")
             data["shards"] = [ShardRecord(**s) for s in data["shards"]]
             data["files"] = {n: FileRecord(**r) for n, r in data.get("files", {}).items()}
             data["tensors"] = {n: TensorRecord(t["shard"], t["K"], t["class"]) for n, t in data["tensors"].items()}
