@@ -5,15 +5,21 @@ errors a user fixes (a full disk, a read-only or forbidden location); a stage th
 (verify, inspect) exits 1; nothing prints a traceback for something the user can fix. Ctrl-C (exit 130)
 and SIGTERM (a scheduler's stop, or torchrun stopping the other ranks; exit 143) print one line and
 stop the way an interrupt does: finished work is kept, and the same command resumes. That holds from
-the first moment: this module imports nothing heavy, and the sub-commands (and torch, a second to
-import) are imported inside main(), so a Ctrl-C while they load is the same one line.
+the first line of main(): until the command begins (imports of the sub-commands and torch, parsing),
+nothing is written, and a handler prints the line and exits at once, raising nothing into the imports
+(torch's C module clears an exception raised while it imports numpy, so a KeyboardInterrupt there was
+lost, or left numpy half-imported: issue 60). Before main() runs, Python's start-up has it: the process
+dies by the signal with nothing printed until Python has set its own handler, and after that (its site
+module, the import of this module: a few tens of ms) Python prints its KeyboardInterrupt report.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -45,6 +51,8 @@ COMMANDS = (
     "quantizer.commands.evaluate",
     "quantizer.commands.demo",
 )
+
+STOPS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C, and a scheduler's or torchrun's stop
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,20 +93,43 @@ def _say(line: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    who = f"quantizer{' ' + command if command else ''}"
+    # The handlers to restore on return (only the main thread may set one; None: not set from Python).
+    found = {s: signal.getsignal(s) for s in STOPS} if threading.current_thread() is threading.main_thread() else {}
+    found = {s: handler for s, handler in found.items() if handler is not None}
+    for s, handler in found.items():
+        if handler is not signal.SIG_IGN:  # an ignored Ctrl-C (a background job's) stays ignored
+            signal.signal(s, functools.partial(_stop_at_once, who))
     try:
-        return _main(argv)
-    except KeyboardInterrupt as e:  # before the command began (its imports) or once it had ended
-        command = next((a for a in argv if not a.startswith("-")), None)
-        return _interrupted(e, f"quantizer{' ' + command if command else ''}")
+        return _main(argv, found)
+    except KeyboardInterrupt as e:  # once the command had ended
+        return _interrupted(e, who)
+    finally:
+        for s, handler in found.items():
+            signal.signal(s, handler)
+
+
+def _stop_at_once(who: str, signum: int, frame) -> None:
+    """Ctrl-C or SIGTERM before the command began: nothing is written yet, so print the line and exit here.
+    os.write, not sys.stderr: the interrupted code may be inside a write to sys.stderr, which is not reentrant."""
+    os.write(2, (_interrupted_line(who, signum == signal.SIGTERM) + "\n").encode())
+    os._exit(128 + signum)
+
+
+def _interrupted_line(who: str, terminated: bool) -> str:
+    return f"{who}: interrupted{' by SIGTERM' if terminated else ''}; rerun the same command to resume"
 
 
 def _interrupted(e: KeyboardInterrupt, who: str) -> int:
-    how = " by SIGTERM" if isinstance(e, Terminated) else ""
-    _say(f"{who}: interrupted{how}; rerun the same command to resume")
-    return 128 + signal.SIGTERM if how else 130
+    terminated = isinstance(e, Terminated)
+    _say(_interrupted_line(who, terminated))
+    return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], found: dict) -> int:
+    """`found`: the handlers main() found; as the command begins, Ctrl-C gets its own back and SIGTERM gets
+    _terminate, so that both raise where the command is and it unwinds."""
     from quantizer.distributed import join_from_env, leave
 
     try:
@@ -110,8 +141,10 @@ def _main(argv: list[str]) -> int:
     args.argv = argv  # the command as given (build records it in the pack's card)
     ranks = join_from_env()  # under torchrun: this process's rank of the job
     who = f" (rank {ranks.rank} of {ranks.world})" if ranks.joined else ""
-    main_thread = threading.current_thread() is threading.main_thread()  # only it may set a handler
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    if signal.SIGINT in found:
+        signal.signal(signal.SIGINT, found[signal.SIGINT])
+    if signal.SIGTERM in found:
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.func(args)
     except UserError as e:
@@ -125,8 +158,6 @@ def _main(argv: list[str]) -> int:
     except KeyboardInterrupt as e:
         return _interrupted(e, f"quantizer {args.command}{who}")
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
         leave()
 
 

@@ -69,6 +69,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from quantizer.caches import process_cache
 from quantizer.calibrate.summary import (
     MEASURED_KL,
     REFERENCE_RATE,
@@ -86,19 +87,25 @@ PROXY_FLOOR = 1e-12  # measured proxies are clamped here before taking logs
 EXPONENT = 1.5  # see the module docstring
 ENGRAM_GAIN = 1.0
 
-_HERMITE_X, _HERMITE_W = np.polynomial.hermite_e.hermegauss(48)
-_HERMITE_W = _HERMITE_W / _HERMITE_W.sum()
+
+@process_cache(maxsize=1)
+def _hermite() -> tuple[np.ndarray, np.ndarray]:
+    """Gauss-Hermite nodes and weights (normalised) for E[f(g)], g ~ N(0, 1), made on first use: every
+    command imports this module (the parser's arguments), and an import should compute nothing."""
+    x, w = np.polynomial.hermite_e.hermegauss(48)
+    return x, w / w.sum()
 
 
 def silu_gate_factor(sigma: np.ndarray) -> np.ndarray:
     """s^2 E[silu'(g)^2] / E[silu(g)^2] for g ~ N(0, s^2): a unit relative error of the gate
     projection as a relative error of silu(gate) * up (see the module docstring)."""
+    nodes, weights = _hermite()
     s = np.maximum(np.asarray(sigma, dtype=float), 1e-6)[:, None]
-    g = s * _HERMITE_X[None, :]
+    g = s * nodes[None, :]
     sig = 1.0 / (1.0 + np.exp(-g))
     silu = g * sig
     dsilu = sig * (1.0 + g * (1.0 - sig))
-    return (s[:, 0] ** 2) * (dsilu ** 2 @ _HERMITE_W) / np.maximum(silu ** 2 @ _HERMITE_W, 1e-30)
+    return (s[:, 0] ** 2) * (dsilu ** 2 @ weights) / np.maximum(silu ** 2 @ weights, 1e-30)
 
 
 @dataclass(frozen=True)
