@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from one_line import one_line
 
 from quantizer.cli import main
 from quantizer.errors import UserError
@@ -51,7 +52,7 @@ def test_v4_drafter_names_and_tokenizer_are_what_exllamav3_reads(tiny_v4, tiny_v
     assert {f"{last}.markov_w1.weight", f"{last}.markov_w2.weight"} <= set(names)
     assert not any(n.endswith(("markov_w1", "markov_w2")) for n in names)
     assert (tiny_v4 / "tokenizer.json").read_bytes() == shipped_tokenizer_path().read_bytes()
-    assert not (tiny_v41 / "tokenizer.json").exists()  # its Engram hash runs on raw ids
+    assert not (tiny_v41 / "tokenizer.json").exists()  # its Engram hash runs on raw ids unless --tokenizer
 
 
 def test_a_users_partial_directory_is_kept_and_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
@@ -69,3 +70,49 @@ def test_a_users_partial_directory_is_kept_and_a_failed_write_leaves_nothing(tmp
     with pytest.raises(OSError):
         make_tiny(tmp_path / "other", "v4")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck.partial"]
+
+
+def test_v41_tokenizer_sizes_the_engram_map_to_it_and_keeps_the_weights(tiny_v41, tmp_path, capsys):
+    """make-tiny --tokenizer (issue 60): the shipped tokenizer.json, with engram_compressed_vocab_size set to the
+    number of ids it normalises to, so the Engram hash the forward runs (and the fork's checks) accepts it; the
+    tables and every weight are those of the checkpoint without it."""
+    import json
+
+    from quantizer.model.engram import compressed_token_map
+    from quantizer.textdata import default_tokenizer, shipped_tokenizer_path
+
+    assert main(["make-tiny", str(tmp_path / "ck"), "--arch", "v41", "--tokenizer"]) == 0
+    out = tmp_path / "ck"
+    assert (out / "tokenizer.json").read_bytes() == shipped_tokenizer_path().read_bytes()
+    config, plain = (json.loads((root / "config.json").read_text())["text_config"] for root in (out, tiny_v41))
+    assert config["engram_compressed_vocab_size"] == compressed_token_map(default_tokenizer())[1] < config["vocab_size"]
+    assert {k: v for k, v in config.items() if k != "engram_compressed_vocab_size"} == \
+        {k: v for k, v in plain.items() if k != "engram_compressed_vocab_size"}
+    for shard in sorted(tiny_v41.glob("*.safetensors")):
+        assert (out / shard.name).read_bytes() == shard.read_bytes()
+    text = tmp_path / "a.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    capsys.readouterr()
+    assert main(["ppl", str(out), "--text", str(text), "--rows", "1", "--cols", "32", "--json"]) == 0  # Engram on the map
+    assert json.loads(capsys.readouterr().out)["tokens"] == 31
+
+
+def test_tokenizer_is_refused_with_the_full_size_layout(tmp_path, capsys):
+    assert main(["make-tiny", str(tmp_path / "ck"), "--full-size", "--sparse", "--tokenizer"]) == 2
+    one_line(capsys.readouterr().err, "--tokenizer writes the tiny models' tokenizer")
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.slow
+def test_a_tokenizer_tiny_v41_builds_a_one_spark_pack_that_verifies(tmp_path, capsys):
+    """The refusal of `build --loader exllamav3-v41` on a source without tokenizer.json (tests/test_one_spark.py)
+    is answered by make-tiny --tokenizer: that checkpoint builds to a one-Spark pack, and verify --full is clean."""
+    ck, pack = tmp_path / "ck", tmp_path / "pack"
+    assert main(["make-tiny", str(ck), "--arch", "v41", "--tokenizer"]) == 0
+    assert main(["build", str(ck), "--loader", "exllamav3-v41", "--bpw", "1.6", "--method", "uniform", "--no-calibrate",
+                 "--work", str(tmp_path / "work"), "--out", str(pack)]) == 0
+    assert (pack / "tokenizer.json").read_bytes() == (ck / "tokenizer.json").read_bytes()
+    capsys.readouterr()
+    assert main(["verify", str(pack), "--full"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("clean") and "loader exllamav3-v41" in out

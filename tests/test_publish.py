@@ -23,7 +23,7 @@ from quantizer.contract.rules import make_plan
 from quantizer.errors import UserError
 from quantizer.model.targets import targets
 from quantizer.pack.card import CARD_NAME
-from quantizer.pack.manifest import MANIFEST_NAME, Manifest
+from quantizer.pack.manifest import K_MAP_NAME, MANIFEST_NAME, Manifest
 from quantizer.pack.owned import owned_files
 from quantizer.publish.hub_upload import plan_publish, upload
 
@@ -97,7 +97,8 @@ def test_dry_run_lists_exactly_the_files_the_manifest_names_and_prints_the_card(
     manifest = Manifest.load(pack)
     assert _listed(out) == {name: (pack / name).stat().st_size for name in owned_files(manifest)}
     assert set(_listed(out)) == {p.name for p in pack.iterdir()} == {
-        CARD_NAME, MANIFEST_NAME, "config.json", "quantization_config.json", INDEX_NAME, *(s.file for s in manifest.shards)}
+        CARD_NAME, MANIFEST_NAME, "config.json", "quantization_config.json", K_MAP_NAME, INDEX_NAME,
+        *(s.file for s in manifest.shards)}
     assert out.rstrip().endswith((pack / CARD_NAME).read_text().rstrip())
     assert hub.calls == []  # nothing touched the Hub
 

@@ -17,7 +17,7 @@ from quantizer.checkpoint.source import INDEX_NAME, Checkpoint
 from quantizer.cli import main
 from quantizer.contract.rules import make_plan
 from quantizer.model.targets import targets
-from quantizer.pack.manifest import MANIFEST_NAME, Manifest, sha256_file
+from quantizer.pack.manifest import K_MAP_NAME, MANIFEST_NAME, Manifest, sha256_file
 from quantizer.pack.owned import owned_files
 
 CAP = "4M"
@@ -189,7 +189,7 @@ def side_pack(tiny_v41, tmp_path_factory):
 def test_the_pack_copies_and_records_only_the_sources_tokenizer_generation_and_licence_files(side_pack, capsys):
     pack, src = side_pack / "pack", side_pack / "src"
     manifest = Manifest.load(pack)
-    assert sorted(manifest.files) == ["LICENSE", "config.json", "generation_config.json", INDEX_NAME,
+    assert sorted(manifest.files) == ["LICENSE", "config.json", "generation_config.json", K_MAP_NAME, INDEX_NAME,
                                       "quantization_config.json", "tokenizer.json"]
     assert sorted(p.name for p in pack.iterdir()) == owned_files(manifest)  # no notes.txt, convert.py
     for name in ("LICENSE", "generation_config.json", "tokenizer.json"):
@@ -200,7 +200,8 @@ def test_the_pack_copies_and_records_only_the_sources_tokenizer_generation_and_l
     assert _verify(pack, capsys)[0] == 0
 
 
-@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "quantization_config.json", INDEX_NAME, "LICENSE"])
+@pytest.mark.parametrize("name", ["tokenizer.json", "config.json", "quantization_config.json", INDEX_NAME, "LICENSE",
+                                  K_MAP_NAME])
 def test_an_edited_file_of_the_pack_is_a_fault_naming_it(side_pack, tmp_path, capsys, name):
     pack = shutil.copytree(side_pack / "pack", tmp_path / "pack")
     path = pack / name

@@ -53,7 +53,7 @@ from quantizer.fit.launch import Launch
 from quantizer.fit.memory import FitReport, FitTarget
 from quantizer.fit.target import choose_plan, largest_fitting_plan, largest_launch
 from quantizer.inventory.classify import require_consistent
-from quantizer.pack.manifest import Manifest
+from quantizer.pack.manifest import Manifest, Planned
 from quantizer.pack.writer import PackSettings, check_new_pack_dir, publish_pack, side_files, write_pack
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS, UNIFORM, planner
@@ -171,11 +171,19 @@ def build(req: BuildRequest) -> BuildResult:
         pack = PackSettings(settings.record(), req.shard_size, req.revision, req.base_model, req.command,
                             tuned_files=tuned_files + ((e2e.file,) if e2e else ()),
                             tuning=tuned.record() if tuned else None, end_to_end=e2e.record() if e2e else None,
-                            launch=launch)
+                            launch=launch, planned=planned_of(req.target, launch))
         manifest, verified = ranks.on_main(lambda: pack_and_publish(ck, plan, req, pack, partial, pin))
         ranks.barrier()
     return BuildResult(req.out, req.work_dir, plan, report, summary, quantized, tuned, e2e, manifest, verified,
                        time.monotonic() - start)
+
+
+def planned_of(target: FitTarget | None, launch: Launch) -> Planned | None:
+    """What the pack records it was fitted to: the target's Sparks and streams, at the context a one-Spark pack's
+    launch.env was written for (the largest that fits where no --context was given), else the target's."""
+    if target is None:
+        return None
+    return Planned(target.sparks, launch.context or target.context, target.streams)
 
 
 def check_required_files(src: Path, profile: LoaderProfile) -> None:
@@ -184,8 +192,11 @@ def check_required_files(src: Path, profile: LoaderProfile) -> None:
     have = {f.name for f in side_files(src)}
     missing = [name for name in profile.required_files if name not in have]
     if missing:
+        tiny = (" (a tiny checkpoint: `quantizer make-tiny --arch v41 --tokenizer` writes one)"
+                if "tokenizer.json" in missing else "")
         raise UserError(f"{src}: no {', '.join(missing)}, which the {profile.name} engine reads from the pack "
-                        f"directory and the pack copies from the source; add it to the source, or choose another --loader")
+                        f"directory and the pack copies from the source; add it to the source{tiny}, or choose another "
+                        "--loader")
 
 
 def check_tuning_fits(cfg: ModelConfig, req: BuildRequest) -> None:

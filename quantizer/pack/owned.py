@@ -1,8 +1,8 @@
 """What a pack owns: exactly the files its manifest names. verify and publish both ask here.
 
 A pack directory owns its shards, manifest.json, its card (README.md) and the files the pack stage
-recorded in the manifest's `files` (the index, config.json, quantization_config.json, the tokenizer and
-generation files copied from the source, and whatever a loader profile writes: recording a file at
+recorded in the manifest's `files` (the index, config.json, quantization_config.json, k_map.json, the
+tokenizer and generation files copied from the source, and whatever a loader profile writes: recording a file at
 pack time is all it takes to make it part of the pack). Anything else at the top level is a stray,
 and so is every symbolic link, whatever its name: a link can point out of the pack (at /etc/passwd as
 easily as at a shard), and nothing of the pack is ever read through one. Hidden entries (a name that

@@ -12,7 +12,8 @@ config.json carries the quantization_config the plan's engine reads (its loader 
 Of the source's other files only the tokenizer, generation and licence files (SIDE_FILES, from
 checkpoint/source.py) are copied; the manifest records every file the stage writes or copies besides
 the shards, with its sha256 (`files`): what the pack owns (pack/owned.py). A file a loader profile
-adds is recorded there too.
+adds is recorded there too, and so is k_map.json, every stored linear's K (pack/manifest.py `summarise`,
+which also gives the manifest's bpw, K histogram and totals, as verify recomputes them).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from importlib import metadata
@@ -50,18 +51,29 @@ from quantizer.contract.loader_profiles import ENGRAM_SIBLING
 from quantizer.contract.pack_spec import CONVERTED, ENGRAM_DIR, REPLACED_LEAVES, PackSpec, StoredTensor, alias_of, pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.contract.rules import achieved_bpw
-from quantizer.contract.stored_linear import StoredLinear
 from quantizer.errors import UserError
 from quantizer.exl3 import PACK_ALIGN, UNQUANTIZED, parse_codebook
 from quantizer.fit.hardware import load_hardware
 from quantizer.fit.launch import LAUNCH_FILE, Launch, write_launch
 from quantizer.fit.target import drafter_in_exl3
-from quantizer.model.layout import TensorSpec
 from quantizer.model.targets import targets
-from quantizer.model.tensor_classes import classify
 from quantizer.pack.card import source_license, write_card
 from quantizer.pack.exl3_config import EXLLAMAV3_TARGET, pack_config, quantization_config, tensor_storage
-from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, FileRecord, Manifest, ShardRecord, TensorRecord, sha256_file
+from quantizer.pack.manifest import (
+    K_MAP_NAME,
+    MANIFEST_NAME,
+    NATIVE,
+    FileRecord,
+    Manifest,
+    Planned,
+    ShardRecord,
+    Summary,
+    TensorRecord,
+    head_bits,
+    sha256_file,
+    summarise,
+    tensor_k,
+)
 from quantizer.pack.owned import engram_dir_of
 from quantizer.pack.shards import PackTensor, ShardPlan, assign_shards, link_or_copy, reusable_sources, write_shards
 from quantizer.quantize.linears import plan_units
@@ -85,6 +97,7 @@ class PackSettings:
     tuning: dict | None = None  # the tune stage's record (settings, rows, held-out error ratios), for the manifest
     end_to_end: dict | None = None  # the end-to-end tuning's record (settings, rows, held-out KL), for the manifest
     launch: Launch = Launch()  # cold experts, where the profile's engine serves weights from the mapped file
+    planned: Planned | None = None  # the Spark count, context and streams the plan was fitted to (build's --sparks)
 
 
 def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, settings: PackSettings,
@@ -118,7 +131,6 @@ def write_pack(ck: Checkpoint, plan: Plan, work: str | Path, out: str | Path, se
 def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settings: PackSettings,
            engram_dir: Path, engram_name: str) -> Manifest:
     spec = pack_spec(ck.config, plan)
-    linears = spec.encoded
     tensors, sources = _pack_tensors(ck, plan, spec, store, settings.job_settings, partial / CONVERTED_FILE,
                                      settings.tuned_files)
     align = plan.profile.pack_align
@@ -138,7 +150,9 @@ def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settin
     records = _shard_records(partial, shards)
     _write_index(partial, shards)
     qcfg = _write_configs(ck, plan, spec, tensors, partial, _calibration_tokens(settings))
-    written = [INDEX_NAME, *CONFIG_FILES, *_copy_side_files(ck.root, partial)]
+    summary = summarise(ck.config, plan, {t.name: t.nbytes for t in tensors})
+    write_json_atomic(partial / K_MAP_NAME, summary.k_map)
+    written = [INDEX_NAME, *CONFIG_FILES, K_MAP_NAME, *_copy_side_files(ck.root, partial)]
     launch = _write_launch(ck.config, plan, settings.launch, partial)
     if launch:
         written.append(launch["file"])
@@ -146,7 +160,7 @@ def _write(ck: Checkpoint, plan: Plan, store: ResultStore, partial: Path, settin
     sibling = _write_engram_dir(ck, spec, engram_dir)
     if sibling:
         sibling["dir"] = engram_name
-    manifest = _manifest(ck, plan, linears, shards, records, sources, qcfg, settings, sibling, launch, files)
+    manifest = _manifest(ck, plan, summary, shards, records, sources, qcfg, settings, sibling, launch, files)
     write_json_atomic(partial / MANIFEST_NAME, manifest.to_dict())
     write_card(partial, manifest)
     return manifest
@@ -206,7 +220,7 @@ def _pack_tensors(ck: Checkpoint, plan: Plan, spec: PackSpec, store: ResultStore
             found = "missing" if entry is None else f"{entry.dtype}{list(entry.shape)}"
             raise UserError(f"{store.dir}: quantized result {t.name} is {found}, expected {t.dtype}{list(t.shape)}; "
                             "rerun the quantize stage (build) with the same work directory")
-        tensors.append(PackTensor(t.name, entry, _k(linears[t.linear].K), t.cls))
+        tensors.append(PackTensor(t.name, entry, tensor_k(t, linears), t.cls))
     return tensors, _sources(ck, plan, spec)
 
 
@@ -262,10 +276,6 @@ def _sources(ck: Checkpoint, plan: Plan, spec: PackSpec) -> dict[str, object]:
     return {name: fates.get(name, NATIVE) for name in ck.tensors}
 
 
-def _k(k: float):
-    return int(k) if float(k).is_integer() else float(k)
-
-
 def _shard_records(pack: Path, shards: list[ShardPlan]) -> list[ShardRecord]:
     """sha256 of every shard as written (a read-back, so the manifest pins what is on disk)."""
     records = []
@@ -307,7 +317,7 @@ def _write_configs(ck: Checkpoint, plan: Plan, spec: PackSpec, tensors: list[Pac
     source_config = _source_config(ck)
     codebook = parse_codebook(plan.codebook)
     bpw = achieved_bpw(ck.config, plan)
-    qcfg = quantization_config(source_config, bpw, _head_bits(plan), codebook, calibration_tokens)
+    qcfg = quantization_config(source_config, bpw, head_bits(plan), codebook, calibration_tokens)
     engine_qcfg = plan.profile.engine_quantization_config(qcfg, source_config, ck.config, spec.linears)
     write_json_atomic(pack / "config.json", pack_config(source_config, engine_qcfg))
     write_json_atomic(pack / "quantization_config.json", {**qcfg, "tensor_storage": tensor_storage(tensors, codebook)})
@@ -343,11 +353,6 @@ def _write_launch(cfg: ModelConfig, plan: Plan, launch: Launch, pack: Path) -> d
             "drafter": launch.drafter, "context": launch.context, "chunk": launch.chunk}
 
 
-def _head_bits(plan: Plan) -> float | int:
-    """K of the head; 16 (exllamav3's "unquantized") when it stays native or fp16."""
-    return _k(plan.head_bits) if plan.head_bits is not None else 16
-
-
 def side_files(src: Path) -> list[Path]:
     """The source's files that go into its packs (SIDE_FILES), in name order."""
     return [f for f in sorted(Path(src).iterdir()) if f.is_file() and any(fnmatchcase(f.name, p) for p in SIDE_FILES)]
@@ -368,7 +373,7 @@ def _file_records(pack: Path, names: list[str]) -> dict[str, FileRecord]:
     return {n: FileRecord((pack / n).stat().st_size, sha256_file(pack / n)) for n in sorted(names)}
 
 
-def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackSettings,
+def _manifest(ck, plan, summary: Summary, shards, records, sources, qcfg, settings: PackSettings,
               engram_dir: dict | None, launch: dict | None, files: dict[str, FileRecord]) -> Manifest:
     tensors = {t.name: TensorRecord(s.file, t.K, t.cls) for s in shards for t in s.tensors}
     aliases = {t.key: alias_of(plan, t.key) for t in targets(ck.config) if alias_of(plan, t.key)}
@@ -386,15 +391,16 @@ def _manifest(ck, plan, linears, shards, records, sources, qcfg, settings: PackS
                 "base_model": settings.base_model, "license": source_license(ck.root),
                 "quantization_config": _source_config(ck).get("quantization_config")},
         plan={"hash": plan.content_hash(), "loader": plan.profile.name, "codebook": plan.codebook,
-              "head_bits": qcfg["head_bits"], "engram_dir": engram_dir} | ({"launch": launch} if launch else {}),
+              "head_bits": qcfg["head_bits"], "engram_dir": engram_dir} | ({"launch": launch} if launch else {})
+        | ({"planned": settings.planned.to_dict()} if settings.planned else {}),
         settings=dict(settings.job_settings) | ({"tuning": settings.tuning} if settings.tuning else {})
         | ({"end_to_end": settings.end_to_end} if settings.end_to_end else {}),
-        quantization={"bits": qcfg["bits"], "bpw": qcfg["bpw"], "k_histogram": _histogram(linears)},
+        quantization=summary.quantization,
         shards=records,
         tensors=tensors,
         sources=sources,
         aliases=aliases,
-        totals=_totals(ck, shards),
+        totals=summary.totals,
         loader_features=features,
         files=files,
     )
@@ -405,26 +411,3 @@ def _encoder_version(settings: PackSettings) -> str | None:
     if settings.job_settings.get("device") != "cuda":
         return None
     return metadata.version("exllamav3")
-
-
-def _histogram(linears: list[StoredLinear]) -> dict[str, int]:
-    counts = Counter(f"{s.K:g}" for s in linears)
-    return dict(sorted(counts.items(), key=lambda kv: float(kv[0])))
-
-
-def _totals(ck: Checkpoint, shards: list[ShardPlan]) -> dict[str, dict]:
-    """Per tensor class: pack tensors, pack bytes, source parameters and stored bits per parameter."""
-    params: Counter = Counter()
-    for name, e in ck.tensors.items():
-        params[classify(name).cls] += TensorSpec(name, e.shape, e.dtype).params
-    count: Counter = Counter()
-    nbytes: Counter = Counter()
-    for s in shards:
-        for t in s.tensors:
-            count[t.cls] += 1
-            nbytes[t.cls] += t.nbytes
-    return {
-        cls: {"tensors": count[cls], "bytes": nbytes[cls], "params": params[cls],
-              "bpw": round(8 * nbytes[cls] / params[cls], 4) if params[cls] else None}
-        for cls in sorted(count)
-    }

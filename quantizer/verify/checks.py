@@ -10,7 +10,10 @@ check: the K and codebook each stored linear holds (read from the shards, not th
 the rules of a loader profile (contract/loader_profiles.py), by default the one the pack was made for; a fault
 names the tensor, the rule and the engine code it comes from. The manifest's claims (every key of it:
 source, plan, settings, bpw, K, aliases, files, measurement) must match the digest the pack stage (or
-`ppl --record`) wrote of them. The pack directory holds exactly the files it owns (pack/owned.py): a
+`ppl --record`) wrote of them, and what they sum up of the pack (bpw, bits, K histogram, head bits, bytes
+and bpw per tensor class, each tensor's K and class) and k_map.json (every stored linear's K) must be what
+the plan the shards carry gives, recomputed with the pack stage's own function, so a digest made again
+over a false claim does not carry it. The pack directory holds exactly the files it owns (pack/owned.py): a
 stray file or directory, and any symbolic link, is a fault, and each file the manifest records besides
 the shards (index, configs, tokenizer, ...) has its recorded sha256. --full adds the sha256 of every
 shard, which catches any flipped byte.
@@ -19,7 +22,7 @@ shard, which catches any flipped byte.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
@@ -29,17 +32,27 @@ from quantizer.checkpoint.safetensors_file import PAD_PREFIX, SafetensorsHeader,
 from quantizer.checkpoint.source import INDEX_NAME, is_engram_table
 from quantizer.contract.engine_config import EXLLAMAV3_FORM
 from quantizer.contract.loader_profiles import ENGRAM_SIBLING, LoaderProfile, Violation, violations
-from quantizer.contract.pack_spec import expert_of, native_tensors, pack_spec
+from quantizer.contract.pack_spec import native_tensors, pack_spec
 from quantizer.contract.plan import Plan
 from quantizer.contract.stored_linear import StoredLinear
 from quantizer.errors import UserError
-from quantizer.exl3 import EXL3_QUANTIZED_LEAVES, UNQUANTIZED, Codebook, k_from_trellis, parse_codebook
+from quantizer.exl3 import EXL3_QUANTIZED_LEAVES, Codebook, k_from_trellis, parse_codebook
 from quantizer.fit.launch import read_launch
 from quantizer.pack.fit_table import pack_fit_table
 from quantizer.model.targets import target_map
 from quantizer.model.tensor_classes import ENGRAM_TABLE as ENGRAM_TABLE_CLASS
 from quantizer.pack.card import CARD_NAME, render_card, without_fit
-from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest, sha256_file
+from quantizer.pack.manifest import (
+    K_MAP_NAME,
+    MANIFEST_NAME,
+    NATIVE,
+    Manifest,
+    held_k,
+    held_plan,
+    sha256_file,
+    stored_bytes,
+    summarise,
+)
 from quantizer.pack.owned import ENGRAM_SUFFIX, SYMLINK, engram_dir, engram_files, engram_records, owned_files, strays
 
 EXL3_SCALES = ("suh", "svh")
@@ -100,7 +113,8 @@ def verify_pack(pack: str | Path, full: bool = False, profile: LoaderProfile | N
     _check_card(pack, manifest, report)
     cfg = _model_config(pack, manifest, report)
     if cfg is not None:
-        _check_spec(cfg, manifest, headers, report)
+        plan = _check_spec(cfg, manifest, headers, report)
+        _check_summary(pack, cfg, plan, manifest, headers, report)
         linears = _check_loader(cfg, manifest, headers, profile, report)
         _check_contract(pack, cfg, manifest, headers, profile, linears, report)
     if full:
@@ -430,25 +444,17 @@ def _check_contract(pack: Path, cfg: ModelConfig, manifest: Manifest, headers: d
 
 def _check_launch(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
     """A pack whose engine serves weights from the mapped file carries its launch settings, readable, with the
-    drafter as the manifest records it (fit/launch.py)."""
+    drafter, context and prefill chunk the manifest records (fit/launch.py; pack/manifest.py `launch_problem`)."""
     launch = manifest.plan.get("launch")
     if not launch:
         return
-    try:
-        found = read_launch(pack)
-    except UserError as e:
-        report.fault(launch["file"], _without_path(str(e), pack / launch["file"]))
+    problem = manifest.launch_problem(pack)
+    if problem:
+        report.fault(launch["file"], _without_path(problem, pack / launch["file"]))
         return
-    if found is None:
-        report.fault(launch["file"], "missing; the engine's launch settings (copy pattern, drafter) are not in the pack")
-    elif found.drafter != launch.get("drafter", True):
-        report.fault(launch["file"], f"DRAFT={int(found.drafter)}, but the pack's drafter is "
-                                     f"{'EXL3' if launch.get('drafter', True) else 'in source form'}")
-    elif found.context != launch.get("context"):
-        report.fault(launch["file"], f"CTX={found.context}, but the pack was fitted for {launch.get('context')} tokens")
-    else:
-        context = f", CTX={found.context}" if found.context else ""
-        report.ok(launch["file"], f"copy pattern, DRAFT={int(found.drafter)}{context} for the engine's launcher")
+    found = read_launch(pack)
+    context = f", CTX={found.context}" if found.context else ""
+    report.ok(launch["file"], f"copy pattern, DRAFT={int(found.drafter)}{context} for the engine's launcher")
 
 
 def _check_engram_dir(pack: Path, cfg: ModelConfig, manifest: Manifest, held: dict, profile: LoaderProfile,
@@ -497,26 +503,19 @@ def _model_config(pack: Path, manifest: Manifest, report: VerifyReport) -> Model
     """The model's config, with the source's FP8 block grid (the manifest keeps it: the pack's own
     quantization_config is EXL3's)."""
     try:
-        cfg = ModelConfig.from_file(pack / "config.json")
-        block = manifest.source.get("weight_block_size")
-        return replace(cfg, fp8_block=tuple(block)) if block else cfg
+        return manifest.model_config(pack)
     except UserError as e:
         report.fault("config.json", f"cannot read the model config ({e}); the layout and loader checks need it")
         return None
 
 
 def _check_spec(cfg: ModelConfig, manifest: Manifest, headers: dict[str, SafetensorsHeader],
-                report: VerifyReport) -> None:
+                report: VerifyReport) -> Plan:
     """The shards hold exactly the pack spec (contract/pack_spec.py) of the K map they carry: every native
-    tensor of the model's layout in its shape and dtype, every stored linear's leaves, nothing else."""
+    tensor of the model's layout in its shape and dtype, every stored linear's leaves, nothing else. Returns
+    the plan the shards carry."""
     entries = {name: e for h in headers.values() for name, e in h.tensors.items() if not name.startswith(PAD_PREFIX)}
-    k: dict[str, float | None] = {}
-    for key, t in target_map(cfg).items():
-        held = manifest.aliases.get(key, key)
-        first = held if f"{held}.trellis" in entries or f"{held}.weight" in entries else f"{held}.slice.0"
-        k[key] = _held(first, entries)[0]
-    aliases = {expert_of(cold): expert_of(warm) for cold, warm in manifest.aliases.items()}
-    plan = Plan(cfg.arch, manifest.plan["codebook"], manifest.profile, k, aliases=aliases)
+    plan = held_plan(cfg, manifest, entries)
     want = {t.name: t for t in pack_spec(cfg, plan).model_dir}
     faults = [f"missing ({t.dtype}{list(t.shape)})" if n not in entries else None for n, t in want.items()]
     problems = {n: f for n, f in zip(want, faults) if f}
@@ -529,6 +528,45 @@ def _check_spec(cfg: ModelConfig, manifest: Manifest, headers: dict[str, Safeten
         report.fault("layout", f"{len(problems)} tensors differ from the pack spec in all")
     if not problems:
         report.ok("layout", f"the shards hold exactly the {len(want):,} tensors of the pack spec of the K map they carry")
+    return plan
+
+
+def _check_summary(pack: Path, cfg: ModelConfig, plan: Plan, manifest: Manifest,
+                   headers: dict[str, SafetensorsHeader], report: VerifyReport) -> None:
+    """What the manifest and k_map.json sum up (bpw, bits, K histogram, head bits, each class's totals, each
+    tensor's K and class, every linear's K) is what the plan the shards carry gives, computed by the pack
+    stage's own function (pack/manifest.py `summarise`): a digest made again over a false claim does not
+    carry it."""
+    entries = {name: e for h in headers.values() for name, e in h.tensors.items()}
+    summary = summarise(cfg, plan, stored_bytes(entries))
+    wrong = manifest.summary_faults(summary)
+    for line in wrong:
+        report.fault(MANIFEST_NAME, line)
+    if not wrong:
+        report.ok(MANIFEST_NAME, f"bpw {summary.quantization['bpw']:g}, bits {summary.quantization['bits']}, the K "
+                                 "histogram, head bits, class totals and tensor records as the shards give them")
+    if K_MAP_NAME not in manifest.files:
+        report.fault(K_MAP_NAME, "not in the pack, which records every linear's K there; rebuild the pack (a build "
+                                 "into a new --out with the old --work repacks without encoding again)")
+        return
+    if (pack / K_MAP_NAME).is_symlink() or not (pack / K_MAP_NAME).is_file():
+        return  # missing or a link: _check_files faults it
+    try:
+        k_map = json.loads((pack / K_MAP_NAME).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        report.fault(K_MAP_NAME, f"not readable ({type(e).__name__})")
+        return
+    if not isinstance(k_map, dict):
+        report.fault(K_MAP_NAME, "not a JSON object of linear -> K")
+        return
+    differ = sorted(set(k_map) ^ set(summary.k_map)) + sorted(
+        n for n in set(k_map) & set(summary.k_map) if k_map[n] != summary.k_map[n])
+    if differ:
+        name = differ[0]
+        report.fault(K_MAP_NAME, f"{len(differ)} linear(s) differ from the shards, e.g. {name}: claims "
+                                 f"{k_map.get(name, 'nothing')}, the shards hold {summary.k_map.get(name, 'nothing')}")
+    else:
+        report.ok(K_MAP_NAME, f"the K of all {len(k_map):,} stored linears as the shards hold them")
 
 
 def _check_loader(cfg: ModelConfig, manifest: Manifest, headers: dict[str, SafetensorsHeader], profile,
@@ -544,7 +582,7 @@ def _check_loader(cfg: ModelConfig, manifest: Manifest, headers: dict[str, Safet
         stored = [key] if f"{key}.trellis" in entries or f"{key}.weight" in entries else \
             sorted({n.rsplit(".", 1)[0] for n in entries if n.startswith(f"{key}.slice.") and n.endswith(".trellis")})
         for s in stored:
-            linears.append(StoredLinear(s, t, *_held(s, entries)))
+            linears.append(StoredLinear(s, t, *held_k(s, entries)))
     broken = violations(profile, linears, manifest.aliases)
     for v in broken[:20]:
         report.fault(v.subject, v.reason(profile))
@@ -554,20 +592,6 @@ def _check_loader(cfg: ModelConfig, manifest: Manifest, headers: dict[str, Safet
         report.ok(f"loader {profile.name}", f"{len(linears):,} linears keep every rule of the {profile.name} profile "
                                             f"({profile.engine})")
     return linears
-
-
-def _held(key: str, entries: dict[str, TensorEntry]) -> tuple[float | None, str | None]:
-    """(K, codebook) of a stored linear: from its trellis width and marker; 16 for an fp16 weight;
-    (None, None) for native storage."""
-    trellis = entries.get(f"{key}.trellis")
-    if trellis is not None and len(trellis.shape) == 3:
-        marker = next((cb.value for cb in (Codebook.MUL1, Codebook.MCG) if f"{key}.{cb.value}" in entries),
-                      Codebook.INST3.value)
-        return k_from_trellis(trellis.shape), marker
-    weight = entries.get(f"{key}.weight")
-    if weight is not None and weight.dtype == "F16" and f"{key}.scale" not in entries:
-        return UNQUANTIZED, None
-    return None, None
 
 
 def _check_hashes(pack: Path, manifest: Manifest, report: VerifyReport) -> None:
