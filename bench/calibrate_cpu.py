@@ -1,14 +1,18 @@
 """The calibrate stage's rate on the CPU: whole `calibrate` runs of the bundled small model, timed, against
-the estimate `build` prints before calibrating (calibrate/duration.py, configs/calibrate_rates/cpu.json).
+the estimates printed before calibrating and before its unit KL probe (calibrate/duration.py,
+configs/calibrate_rates/cpu.json).
 
 Each row count runs in a fresh work directory (nothing reused), on the shipped calibration text. The
-reference is the run itself: the ratio printed is estimate / measured, which must stay within 25%
-(0.8 to 1.25). The process's CPU time is printed beside the wall time. Run it on idle cores: on shared
-ones the probe's time alone varied tenfold (10 to 145 s on the same 8 x 512 tokens). With two or more
-row counts the two rates are fitted (least squares on seconds = pass FLOPs / pass rate + probe FLOPs /
-probe rate) and written to $OUT/calibrate_rates.json in the table's format.
+reference is the run itself, timed in two parts: the pass over the rows and the unit KL probe
+(`CalibrationResult.unit_kl_seconds`). The ratios printed are estimate / measured, for the whole run and
+for the probe alone, each of which must stay within 25% (0.8 to 1.25). The process's CPU time is printed
+beside the wall time. Run it on idle cores: on shared ones the probe's time alone varied tenfold (10 to
+145 s on the same 8 x 512 tokens): its many small operations wait on each other's threads. Each part's
+rate is fitted (least squares on seconds = FLOPs / rate) and written to $OUT/calibrate_rates.json in the
+table's format.
 
     python bench/calibrate_cpu.py                          # 4 and 16 rows of 2048 tokens, 2 threads
+    python bench/calibrate_cpu.py --rows 8                 # the README's bundled build (--calib-rows 8)
     python bench/calibrate_cpu.py --rows 37 --cols 2048    # what `build` of the bundled model uses
 """
 
@@ -54,47 +58,55 @@ def main(argv: list[str] | None = None) -> dict:
     for n in counts:
         rows = text[:n]
         with tempfile.TemporaryDirectory(prefix="calibrate-bench-") as work:
-            start, cpu = time.monotonic(), time.process_time()
-            calibrate(ck, rows, work, settings, progress=False)
-            seconds, cpu = time.monotonic() - start, time.process_time() - cpu
+            cpu = time.process_time()
+            result = calibrate(ck, rows, work, settings, progress=False)
+            cpu = time.process_time() - cpu
         flops = calibration_flops(ck.config, *rows.shape, settings)
         estimate = shipped_rate.seconds(flops) if shipped_rate else None
-        runs.append({"rows": int(rows.shape[0]), "cols": int(rows.shape[1]), "seconds": seconds, "cpu_seconds": cpu,
-                     "pass_flops": flops[0], "probe_flops": flops[1], "estimate": estimate,
-                     "ratio": None if estimate is None else estimate / seconds})
+        probe = flops[1] / shipped_rate.probe_flops_per_s if shipped_rate and flops[1] else None
+        runs.append({"rows": int(rows.shape[0]), "cols": int(rows.shape[1]), "seconds": result.seconds,
+                     "probe_seconds": result.unit_kl_seconds, "cpu_seconds": cpu,
+                     "pass_flops": flops[0], "probe_flops": flops[1], "estimate": estimate, "probe_estimate": probe,
+                     "ratio": None if estimate is None else estimate / result.seconds,
+                     "probe_ratio": None if probe is None else probe / result.unit_kl_seconds})
     print(f"bundled small model ({ck.root.name}) on the CPU, {args.threads} threads")
-    print(table(["rows", "cols", "measured s", "CPU s (all threads)", "estimate s", "estimate / measured"],
-                [[r["rows"], r["cols"], f"{r['seconds']:.1f}", f"{r['cpu_seconds']:.1f}",
-                  "-" if r["estimate"] is None else f"{r['estimate']:.1f}",
-                  "-" if r["ratio"] is None else f"{r['ratio']:.2f}"] for r in runs]))
+    print(table(["rows", "cols", "measured s", "of it unit KL s", "CPU s (all threads)", "estimate s",
+                 "unit KL estimate s", "estimate / measured", "unit KL estimate / measured"],
+                [[r["rows"], r["cols"], f"{r['seconds']:.1f}", f"{r['probe_seconds']:.1f}", f"{r['cpu_seconds']:.1f}",
+                  _number(r["estimate"], 1), _number(r["probe_estimate"], 1), _number(r["ratio"], 2),
+                  _number(r["probe_ratio"], 2)] for r in runs]))
     report = {"threads": args.threads, "runs": runs, "fitted": fit(runs, args.threads)}
     if report["fitted"]:
         print(json.dumps(report["fitted"], indent=1))
         if os.environ.get("OUT"):
             Path(os.environ["OUT"], "calibrate_rates.json").write_text(json.dumps(report["fitted"], indent=1) + "\n")
-    bad = [r for r in runs if r["ratio"] is not None and not 1 / TOLERANCE <= r["ratio"] <= TOLERANCE]
+    bad = [r for r in runs if any(x is not None and not 1 / TOLERANCE <= x <= TOLERANCE
+                                  for x in (r["ratio"], r["probe_ratio"]))]
     if bad:
         print(f"estimate off by more than 25% at {', '.join(str(r['rows']) for r in bad)} rows", file=sys.stderr)
     return report
 
 
+def _number(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
 def fit(runs: list[dict], threads: int) -> dict | None:
-    """The (pass, probe) rates that best give the runs' seconds (least squares, no intercept); None where
-    the runs do not tell the two apart."""
-    a = [[r["pass_flops"], r["probe_flops"]] for r in runs]
-    ata = [[sum(row[i] * row[j] for row in a) for j in range(2)] for i in range(2)]
-    atb = [sum(row[i] * r["seconds"] for row, r in zip(a, runs)) for i in range(2)]
-    det = ata[0][0] * ata[1][1] - ata[0][1] * ata[1][0]
-    if abs(det) < 1e-12 * ata[0][0] * ata[1][1] or not ata[1][1]:
+    """The pass's and the probe's rates, each from its own measured seconds (least squares of seconds =
+    FLOPs / rate, no intercept); None where no run measured the probe."""
+    probed = [r for r in runs if r["probe_flops"]]
+    if not probed:
         return None
-    per_pass = (atb[0] * ata[1][1] - atb[1] * ata[0][1]) / det
-    per_probe = (ata[0][0] * atb[1] - ata[1][0] * atb[0]) / det
-    if min(per_pass, per_probe) <= 0:
-        return None
+
+    def rate(pairs: list[tuple[float, float]]) -> float:
+        return sum(f * f for f, _ in pairs) / sum(f * s for f, s in pairs)
+
     return {"format": RATES_FORMAT, "version": 1, "device": f"{threads} CPU threads",
-            "pass_flops_per_s": 1 / per_pass, "probe_flops_per_s": 1 / per_probe,
+            "pass_flops_per_s": rate([(r["pass_flops"], r["seconds"] - r["probe_seconds"]) for r in runs]),
+            "probe_flops_per_s": rate([(r["probe_flops"], r["probe_seconds"]) for r in probed]),
             "measured_by": "bench/calibrate_cpu.py",
-            "source": ", ".join(f"{r['rows']} x {r['cols']}: {r['seconds']:.1f} s" for r in runs)}
+            "source": ", ".join(f"{r['rows']} x {r['cols']}: {r['seconds']:.1f} s (unit KL probe {r['probe_seconds']:.1f} s)"
+                                for r in runs)}
 
 
 if __name__ == "__main__":

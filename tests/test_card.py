@@ -89,7 +89,7 @@ def test_the_cards_bits_say_what_the_numbers_count(built):
     card = (built / "pack" / CARD_NAME).read_text()
     q = Manifest.load(built / "pack").quantization
     assert q["bits"] != q["bpw"]  # a pack whose rounded record differs: both numbers are explained
-    assert (f"{q['bpw']:g} bits per weight over the budgeted tensors (routed, shared, attention, indexer, engram); "
+    assert (f"{q['bpw']:g} bits over the budgeted tensors (routed, shared, attention, indexer, engram); "
             f"exllamav3's record (quantization_config.json) rounds it to bits {q['bits']}; codebook mul1.") in card
     assert "EXL3 linears by K, the bits per weight each stores (16 = fp16): K 2: 1." in card
     assert f"bits {q['bits']}, " not in card
@@ -108,16 +108,15 @@ def _as_profile(m: Manifest, loader: str, routed_k: tuple[int, ...] = ()) -> Man
 
 
 @pytest.mark.parametrize("loader, command", [
-    ("exllamav3", 'model = Model.from_config(Config.from_directory("."))'),
-    ("vllm-exl3", 'vllm serve "$PWD" --quantization exl3 --tokenizer-mode deepseek_v41 --tensor-parallel-size N '
-                  "--enable-expert-parallel\n"),
-    ("tensorfold", 'export TF_DS_ENGRAM="$PWD/../pack-Engram"'),
-    ("exllamav3-v41", "set -a; . ./launch.env; set +a\nMODEL_DIR=$PWD one-spark-tp1/scripts/run_tp1.sh"),
+    ("exllamav3", 'config = Config.from_directory(".")\nmodel = Model.from_config(config)'),
+    ("vllm-exl3", "EAGER=1 DSPARK=0 bash scripts/serve.sh 2\n"),
+    ("tensorfold", "TF_DS_ENGRAM=$HOME/models/pack-Engram "),
+    ("exllamav3-v41", "set -a; . ./launch.env; set +a\nMODEL_DIR=$PWD $HOME/dsv41-recipe/one-spark-tp1/scripts/run_tp1.sh"),
 ])
 def test_each_profiles_card_says_how_to_run_it_and_names_only_an_engine_that_loads_it(built, loader, command):
     card = render_card(_as_profile(Manifest.load(built / "pack"), loader), None)
     run = card[card.index("## Run it\n"): card.index("## Bits")]
-    assert f"```\n{command}" in run or command in run.split("```")[1]  # inside the fenced command
+    assert any(command in block for block in run.split("```")[1::2])  # inside a fenced command (test_card_runbook.py)
     meta = _front_matter(card)
     assert meta["base_model"] == "example-org/tiny-v41" and meta["pipeline_tag"] == "text-generation"
     assert loader in meta["tags"] and "exl3" in meta["tags"]
@@ -132,13 +131,13 @@ def test_the_vllm_card_turns_on_the_per_expert_path_only_for_layers_of_mixed_k(b
     m = Manifest.load(built / "pack")
     uniform = render_card(_as_profile(m, "vllm-exl3", (3, 3)), None)
     mixed = render_card(_as_profile(m, "vllm-exl3", (2, 3)), None)
-    assert "VLLM_EXL3_TENSOR_MIXED_K=1 vllm serve" not in uniform and "is not needed" in uniform
-    assert ('VLLM_EXL3_TENSOR_MIXED_K=1 vllm serve "$PWD" --quantization exl3 --tokenizer-mode deepseek_v41 '
-            "--tensor-parallel-size N --enable-expert-parallel --enforce-eager\n") in mixed
-    assert "differ in K in 1 layer(s)" in mixed
+    switch = "`VLLM_EXL3_TENSOR_MIXED_K=1` in the serving container turns on, eager"
+    assert switch not in uniform and "is not needed" in uniform
+    assert switch in mixed and "differ in K in 1 layer(s)" in mixed and "EAGER=1 DSPARK=0 bash scripts/serve.sh" in mixed
     given = replace(m, tool={**m.tool, "command": [*m.tool["command"], "--sparks", "4"]})
     four = render_card(_as_profile(given, "vllm-exl3"), None)
-    assert "--tensor-parallel-size 4 --enable-expert-parallel" in four and "the build's `--sparks 4`" in four
+    assert "--tensor-parallel-size 4 --distributed-executor-backend ray" in four and "the build's `--sparks 4`" in four
+    assert "bash scripts/serve.sh 4\n" in four and "serve.sh 2" not in four
 
 
 def test_the_cards_fit_table_is_what_quantizer_fit_prints_for_the_pack(built, capsys):
@@ -175,8 +174,9 @@ def test_record_changes_only_the_measurement_and_the_card(built, copy, tiny_v41,
     m = after["measurement"]
     assert m["text"] == "rows.npy" and m["text_sha256"] == hashlib.sha256((built / "rows.npy").read_bytes()).hexdigest()
     assert (m["rows"], m["cols"], m["tokens"]) == (2, 32, printed["tokens"])
-    for key in ("kl", "kl_stderr", "top1", "top1_stderr", "ppl", "ppl_source", "nll_delta", "nll_delta_stderr"):
+    for key in ("kl", "kl_stderr", "kl_p95", "top1", "top1_stderr", "ppl", "ppl_source", "nll_delta", "nll_delta_stderr"):
         assert m[key] == printed[key]
+    assert Manifest.load(copy).measurement.ppl_ratio == printed["ppl_ratio"]  # the ratio of the two recorded
     assert m["engine"] == {"name": "quantizer reference forward", "version": before["tool"]["version"],
                            "device": "cpu", "dtype": "float32"}
     changed = {p.name for p in copy.iterdir() if files.get(p.name) != hashlib.sha256(p.read_bytes()).hexdigest()}
@@ -187,6 +187,31 @@ def test_record_changes_only_the_measurement_and_the_card(built, copy, tiny_v41,
     assert quality["KL(source || pack), nats/token"] == f"{m['kl']:.5f} ± {m['kl_stderr']:.5f}"
     assert quality["perplexity, pack"] == f"{m['ppl']:.4f}" and quality["perplexity, source"] == f"{m['ppl_source']:.4f}"
     assert quality["NLL delta (pack - source), nats/token"] == f"{m['nll_delta']:+.5f} ± {m['nll_delta_stderr']:.5f}"
+    assert quality["KL 95th percentile over the tokens, nats"] == f"{m['kl_p95']:.5f}"
+    assert quality["perplexity ratio (pack / source)"] == f"{printed['ppl_ratio']:.4f}"
+    assert main(["verify", str(copy)]) == 0
+
+
+def test_a_measurement_recorded_before_the_kl_p95_still_vouches_and_cards_it_as_not_recorded(built, copy, tiny_v41,
+                                                                                             capsys):
+    """A manifest signed by a quantizer whose record had no kl_p95 keeps its digest: it is carded and verified,
+    the p95 said to be not recorded and the ratio computed from the two perplexities it holds."""
+    assert main(["ppl", str(copy), "--against", str(tiny_v41), "--tokens", str(built / "rows.npy"), "--record"]) == 0
+    old = json.loads((copy / MANIFEST_NAME).read_text())
+    del old["measurement"]["kl_p95"]
+    claims = {k: v for k, v in old.items() if k != "claims_sha256"}  # signed as the older quantizer signed it
+    old["claims_sha256"] = "sha256:" + hashlib.sha256(json.dumps(claims, sort_keys=True, separators=(",", ":"))
+                                                      .encode()).hexdigest()
+    (copy / MANIFEST_NAME).write_text(json.dumps(old, indent=1))
+    m = Manifest.load(copy)
+    assert m.claims_problem() is None and m.measurement.kl_p95 is None
+    assert m.to_dict() == old  # written back unchanged: no kl_p95 key added
+    capsys.readouterr()
+    assert main(["card", str(copy)]) == 0
+    quality = dict(_block((copy / CARD_NAME).read_text(), "Quality"))
+    assert quality["KL 95th percentile over the tokens, nats"] == "not recorded"
+    ratio = old["measurement"]["ppl"] / old["measurement"]["ppl_source"]
+    assert quality["perplexity ratio (pack / source)"] == f"{ratio:.4f}"
     assert main(["verify", str(copy)]) == 0
 
 

@@ -11,15 +11,22 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from quantizer.orchestrate.stages import QUANTIZE_DIR
 from quantizer.checkpoint.safetensors_file import read_header
+from quantizer.checkpoint.source import Checkpoint
 from quantizer.cli import main
 from quantizer.commands.demo import render
-from quantizer.demo.sweep import BUILD_DIR, DemoResult, DemoRow
+from quantizer.contract.rules import make_plan
+from quantizer.demo.sweep import BUILD_DIR, DemoResult, DemoRow, measure_packs
+from quantizer.model.targets import targets
 from quantizer.pack.manifest import Manifest
+from quantizer.ppl.measure import streamer
+from quantizer.ppl.perplexity import row_predictions
 from quantizer.plots import DPI, save_figure
 from quantizer.quantize.results import RESULTS_DIR
 from quantizer.shipped import shipped
@@ -196,6 +203,24 @@ def test_the_table_says_a_tensorfold_row_needs_more_than_one_spark():
                              seconds=1.0, eval_text="heldout"))
     lines = [line for line in text.splitlines() if "ours" in line]
     assert "0.123 GiB, fits" in lines[0] and "engine needs 2+" in lines[1]
+
+
+def test_the_demo_says_which_pack_of_how_many_it_measures(tiny_v41, tmp_path, capsys):
+    """The final measuring is a loop of silent forwards: each pack is named as "pack k of N" before its
+    forward, under a bar over the packs (two copies of one instant fp16 pack of the tiny model)."""
+    cfg = Checkpoint.open(tiny_v41).config
+    plan = make_plan(cfg, {t.key: (16.0 if t.key.startswith("layers.0.attn.") else None) for t in targets(cfg)})
+    plan.save(tmp_path / "plan.json")
+    assert main(["build", str(tiny_v41), "--plan", str(tmp_path / "plan.json"), "--out", str(tmp_path / "pack"),
+                 "--no-calibrate"]) == 0
+    held = torch.from_numpy(np.random.default_rng(5).integers(3, 4096, size=(2, 16)))
+    reference = list(row_predictions(streamer(Checkpoint.open(tiny_v41), quiet=True), held))
+    capsys.readouterr()
+    compared = measure_packs(reference, [tmp_path / "pack", tmp_path / "pack"], held)
+    err = capsys.readouterr().err
+    assert [c.tokens for c in compared] == [2 * 15, 2 * 15] and compared[0] == compared[1]
+    assert re.findall(r"demo: measuring pack (\d+) of (\d+): (\S+)", err) == [("1", "2", "pack"), ("2", "2", "pack")]
+    assert err.index("measuring pack 2 of 2") > err.index("| 1/2 [") and "| 2/2 [" in err
 
 
 def test_measured_errors_need_our_allocator(capsys):

@@ -109,8 +109,8 @@ def test_vllm_exl3_pack_is_the_source_with_routed_experts_in_exl3(source, packs,
     assert main(["verify", str(pack), "--full"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("clean")
     card = (pack / "README.md").read_text()  # experts of K 2 and 3 in one layer: the plugin's per-expert path
-    assert ('VLLM_EXL3_TENSOR_MIXED_K=1 vllm serve "$PWD" --quantization exl3 --tokenizer-mode deepseek_v41 '
-            "--tensor-parallel-size N --enable-expert-parallel --enforce-eager") in card
+    assert "`VLLM_EXL3_TENSOR_MIXED_K=1` in the serving container turns on, eager" in card
+    assert "EAGER=1 DSPARK=0 bash scripts/serve.sh 2\n" in card  # the runbook (tests/test_card_runbook.py)
     assert "library_name" not in card.split("\n---\n")[0] and "- vllm-exl3\n" in card
 
 
@@ -145,7 +145,7 @@ def test_tensorfold_pack_has_no_f8_every_linear_exl3_and_engram_beside_it(source
     assert main(["verify", str(pack), "--full"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("clean")
     card = (pack / "README.md").read_text()  # the card points TensorFold at the folder beside the pack
-    assert 'export TF_DS_ENGRAM="$PWD/../tensorfold-Engram"' in card and "2 or 4 DGX Sparks" in card
+    assert "TF_DS_ENGRAM=$HOME/models/tensorfold-Engram " in card and "2 or 4 DGX Sparks" in card
     assert "library_name" not in card.split("\n---\n")[0] and "- tensorfold\n" in card
 
 

@@ -183,6 +183,7 @@ def test_the_manifest_holds_no_fit_verdict_and_old_ones_are_ignored(tiny_v41, fp
     cfg, stored = stored_from_pack(pack)
     engine = Plan.load(fp16_plan).profile.fit_engine
     table = pack_fit_table(pack)
+    assert table.pop("planned_context") is None and "planned" not in table  # no launch.env: no planned context
     decode = [row.pop("decode") for engines in table["topologies"].values() for row in engines.values()]
     assert table == fit_table(cfg, stored, context=cfg.max_position_embeddings, engine=engine)
     assert all(d["tokens_per_second"] > 0 and d["launches_per_token"] > 0 for d in decode)  # and what a token costs
@@ -211,3 +212,52 @@ def test_fit_json_states_the_margin_and_the_verdict_names_it_inside(capsys):
     assert report["margin_gib"] == 1.0 and report["fits"] and free > 1.0 and "margin" not in report["verdict"]
     assert main(args + ["--margin", f"{free + 0.5:.3f}"]) == 0
     assert f"less than the {free + 0.5:.3f}".rstrip("0") in json.loads(capsys.readouterr().out)["verdict"]
+
+
+@pytest.mark.slow
+def test_cold_share_leaves_the_least_routed_experts_in_the_page_cache_where_the_plan_would_not_fit(tmp_path, capsys):
+    """fit --cold-share with the calibration's routing sizes a plan as `plan` and `build` place it (issue 60: the
+    flag was accepted and ignored): the real model at 1.9 bpw with --overlay does not fit one Spark at 512K with
+    every expert copied, and fits with 5% of the routed tokens left to cold experts (docs/guide.md, one Spark)."""
+    from quantizer.plan.sensitivity import synthetic_summary
+
+    summary = synthetic_summary(ModelConfig.from_file(model_config_path("deepseek-v4.1-flash.json")))
+    summary.save(tmp_path / "summary.json")
+    fit_cmd = ["fit", "--model-config", "deepseek-v4.1-flash", "--bpw", "1.9", "--overlay", "--loader", "exllamav3-v41",
+               "--sparks", "1", "--context", "512K", "--json"]
+    assert main(fit_cmd) == 1
+    hot = json.loads(capsys.readouterr().out)
+    assert main([*fit_cmd, "--cold-share", "0.05", "--calibration", str(tmp_path / "summary.json")]) == 0
+    captured = capsys.readouterr()
+    cold = json.loads(captured.out)
+    moved = hot["ranks"][0]["weights_gib"] - cold["ranks"][0]["weights_gib"]
+    assert moved > hot["short_gib"] and cold["ranks"][0]["mapped_gib"] == pytest.approx(hot["ranks"][0]["mapped_gib"] + moved)
+    [line] = [line for line in captured.err.splitlines() if line.startswith("cold experts: ")]  # stdout stays JSON
+    assert int(line.split()[2]) > 0 and "served from the mapped file" in line and "% of the calibration's routed" in line
+
+
+def test_cold_share_is_refused_where_it_would_change_nothing(tiny_pack, tmp_path, capsys):
+    """Where no expert can be left cold by the flag (a pack or checkpoint is sized as stored, a one-Spark pack's
+    launch.env fixes its cold experts, an engine that copies every weight) --cold-share is one line and exit 2."""
+    from quantizer.fit.launch import Launch
+
+    pack, _, _ = tiny_pack
+    summary = tmp_path / "summary.json"
+    one_spark = ["--loader", "exllamav3-v41", "--sparks", "1", "--cold-share", "0.05"]
+    launched = tmp_path / "launched"
+    shutil.copytree(pack, launched)
+    (launched / "launch.env").write_text(Launch(drafter=False).render())
+    cases = [
+        ([str(pack), *one_spark, "--calibration", str(summary)], "chooses the cold experts of a plan"),
+        ([str(launched), *one_spark, "--calibration", str(summary)], "its launch.env fixes its cold experts"),
+        (["--model-config", str(TINY), "--bpw", "2.5", "--sparks", "2", "--loader", "vllm-exl3", "--cold-share", "0.05"],
+         "the vllm-exl3 engine copies every weight into GPU memory"),
+        (["--model-config", str(TINY), "--bpw", "1.6", *one_spark], "give --calibration WORK"),
+        (["--model-config", str(TINY), "--bpw", "1.6", "--loader", "exllamav3-v41", "--sparks", "1",
+          "--calibration", str(summary)], "add --cold-share S"),
+        (["--model-config", str(TINY), "--bpw", "1.6", "--loader", "exllamav3-v41", "--sparks", "1", "--cold-share", "1"],
+         "at least 0 and below 1"),
+    ]
+    for args, message in cases:
+        assert main(["fit", *args]) == 2, args
+        one_line(capsys.readouterr().err, message)

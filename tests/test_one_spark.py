@@ -211,7 +211,7 @@ def test_the_printed_export_line_loads_launch_env_from_any_pack_path(one_spark_p
 def test_one_spark_plan_defaults_to_the_v41_loader_and_fits_512k(real_v41, capsys):
     assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--sparks", "1", "--context", "512K"]) == 0
     out = capsys.readouterr().out
-    m = re.search(r"achieved ([\d.]+) bits per weight over the budgeted tensors .* loader profile exllamav3-v41", out)
+    m = re.search(r"achieved ([\d.]+) bits per routed weight .* loader profile exllamav3-v41", out)
     assert m and 1.4 <= float(m[1]) <= 1.8, out[:400]  # bits per routed weight: the only budgeted tensors
     assert "FITS: fits 1 Spark (exllamav3-v41" in out
     assert "drafter off" in out  # a source-form drafter would be dequantized into GPU memory: launched without

@@ -1,5 +1,5 @@
 """`quantizer ppl` on the tiny V4.1 checkpoint: numbers equal the whole model's own NLL; `--text`
-takes a shipped set by name."""
+takes a shipped set by name; the pass over the rows has a bar of its own."""
 
 from __future__ import annotations
 
@@ -71,3 +71,15 @@ def test_ppl_text_takes_a_shipped_set_by_name(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["quantizer ppl: error: heldout-test: no such file, and not a shipped text set (train, calibration, "
                    "heldout, heldout-tests); check the path or the set name"]
+
+
+def test_ppl_counts_rows_after_the_layers_with_one_bar_when_comparing(tiny_v41, rows, tmp_path, capsys):
+    """Past the bar over layers, the head's pass over the rows has a bar of its own (rows done of all); with
+    --against the two models advance row by row together, so one bar counts them."""
+    path = tmp_path / "rows.npy"
+    np.save(path, rows.numpy())
+    for against, layer_passes in (([], 1), (["--against", str(tiny_v41)], 2)):
+        assert main(["ppl", str(tiny_v41), "--tokens", str(path), "--json", *against]) == 0
+        err = capsys.readouterr().err
+        assert err.count("layers:   0%") == layer_passes and err.count("rows:   0%") == 1
+        assert err.index("rows:   0%") > err.rindex("layers: 100%") and "| 3/3 [" in err[err.index("rows:"):]

@@ -79,6 +79,42 @@ def test_kl_and_deltas_equal_two_whole_forwards(tiny_v41, quantized_pack, rows_f
     assert r["nll_delta"] == pytest.approx(float(delta.mean()), rel=1e-3, abs=1e-6)
     assert r["top1"] == pytest.approx(float((native.argmax(-1) == packed.argmax(-1)).double().mean()))
     assert r["kl_stderr"] == pytest.approx(float(kl.double().std()) / math.sqrt(kl.numel()), rel=1e-3)
+    assert r["kl_p95"] == pytest.approx(float(np.percentile(kl.double().numpy(), 95)), rel=1e-3)
+    assert r["kl_p95"] > r["kl"] and r["ppl_ratio"] == pytest.approx(math.exp(float(delta.double().mean())), rel=1e-5)
+
+
+def test_the_text_receipt_states_the_kl_p95_and_the_perplexity_ratio(tiny_v41, quantized_pack, rows_file, capsys):
+    r = _against(quantized_pack, tiny_v41, rows_file, capsys)
+    assert main(["ppl", str(quantized_pack), "--against", str(tiny_v41), "--tokens", str(rows_file)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert f"(source {r['ppl_source']:.4f}, ratio {r['ppl_ratio']:.4f})" in line, line
+    assert f"KL {r['kl']:.5f} ± {r['kl_stderr']:.5f} (p95 {r['kl_p95']:.5f})" in line, line
+
+
+def test_kl_p95_and_ppl_ratio_are_numpys_over_the_same_tokens():
+    """Two rows of unequal length: the percentile runs over every token of both, not per row or over row means."""
+    rng = np.random.default_rng(3)
+    logits = {who: [rng.normal(scale=2.0, size=(n, 11)) for n in (9, 4)] for who in ("source", "pack")}
+    targets_ = [rng.integers(0, 11, size=n) for n in (9, 4)]
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    def predictions(who):
+        return [RowPredictions(i, torch.from_numpy(log_softmax(x)), torch.from_numpy(t))
+                for i, (x, t) in enumerate(zip(logits[who], targets_))]
+
+    c = compare(predictions("source"), predictions("pack"))
+    ref = np.concatenate([log_softmax(x) for x in logits["source"]])
+    test = np.concatenate([log_softmax(x) for x in logits["pack"]])
+    target = np.concatenate(targets_)
+    kl = (np.exp(ref) * (ref - test)).sum(-1)
+    nll_ref, nll_test = -ref[np.arange(13), target], -test[np.arange(13), target]
+    assert c.tokens == 13 and c.kl == pytest.approx(kl.mean(), rel=1e-9)
+    assert c.kl_p95 == pytest.approx(np.percentile(kl, 95), rel=1e-9) and c.kl < c.kl_p95 < kl.max()
+    assert c.ppl_ratio == pytest.approx(np.exp(nll_test.mean()) / np.exp(nll_ref.mean()), rel=1e-9)
+    assert c.as_dict()["kl_p95"] == c.kl_p95 and c.as_dict()["ppl_ratio"] == c.ppl_ratio
 
 
 def test_compare_pairs_rows_and_refuses_unequal_counts():

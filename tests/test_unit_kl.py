@@ -1,14 +1,19 @@
 """Measured unit KL: the probe reruns only from the perturbed layer and agrees with a whole forward,
 the KL grows with the noise, calibrate records it where the model fits (and not when told not to),
-and the allocator's modelled cost of a unit at the probe's noise equals the KL measured for it."""
+announcing the pass with its estimate before a bar over its units, and the allocator's modelled cost of
+a unit at the probe's noise equals the KL measured for it."""
 
 from __future__ import annotations
+
+import contextlib
+import io
 
 import numpy as np
 import pytest
 import torch
 
 from quantizer.calibrate import CalibrationSettings, HessianStore, calibrate
+from quantizer.calibrate.duration import unit_kl_line
 from quantizer.calibrate.summary import KL_UNITS, MEASURED_KL, REFERENCE_RATE, STREAM_ENERGY, kl_unit
 from quantizer.calibrate.unit_kl import KLProbe, hessian_noise, unit_keys
 from quantizer.checkpoint.source import Checkpoint
@@ -33,9 +38,11 @@ def rows():
 
 @pytest.fixture(scope="module")
 def measured(ck, rows, tmp_path_factory):
-    work = tmp_path_factory.mktemp("work")
-    result = calibrate(ck, rows, work, CalibrationSettings(measure_kl=True, kl_rows=2, kl_cols=COLS), progress=False)
-    return result.summary, HessianStore(work, ck)
+    """The calibration with its unit KL, and what it printed (its bars included, as a user sees them)."""
+    work, err = tmp_path_factory.mktemp("work"), io.StringIO()
+    with contextlib.redirect_stderr(err):
+        result = calibrate(ck, rows, work, CalibrationSettings(measure_kl=True, kl_rows=2, kl_cols=COLS))
+    return result.summary, HessianStore(work, ck), err.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +73,7 @@ def test_probe_matches_a_whole_forward_and_is_zero_without_change(model, rows):
 
 @pytest.mark.slow  # `measured`: a calibration with every unit's KL probed (99 s on 2 busy cores)
 def test_kl_grows_with_the_noise_level(model, rows, measured):
-    _, store = measured
+    _, store, _ = measured
     key = "layers.1.attn.wkv"
     h, count = store.hessian(key)
     w = dict(model.named_parameters())[key + ".weight"].data
@@ -79,7 +86,7 @@ def test_kl_grows_with_the_noise_level(model, rows, measured):
 
 @pytest.mark.slow  # `measured`: a calibration with every unit's KL probed (99 s on 2 busy cores)
 def test_calibrate_records_every_layers_units(ck, measured):
-    summary, _ = measured
+    summary, _, _ = measured
     assert summary.gains == MEASURED_KL and summary.kl_relative_error > 0
     assert (summary.kl_rows, summary.kl_cols) == (2, COLS)
     units = unit_keys(ck.config)
@@ -89,8 +96,24 @@ def test_calibrate_records_every_layers_units(ck, measured):
         assert all(v >= 0 for v in layer.unit_kl.values())
 
 
-def test_measurement_can_be_turned_off(ck, rows, tmp_path):
+@pytest.mark.slow  # `measured`: a calibration with every unit's KL probed (99 s on 2 busy cores)
+def test_the_unit_kl_pass_is_announced_with_its_estimate_then_counts_its_units(ck, measured):
+    """The probe is a phase of its own: a line with its size and the time the bench's rate gives, printed
+    before the pass starts, then a bar over the units (done of all)."""
+    err = measured[2]
+    units = len(unit_keys(ck.config))
+    line = unit_kl_line(ck.config, 2, COLS, "cpu")
+    assert line.startswith(f"calibrate: unit KL of {units} layer units on 2 x {COLS} tokens, about ")
+    assert line.endswith("(bench/calibrate_cpu.py)")
+    announced = err.index(line + "\n")
+    assert err.index("unit KL:") > announced > err.index("calibrate: 3 rows x 24 tokens")
+    assert f"| {units}/{units} [" in err[announced:]  # the bar reached every unit
+    assert "no time estimate" in unit_kl_line(ck.config, 2, COLS, "cuda")  # no rate measured on CUDA
+
+
+def test_measurement_can_be_turned_off(ck, rows, tmp_path, capsys):
     result = calibrate(ck, rows, tmp_path, CalibrationSettings(measure_kl=False), progress=False)
+    assert "unit KL" not in capsys.readouterr().err
     assert result.summary.gains == STREAM_ENERGY and all(not layer.unit_kl for layer in result.summary.layers)
     with pytest.raises(UserError, match="kl-rows"):
         CalibrationSettings(kl_rows=0)
@@ -98,7 +121,7 @@ def test_measurement_can_be_turned_off(ck, rows, tmp_path):
 
 @pytest.mark.slow  # `measured`: a calibration with every unit's KL probed (99 s on 2 busy cores)
 def test_modelled_unit_cost_at_the_probe_noise_is_the_measured_kl(ck, measured):
-    summary, _ = measured
+    summary, _, _ = measured
     sens = sensitivity(ck.config, summary)
     ref = sens.rates.index(REFERENCE_RATE)
     target = {t.key: t for t in targets(ck.config)}

@@ -39,6 +39,7 @@ import torch
 from quantizer.calibrate.analysis import ENERGY_ROWS
 from quantizer.calibrate.groups import head_group, layer_groups
 from quantizer.calibrate.settings import CalibrationSettings
+from quantizer.caches import process_cache
 from quantizer.calibrate.storage import STORAGE_DTYPES
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.model.block import Block
@@ -113,20 +114,41 @@ def _dequant_workspace(spec, item: int) -> int:
     return spec.nbytes + per * spec.params
 
 
-def _loading(cfg: ModelConfig, layer: int, dtype: torch.dtype, layout: dict) -> tuple[int, int]:
+def _loading(cfg: ModelConfig, layer: int, kind: int, dtype: torch.dtype, layout: dict) -> tuple[int, int]:
     """(device bytes, host bytes) at the peak of load_block: the block's tensors load in its own order,
-    each dequantized beside those before it; the host holds one stored tensor at a time."""
-    with torch.device("meta"):
-        block = Block(cfg, layer, dtype)
+    each dequantized beside those before it; the host holds one stored tensor at a time. `kind`: the first
+    layer that stores the same tensors (_layer_kinds), whose block is built for it."""
     loaded = peak = read = 0
-    for key, t in block.state_dict().items():
+    for key, nbytes in _block_tensors(cfg, kind, dtype):
         spec = layout.get(f"layers.{layer}.{key}")
         if spec is None:  # an Engram table: rows are read per forward
             continue
         peak = max(peak, loaded + _dequant_workspace(spec, dtype.itemsize))
         read = max(read, spec.nbytes)
-        loaded += t.nbytes
+        loaded += nbytes
     return max(peak, loaded), read
+
+
+def _layer_kinds(layout: dict, num_layers: int) -> list[int]:
+    """Per layer, the first layer that stores the same tensors (names within the layer, dtypes, shapes):
+    layers that store the same tensors build the same block."""
+    stored: dict[int, list] = {layer: [] for layer in range(num_layers)}
+    for name, spec in layout.items():
+        parts = name.split(".", 2)
+        if parts[0] == "layers" and int(parts[1]) in stored:
+            stored[int(parts[1])].append((parts[2], spec.dtype, tuple(spec.shape)))
+    first: dict[tuple, int] = {}
+    return [first.setdefault(tuple(sorted(stored[layer])), layer) for layer in range(num_layers)]
+
+
+@process_cache(maxsize=64)
+def _block_tensors(cfg: ModelConfig, layer: int, dtype: torch.dtype) -> tuple[tuple[str, int], ...]:
+    """(key, bytes) of a block's tensors in load order, built on the meta device once per kind of layer:
+    a real model's 40 layers are six kinds, and building 384 experts a layer was most of the
+    statement's time."""
+    with torch.device("meta"):
+        block = Block(cfg, layer, dtype)
+    return tuple((key, t.nbytes) for key, t in block.state_dict().items())
 
 
 def calibration_needs(cfg: ModelConfig, rows: int, cols: int, settings: CalibrationSettings) -> CalibrationNeeds:
@@ -147,6 +169,7 @@ def calibration_needs(cfg: ModelConfig, rows: int, cols: int, settings: Calibrat
     moments: list[tuple[MemoryEstimate, int, int, int]] = []
     files: list[int] = []
     writing = 0
+    kinds = _layer_kinds(layout, cfg.num_layers)
     for layer in range(cfg.num_layers):
         groups = layer_groups(cfg, layer, settings.expert_inputs)
         block = weights.get(f"layers.{layer}", 0)
@@ -157,7 +180,7 @@ def calibration_needs(cfg: ModelConfig, rows: int, cols: int, settings: Calibrat
         routing = tokens * (cfg.hidden_size * item + cfg.experts_per_token * 12) if own else 0
         before = files[-1] if files else 0  # the last layer's packed Hessians, alive until its successor's
         held = 0 if cuda else before
-        loaded, read = _loading(cfg, layer, dtype, layout)
+        loaded, read = _loading(cfg, layer, kinds[layer], dtype, layout)
         moments.append((MemoryEstimate(0, states, loaded, f"layer {layer} loading"), 0, held, before + read))
         acts = block_activations(cfg, layer, chunk, cols, dtype, DEFAULT_ATTN_CHUNK_ELEMENTS, cuda, hooked=True,
                                  all_experts=settings.all_experts)

@@ -31,7 +31,7 @@ from quantizer import __version__
 from quantizer.calibrate.analysis import ldlq_factor, out_energy
 from quantizer.calibrate.collect import LayerCollector, accumulate
 from quantizer.calibrate.groups import HEAD_KEY, head_group
-from quantizer.calibrate.duration import calibration_line
+from quantizer.calibrate.duration import calibration_line, unit_kl_line
 from quantizer.calibrate.needs import calibration_needs
 from quantizer.calibrate.resume import drop_resume_points, load_chunk, resume_point, save_chunk
 from quantizer.calibrate.settings import CalibrationSettings
@@ -80,6 +80,7 @@ class CalibrationResult:
     fingerprint: str  # of this calibration (source, tokens, settings)
     resumed_layers: int  # layers finished before this run
     seconds: float
+    unit_kl_seconds: float = 0.0  # of `seconds`, the unit KL probe's (bench/calibrate_cpu.py times the two apart)
 
 
 def tokens_digest(rows: torch.Tensor) -> str:
@@ -143,9 +144,11 @@ def calibrate(ck: Checkpoint, rows: torch.Tensor, work: str | Path,
             _run(ck, chunks, directory, settings, record, progress, resume_every, resumed, ranks)
             ranks.barrier()  # rank 0 has written the summary
         summary = CalibrationSummary.load(directory / SUMMARY_FILE)
+        probe_start = time.monotonic()
         if summary.gains != MEASURED_KL and settings.measure_kl is not False:
             summary = ranks.on_main(lambda: _unit_kl(ck, rows, work, settings, summary, progress))
-        return CalibrationResult(directory, summary, record["fingerprint"], resumed, time.monotonic() - start)
+        end = time.monotonic()
+        return CalibrationResult(directory, summary, record["fingerprint"], resumed, end - start, end - probe_start)
 
 
 def _start_line(cfg: ModelConfig, rows: torch.Tensor, settings: CalibrationSettings, resumed: int,
@@ -173,6 +176,7 @@ def _unit_kl(ck: Checkpoint, rows: torch.Tensor, work: Path, settings: Calibrati
             raise UserError(f"--measure-kl: {line}; calibrate without it (stream-energy site gains)")
         print(f"calibrate: {line}; the summary carries stream-energy site gains", file=sys.stderr)
         return summary
+    print(unit_kl_line(ck.config, *tokens.shape, settings.device), file=sys.stderr, flush=True)
     start = time.monotonic()
     model = DeepseekModel.from_checkpoint(ck, settings.dtype, settings.device)
     store = HessianStore(work, ck)

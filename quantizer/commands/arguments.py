@@ -1,9 +1,10 @@
 """Command-line arguments several commands share: a model shape (a checkpoint or --model-config),
 --loader (with --engine, its deprecated hidden alias), the plan options (--codebook; --head-bits and
 --drafter-bits, which build takes too), the one-Spark options (--overlay, --overlay-bits, --cold-share), the
-calibration's --expert-hessians, token counts such as 1M and counts of at least 1 (a context of 0 tokens or -1
-streams is refused while the arguments are read), and Hugging Face repository ids and revisions (refused
-while the arguments are read when the hub would refuse them: quantizer/hub.py).
+calibration's --expert-hessians, --device (cuda where a CUDA GPU is visible, else cpu), token counts such as 1M
+and counts of at least 1 (a context of 0 tokens or -1 streams is refused while the arguments are read), and Hugging
+Face repository ids and revisions (refused while the arguments are read when the hub would refuse them:
+quantizer/hub.py).
 
 Command modules (quantizer/commands/) import this, never each other.
 """
@@ -16,7 +17,9 @@ import re
 import sys
 from pathlib import Path
 
-from quantizer.calibrate.settings import EXPERT_HESSIANS, CalibrationSettings
+import torch
+
+from quantizer.calibrate.settings import DEVICES, EXPERT_HESSIANS, CalibrationSettings
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.contract.loader_profiles import (
     DEFAULT_OVERLAY,
@@ -216,6 +219,24 @@ def add_expert_hessians(p: argparse.ArgumentParser) -> None:
                         "weighted by g^2, g or 1, plus the all-token prior; shared: gate/up read the layer's "
                         "all-token MoE input (exllamav3's; a fifth of gate2's Hessian disk), down the g^2-weighted "
                         "routed tokens")
+
+
+DEVICE_DEFAULT = "cuda where a CUDA GPU is visible, else cpu"
+
+
+def add_device_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """--device of the commands that run the model (calibrate, build, ppl, eval): on a CUDA machine they run on
+    CUDA unless told otherwise. DEVICE_DEFAULT is a string, so argparse hands it to `device` once the command line
+    is parsed, and only where --device was not given: no command asks CUDA (which starts its driver) otherwise."""
+    p.add_argument("--device", type=device, choices=DEVICES, default=DEVICE_DEFAULT,
+                   help=f"{what} (default: {DEVICE_DEFAULT})")
+
+
+def device(text: str) -> str:
+    """--device as given; for its default (that very string object, never a typed one), cuda where torch sees a GPU."""
+    if text is DEVICE_DEFAULT:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return text
 
 
 def add_margin_argument(p: argparse.ArgumentParser, what: str) -> None:

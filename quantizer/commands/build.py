@@ -25,6 +25,7 @@ from quantizer.calibrate.rows import calibration_rows
 from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, CalibrationSettings
 from quantizer.checkpoint.source import Checkpoint
 from quantizer.commands.arguments import (
+    add_device_argument,
     add_expert_hessians,
     add_head_drafter_arguments,
     add_layout_arguments,
@@ -52,7 +53,7 @@ from quantizer.pack.writer import DEFAULT_SHARD_SIZE
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.plan.methods import METHODS, OURS
 from quantizer.plan.recipe import plan_from_recipe, profile_note, read_recipe
-from quantizer.quantize.settings import DEVICES, ENCODERS, QuantizeSettings
+from quantizer.quantize.settings import ENCODERS, QuantizeSettings
 from quantizer.tune.settings import INPUTS, TARGETS, EndToEndSettings, TuneSettings
 
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -62,7 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("build", help="plan, quantize, pack and verify in one resumable work directory")
     p.add_argument("src", help="native checkpoint directory or Hugging Face repo id")
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--bpw", type=float, help="bits per weight over the budgeted tensors (exllamav3 accounting)")
+    rate.add_argument("--bpw", type=float, help="bits over the budgeted tensors: bits per routed weight where the loader "
+                   "profile budgets the routed experts alone (vllm-exl3, exllamav3-v41), else over every tensor it "
+                   "budgets; README.md, Words")
     p.add_argument("--sparks", type=int, choices=TOPOLOGIES,
                    help="DGX Sparks: alone, the most bits whose pack fits them; with --bpw, --plan or --recipe, what "
                         "the pack is fitted to")
@@ -100,12 +103,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--measured-errors", action="store_true",
                    help="ours: allocate on the proxy errors measured by the encodings already in --work (earlier "
                         "builds sharing it) instead of the model's estimate for those (tensor, K); costs a header read")
-    p.add_argument("--device", choices=DEVICES, default="cpu", help="cpu: our codec; cuda: exllamav3")
+    add_device_argument(p, "where calibration, quantize and tuning run. cpu: our codec (--encoder fast or exact); "
+                           "cuda: exllamav3's conversion steps, in our batch loop with our tile-search kernel "
+                           "(--encoder ours) or exllamav3's own conversion (--encoder exllamav3); needs exllamav3: "
+                           "pip install 'quantizer[gpu]'")
     p.add_argument("--encoder", choices=sorted({e for encoders in ENCODERS.values() for e in encoders}),
-                   help="cpu: our codec's Viterbi first pass, fast (default) or exact; cuda: exllamav3's conversion "
-                        "steps in our batch loop with our tile-search kernel (ours, default: the same codes, the "
-                        "quantize stage 2.6-3.4x faster at K 2-4 and the half rates on an H100, docs/encoder.md) or "
-                        "exllamav3's own (exllamav3)")
+                   help="the quantize stage's encoder on --device. cpu: our codec's Viterbi first pass, fast (default) "
+                        "or exact; cuda: exllamav3's conversion steps in our batch loop with our tile-search kernel "
+                        "(ours, default: the same codes, the quantize stage 2.6-3.4x faster at K 2-4 and the half "
+                        "rates on an H100, docs/encoder.md) or exllamav3's own conversion (exllamav3)")
     p.add_argument("--seed", type=int, default=0, help="job seed; each linear's seed derives from it and its key")
     p.add_argument("--tune", action="store_true",
                    help="after quantize, fit each block's EXL3 suh/svh to the native block's outputs on the calibration "

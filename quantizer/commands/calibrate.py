@@ -16,14 +16,13 @@ from quantizer.calibrate.rows import calibration_rows
 from quantizer.calibrate.settings import (
     DEFAULT_COLS,
     DEFAULT_ROWS,
-    DEVICES,
     EXPERT_HESSIAN_DTYPES,
     CalibrationSettings,
 )
 from quantizer.calibrate.stage import CalibrationResult, calibrate
 from quantizer.calibrate.summary import KL_UNITS, MEASURED_KL
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.commands.arguments import add_expert_hessians, out_dir, revision
+from quantizer.commands.arguments import add_device_argument, add_expert_hessians, out_dir, revision
 from quantizer.inventory.classify import require_consistent
 from quantizer.report import table
 
@@ -41,7 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("--rows", type=int, help=f"rows to use (default: up to {DEFAULT_ROWS}, as many as the text holds)")
     p.add_argument("--cols", type=int, help=f"tokens per row (default: a 2-D token file's width, else {DEFAULT_COLS})")
     p.add_argument("--work", type=out_dir, help="work directory (default: ./<SRC name>.work); results go to WORK/calibration")
-    p.add_argument("--device", choices=DEVICES, default=DEFAULTS.device)
+    add_device_argument(p, "where the model runs: cpu in float32, cuda in bfloat16; the Hessians accumulate in "
+                           "float32 on either")
     p.add_argument("--all-experts", action=argparse.BooleanOptionalAction, default=DEFAULTS.all_experts,
                    help="run every token through every routed expert for the experts' down-projection prior "
                         "(default on; off samples the prior from a few thousand tokens instead)")

@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from quantizer.commands.arguments import count
+from quantizer.commands.arguments import add_device_argument, count
 from quantizer.errors import UserError
 from quantizer.evaluate.paired import PairedScore, paired_scores
 from quantizer.pack.manifest import MANIFEST_NAME, is_pack
@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--against", metavar="SRC", help="the native checkpoint the pack was built from: score it too")
     p.add_argument("--include-path", type=Path, help="directory of extra lm-eval task YAML files")
     p.add_argument("--limit", type=count, help="at most this many documents per task")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_device_argument(p, "where the pack (and its source) runs: cpu in float32, cuda in bfloat16")
     p.add_argument("--max-length", type=count, default=2048, help="tokens per scored sequence (context cut from the left)")
     p.add_argument("--json", action="store_true", help="print the scores as JSON")
     p.set_defaults(func=run)

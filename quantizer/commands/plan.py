@@ -48,6 +48,7 @@ from quantizer.fit.memory import MARGIN_GIB, TOPOLOGIES
 from quantizer.fit.render import render as render_fit
 from quantizer.fit.target import FittedPlan, choose_plan
 from quantizer.fit.memory import FitTarget
+from quantizer.orchestrate.price import build_price
 from quantizer.plan.allocate import ALIAS_BELOW, DEFAULT_FLOOR
 from quantizer.plan.exl3_baseline import HQ
 from quantizer.plan.methods import EXL3, METHODS, OURS, UNIFORM, planner
@@ -65,7 +66,9 @@ from quantizer.tune.stage import tune_line
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="choose K for every EXL3 tensor: at a bpw, or the most that fits N Sparks")
     add_model_arguments(p)
-    p.add_argument("--bpw", type=float, help="target bits per weight over the budgeted tensors")
+    p.add_argument("--bpw", type=float, help="target bits over the budgeted tensors: bits per routed weight where the loader "
+                   "profile budgets the routed experts alone (vllm-exl3, exllamav3-v41), else over every tensor it "
+                   "budgets; README.md, Words")
     p.add_argument("--sparks", type=int, choices=TOPOLOGIES,
                    help="DGX Sparks to fit; without --bpw, plan the most bits that fit them")
     p.add_argument("--context", type=tokens, help="tokens per stream for the fit (default: the model's max positions)")
@@ -127,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
                         "(or --synthetic)")
     settings = allocation_of(args, profile, args.codebook, overlay_of(args, profile, args.codebook))
     plan_at, lowest = planner(cfg, method, settings, summary, args.floor, args.hq)
+    print(allocator_line(args, method, summary), file=sys.stderr)
     target = fit_target(args, cfg, profile)
     plan, fitted = choose_plan(cfg, plan_at, lowest, rate_grid(args.codebook)[-1], target, args.bpw,
                                hardware=load_hardware(args.hardware), tokens=routed_tokens(summary) if summary else None)
@@ -139,12 +143,13 @@ def _print(cfg: ModelConfig, plan: Plan, fitted: FittedPlan | None, as_json: boo
     """The plan's bits and bytes, its GPU-hours, and with a target its fit and launch settings (or the JSON of them)."""
     hours = [plan_estimate(cfg, plan, RateTable.load(encoder=encoder)) for encoder in ENCODERS["cuda"]]
     if as_json:
-        print(json.dumps(plan_json(plan, hours, fitted), indent=1))
+        print(json.dumps(plan_json(plan, hours, fitted) | {"price": build_price(cfg, plan).to_dict()}, indent=1))
         return
     print(plan_summary(cfg, plan))
     for estimate in hours:  # the default's hours, then the other's (its line names it)
         print(estimate.line())
     print(tune_line(cfg, DEFAULT_ROWS, DEFAULT_COLS, TuneSettings()))
+    print("\n".join(build_price(cfg, plan).lines()))
     if fitted:
         print("\n" + render_fit(fitted.report))
     if fitted and fitted.launch.cold_experts:
@@ -181,6 +186,26 @@ def plan_json(plan: Plan, hours: list, fitted) -> dict:
         out["fit"] = fitted.report.to_dict()
         out["launch"] = asdict(fitted.launch) | {"copy_pattern": fitted.launch.copy_pattern}
     return out
+
+
+def allocator_line(args: argparse.Namespace, method: str, summary: CalibrationSummary | None) -> str:
+    """Which allocator chose K, and on which calibration, said before the plan: without --calibration or
+    --synthetic the default is uniform, a plan no sensitivity shaped, which a reader of the plan alone could miss."""
+    if method == OURS and args.synthetic:
+        return (f"allocator: ours, on a synthetic calibration summary (--synthetic, seed {args.seed}): plausible "
+                "sensitivities, not measured ones; --calibration WORK plans on a real calibration")
+    if method == OURS:
+        made = ("made up, not measured" if summary.synthetic else
+                f"{summary.rows} rows x {summary.cols} tokens, {summary.gains} site gains")
+        return f"allocator: ours, on the calibration summary {args.calibration} ({made})"
+    given = "--calibration" if args.calibration else "--synthetic" if args.synthetic else None
+    unused = f"; {given} is not used" if given else ""
+    if method == EXL3:
+        return f"allocator: exl3, exllamav3's own create_q_strategy (-hq {args.hq}), which reads no calibration{unused}"
+    if args.method is None:
+        return ("allocator: uniform K (no --calibration or --synthetic given, so no sensitivities to allocate by; "
+                "add --synthetic for ours on a synthetic calibration, or --calibration WORK for ours on a real one)")
+    return f"allocator: uniform K (--method uniform){unused}"
 
 
 def load_summary(cfg: ModelConfig, args: argparse.Namespace) -> CalibrationSummary:

@@ -2,8 +2,9 @@
 
 MODEL is a native checkpoint or a pack written by quantizer (its EXL3 linears are decoded to the
 weights a loader computes with). With `--against SRC` both run over the same rows and the report
-adds KL(SRC || MODEL), top-1 agreement and the paired NLL delta with its standard error; a pack is
-compared only with the checkpoint its manifest says it was built from (same content fingerprint).
+adds KL(SRC || MODEL) (mean and 95th percentile over the tokens), top-1 agreement, the perplexity ratio
+(MODEL / SRC) and the paired NLL delta with its standard error; a pack is compared only with the
+checkpoint its manifest says it was built from (same content fingerprint).
 A pack is measured only once every shard's sha256 matches its manifest (a flipped byte would give a
 plausible, wrong number); a model that computes NaN or inf is an error (exit 2) naming what verify finds.
 `--record` writes that measurement into the pack's manifest and regenerates its card (pack/card.py).
@@ -30,7 +31,7 @@ import torch
 from quantizer import __version__
 from quantizer.checkpoint.fingerprint import sha256_file
 from quantizer.checkpoint.source import Checkpoint
-from quantizer.commands.arguments import revision
+from quantizer.commands.arguments import add_device_argument, revision
 from quantizer.errors import UserError
 from quantizer.pack.card import CARD_NAME, record_measurement
 from quantizer.pack.manifest import MANIFEST_NAME, is_pack
@@ -55,12 +56,13 @@ def register(subparsers) -> None:
     given.add_argument("--tokens", metavar="FILE", help="token ids: .npy, or .safetensors with key input_ids (1-D or 2-D)")
     p.add_argument("--rows", type=int, help="use at most this many rows (default: all)")
     p.add_argument("--cols", type=int, help=f"tokens per row (default: a 2-D file's width, else {DEFAULT_COLS})")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_device_argument(p, "where the model (and with --against its source) runs: cpu in float32, cuda in bfloat16")
     p.add_argument("--revision", type=revision, help="revision, for a Hugging Face repo id")
     p.add_argument("--record", action="store_true",
                    help="with --against and a pack: write the measurement into the pack's manifest and card")
     p.add_argument("--json", action="store_true", help='print {"ppl", "nll", "nll_stderr", "tokens"} as JSON '
-                   '(with --against: "ppl", "ppl_source", "kl", "top1", "nll_delta", "nll_delta_stderr", "tokens", ...)')
+                   '(with --against: "ppl", "ppl_source", "ppl_ratio", "kl", "kl_p95", "top1", "nll_delta", '
+                   '"nll_delta_stderr", "tokens", ...)')
     p.set_defaults(func=run)
 
 
@@ -89,7 +91,7 @@ def _report(args: argparse.Namespace, model: Checkpoint, reference: Checkpoint |
     if reference is not None:
         if reference.config.vocab_size != model.config.vocab_size:
             raise UserError(f"{args.src} and {args.against} have different vocabularies; compare a pack with its source")
-        result = compare(row_predictions(streamer(reference, args.device), rows),
+        result = compare(row_predictions(streamer(reference, args.device), rows, bar=False),  # one rows bar: MODEL's
                          row_predictions(streamer(model, args.device), rows))
         print(json.dumps(result.as_dict()) if args.json else describe(result))
         if args.record:
@@ -106,8 +108,9 @@ def _report(args: argparse.Namespace, model: Checkpoint, reference: Checkpoint |
 
 
 def describe(c: Comparison) -> str:
-    return (f"perplexity {c.pack.ppl:.4f} (source {c.source.ppl:.4f})  KL {c.kl:.5f} ± {c.kl_stderr:.5f}  "
-            f"top-1 agreement {c.top1:.2%}  NLL delta {c.nll_delta:+.5f} ± {c.nll_delta_stderr:.5f}  "
+    return (f"perplexity {c.pack.ppl:.4f} (source {c.source.ppl:.4f}, ratio {c.ppl_ratio:.4f})  "
+            f"KL {c.kl:.5f} ± {c.kl_stderr:.5f} (p95 {c.kl_p95:.5f})  top-1 agreement {c.top1:.2%}  "
+            f"NLL delta {c.nll_delta:+.5f} ± {c.nll_delta_stderr:.5f}  "
             f"over {c.tokens:,} tokens")
 
 
@@ -116,7 +119,8 @@ def measurement(c: Comparison, rows: torch.Tensor, text: Path, device: str) -> M
     dtype = str(forward_dtype(device)).removeprefix("torch.")
     engine = LogitsEngine("quantizer reference forward", __version__, device, dtype)
     return Measurement(text.name, sha256_file(text), rows.shape[0], rows.shape[1], c.tokens, c.kl, c.kl_stderr,
-                       c.top1, c.top1_stderr, c.pack.ppl, c.source.ppl, c.nll_delta, c.nll_delta_stderr, engine)
+                       c.top1, c.top1_stderr, c.pack.ppl, c.source.ppl, c.nll_delta, c.nll_delta_stderr, engine,
+                       kl_p95=c.kl_p95)
 
 
 def _rows(args: argparse.Namespace, ck: Checkpoint) -> torch.Tensor:

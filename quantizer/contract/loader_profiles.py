@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -132,17 +133,44 @@ class Dispatch:
 
 
 RUN_SECTIONS = ("exllamav3", "vllm", "tensorfold", "mapped")  # the card's run-section writers (pack/card.py)
+RUN_STEPS = ("install", "join", "launch", "started")  # a runbook's kinds of step (the pack's download is the card's)
+RUN_VALUES = ("name", "repo", "revision", "context", "streams", "tokens", "sparks", "engram")  # {{key}} in a step
+_SOURCE = re.compile(r"^[\w.-]+/[\w.-]+ \S+ @[0-9a-f]{7,40}\b")  # owner/name path @commit, then more
+
+
+@dataclass(frozen=True)
+class RunStep:
+    """One step of the card's runbook, read from the engine's public code: what it does (`say`), the command lines
+    (`{{key}}` filled from the pack, RUN_VALUES), the file it comes from (repository, path, commit) and, where it
+    differs by topology, the Spark counts it is for (docs/loader-profiles.md, "The card's runbook")."""
+
+    step: str
+    say: str
+    commands: tuple[str, ...]
+    source: str
+    sparks: tuple[int, ...] = ()  # empty: every Spark count
+    language: str = ""
+
+    def lines(self, values: dict[str, str]) -> tuple[str, str, tuple[str, ...]]:
+        """The step's words, source and command lines with the pack's values filled in."""
+        def fill(text: str) -> str:
+            for key, value in values.items():
+                text = text.replace("{{" + key + "}}", value)
+            return text
+        return fill(self.say), self.source, tuple(fill(c) for c in self.commands)
 
 
 @dataclass(frozen=True)
 class CardInfo:
     """What the pack's card says of the engine: Hugging Face's library_name (only for the engine that library
-    names), extra tags, and which run-section writer describes the launch (one per launch shape: stock
-    exllamav3, vLLM's serve, TensorFold's launcher, the mapped one-Spark launch)."""
+    names), extra tags, which run-section writer describes the launch (one per launch shape: stock
+    exllamav3, vLLM's serve, TensorFold's launcher, the mapped one-Spark launch) and its runbook (none: the card
+    says the launch is not known)."""
 
     library_name: str | None
     tags: tuple[str, ...]
     run: str
+    runbook: tuple[RunStep, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -210,6 +238,13 @@ class LoaderProfile:
     def budgeted_groups(self) -> tuple[str, ...]:
         """The target groups whose bits the bpw counts (exllamav3's budgeted set, less the engine's source form)."""
         return tuple(g for g in BUDGETED_GROUPS if self.layout[g] in (EXL3_FORM, EITHER))
+
+    @property
+    def bits_measure(self) -> str:
+        """The one name of the number --bpw sets for this engine, printed beside it everywhere (README.md, Words):
+        bits per routed weight where the budget is the routed experts alone, else over which tensors."""
+        groups = self.budgeted_groups
+        return "bits per routed weight" if groups == ("routed",) else f"bits over the budgeted tensors ({', '.join(groups)})"
 
     @property
     def overlay_groups(self) -> tuple[str, ...]:
@@ -435,6 +470,7 @@ def _profile_from(data: dict, name: str) -> LoaderProfile:
     card = data["card"]
     if card["run"] not in RUN_SECTIONS:
         raise ValueError(f"card.run must be one of {RUN_SECTIONS}")
+    runbook = tuple(_run_step(s) for s in card.get("runbook", ()))
     return LoaderProfile(
         name=data["name"], engine=data["engine"], archs=tuple(data["archs"]), fit_engine=data["fit_engine"],
         codebooks=tuple(data["codebooks"]), k_min=float(data["k_min"]), k_max=float(data["k_max"]),
@@ -453,8 +489,23 @@ def _profile_from(data: dict, name: str) -> LoaderProfile:
         layouts=_layouts(data["expert_layouts"]), decode=_dispatch(data["decode"]),
         help=data["help"], order=int(data["order"]), demo=bool(data["demo"]),
         default_for=tuple(DefaultFor(d["arch"], tuple(d["sparks"]) if "sparks" in d else None) for d in data["default_for"]),
-        card=CardInfo(card["library_name"], tuple(card["tags"]), card["run"]),
+        card=CardInfo(card["library_name"], tuple(card["tags"]), card["run"], runbook),
     )
+
+
+def _run_step(s: dict) -> RunStep:
+    """A runbook step of a profile's card, refused unless its kind, source and placeholders are ones the card knows."""
+    step = RunStep(s["step"], s["say"], tuple(s.get("commands", ())), s["source"],
+                   tuple(int(n) for n in s.get("sparks", ())), s.get("language", ""))
+    if step.step not in RUN_STEPS:
+        raise ValueError(f"card.runbook: step must be one of {RUN_STEPS}; got {step.step!r}")
+    if not _SOURCE.match(step.source):
+        raise ValueError(f"card.runbook: a source names a repository, a path and a commit (owner/name path @commit); "
+                         f"got {step.source!r}")
+    unknown = set(re.findall(r"\{\{(\w+)\}\}", " ".join([step.say, *step.commands]))) - set(RUN_VALUES)
+    if unknown:
+        raise ValueError(f"card.runbook: unknown {{{{key}}}} {sorted(unknown)}; known: {RUN_VALUES}")
+    return step
 
 
 def _dispatch(d: dict) -> Dispatch:

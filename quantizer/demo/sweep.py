@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from quantizer.orchestrate.stages import QUANTIZE_DIR, BuildRequest, BuildResult, build
 from quantizer.calibrate.settings import CalibrationSettings
@@ -48,7 +49,7 @@ from quantizer.plan.exl3_baseline import missing_for_baseline
 from quantizer.pack.owned import engram_dir_of
 from quantizer.ppl.compare import Comparison, compare
 from quantizer.ppl.measure import open_model, streamer
-from quantizer.ppl.perplexity import row_predictions
+from quantizer.ppl.perplexity import RowPredictions, row_predictions
 from quantizer.quantize.linears import plan_units
 from quantizer.quantize.results import measured_encodings
 from quantizer.quantize.settings import QuantizeSettings
@@ -173,15 +174,29 @@ def run_demo(work: Path, settings: DemoSettings | None = None) -> DemoResult:
                 make(size, method, profile, budget(size), measured)
 
     held = rows(eval_text, settings.eval_rows)
+    _say(f"demo: measuring the native model and {len(built)} packs on {held.shape[0]} x {held.shape[1]} held-out "
+         "tokens, one forward each; no time estimate (nothing under bench/ measures this step), the bar's rate "
+         "follows the first pack")
     reference = list(row_predictions(streamer(ck, quiet=True), held))
     native_nll = torch.cat([r.nll() for r in reference])
-    out = []
-    for (size, method, _), result in built.items():
-        c = compare(reference, row_predictions(streamer(open_model(result.out), quiet=True), held))
-        out.append(_row(size, method, result.plan, result.manifest, result.out, c, not result.verify.faults))
+    measured = measure_packs(reference, [result.out for result in built.values()], held)
+    out = [_row(size, method, result.plan, result.manifest, result.out, c, not result.verify.faults)
+           for ((size, method, _), result), c in zip(built.items(), measured)]
     rows_sorted = sorted(out, key=lambda r: (r.bpw, KNOWN_METHODS.index(r.method), order[r.loader]))
     return DemoResult(rows_sorted, float(native_nll.mean().exp()), native_nll.numel(), time.monotonic() - start,
                       settings.eval_text)
+
+
+def measure_packs(reference: list[RowPredictions], packs: list[Path], held: torch.Tensor) -> list[Comparison]:
+    """Each pack against the native model's predictions on the held-out rows, saying which pack of how many
+    it is at, with a bar over the packs (a pack's forward is silent: minutes of them printed nothing)."""
+    out = []
+    with tqdm(total=len(packs), desc="measure", unit="pack", file=sys.stderr) as bar:
+        for k, pack in enumerate(packs, 1):
+            bar.write(f"demo: measuring pack {k} of {len(packs)}: {pack.name}", file=sys.stderr)
+            out.append(compare(reference, row_predictions(streamer(open_model(pack), quiet=True), held)))
+            bar.update()
+    return out
 
 
 def _measured(cfg, work: Path, references: list[BuildResult]) -> dict[str, dict[float, float]]:

@@ -32,7 +32,7 @@ def build_summary(r: BuildResult) -> str:
         _proxy_line(r.quantized.proxy_err),
         *_tune_lines(r),
         *_end_to_end_line(r),
-        table(["class", "tensors", "bytes", "GiB", "bpw"], rows),
+        table(["class", "tensors", "bytes", "GiB", "stored bits/param"], rows),
         _fit_lines(pack_fit_table(r.out)),
         *([] if r.fit is None else [render_fit(r.fit)]),
         f"verify: clean ({len(r.verify.findings)} checks)",
@@ -92,9 +92,13 @@ def _proxy_line(proxy_err: dict[str, float | None]) -> str:
             f"worst {errors[worst]:.4g} ({worst})")
 
 
-def _fit_lines(fit: dict) -> str:
-    """One line per topology: per engine, whether the pack fits at the model's context, else the most it fits."""
-    lines = [f"fit at {fit['context']:,} tokens per stream ({fit['hardware']}, engram {fit['engram']}):"]
+def _fit_lines(table: dict) -> str:
+    """One line per topology: per engine, whether the pack fits at the context and streams it was planned for
+    (else the model's full context), else the most it fits."""
+    fit = table.get("planned") or table
+    what = "planned for" if "planned" in table else "the model's full context"
+    lines = [f"fit at {fit['context']:,} tokens x {fit['streams']} stream(s), {what} ({fit['hardware']}, engram "
+             f"{fit['engram']}):"]
     for sparks, engines in fit["topologies"].items():
         verdicts = [
             f"{engine} {'fits' if r['fits'] else 'no'}" + ("" if r["fits"] else f" (up to {r['max_context']:,} tokens)")

@@ -24,10 +24,12 @@ import yaml
 from huggingface_hub import ModelCardData
 
 from quantizer.calibrate.storage import HessianRecord
-from quantizer.contract.loader_profiles import LoaderProfile
+from quantizer.contract.loader_profiles import LoaderProfile, RunStep
+from quantizer.fit.launch import launch_context
+from quantizer.fit.render import context_note
 from quantizer.model.tensor_classes import DRAFTER, ENGRAM_TABLE, ROUTED_EXPERT, VISION, classify
 from quantizer.pack.fit_table import pack_fit_table
-from quantizer.pack.manifest import MANIFEST_NAME, NATIVE, Manifest
+from quantizer.pack.manifest import K_MAP_NAME, MANIFEST_NAME, NATIVE, Manifest
 from quantizer.pack.measurement import Measurement
 from quantizer.report import size_text, table
 from quantizer.workdir import write_json_atomic, write_text_atomic
@@ -107,7 +109,7 @@ def _title(m: Manifest) -> str:
     model = (m.source.get("base_model") or m.source["arch"]).rsplit("/", 1)[-1]
     return (f"# {model} EXL3 {m.quantization['bpw']:g} bpw\n\nAn EXL3 quantization of "
             f"{m.source.get('base_model') or 'a local ' + m.source['arch'] + ' checkpoint'} at "
-            f"{m.quantization['bpw']:g} bits per weight (exllamav3 accounting), written by quantizer {m.tool['version']}.")
+            f"{m.quantization['bpw']:g} {m.profile.bits_measure}, written by quantizer {m.tool['version']}.")
 
 
 def _source(m: Manifest) -> str:
@@ -135,14 +137,22 @@ def _loads_in(m: Manifest) -> str:
 
 
 RUN_HEADING = "## Run it"
+DOWNLOAD = RunStep(
+    "download",
+    "On each Spark that runs it, at the same path: the pack from the Hugging Face repository it was published to "
+    "(`quantizer publish PACK --repo ORG/NAME`), with huggingface_hub's `hf` (`pip install huggingface_hub`). `{{repo}}` and "
+    "`{{revision}}` stand for that repository and its branch or commit (`main` without `--revision`): the card is "
+    "written before the upload and cannot name them.",
+    ("hf download {{repo}} --revision {{revision}} --local-dir $HOME/models/{{name}}",),
+    "huggingface/huggingface_hub src/huggingface_hub/cli/download.py @3654dccfdc88")  # huggingface_hub's `hf` CLI
 
 
 def _run_it(m: Manifest) -> str:
-    """How to start the pack in its profile's engine: the engine, the command, the settings. Commands are
-    the ones docs/loader-profiles.md gives (with the engine document it cites); where it gives none, the
-    card says what the engine reads and where its launcher is. A function of the manifest alone (the fit
-    table is not: its verdicts follow today's hardware profile)."""
-    given = _flag_value(m.tool.get("command") or [], "--sparks")
+    """How to start the pack in its profile's engine: a runbook from install to the first request, each step read
+    from the engine's public code (the profile's `card.runbook`, docs/loader-profiles.md), filled with the context
+    and streams the pack was built for; where the profile has none, the card says the launch is not known. A
+    function of the manifest alone (the fit table is not: its verdicts follow today's hardware profile)."""
+    given = str(m.planned.sparks) if m.planned else _flag_value(m.tool.get("command") or [], "--sparks")
     return "\n".join([RUN_HEADING, "", *RUN_SECTIONS[m.profile.card.run](m, m.profile, given)])
 
 
@@ -154,63 +164,115 @@ def _sparks_text(profile: LoaderProfile, given: str | None) -> str:
     return f"{listed} DGX Sparks (the fit table below says where this pack fits)"
 
 
+def _run_values(m: Manifest, given: str | None, context: int | None = None) -> dict[str, str]:
+    """What fills a runbook's `{{key}}`s: a folder name for the pack (its title's), the context and streams it
+    was fitted to (Manifest.planned, else the build's recorded `--context` and `--streams`), the Spark count and the
+    Engram folder."""
+    command, planned = m.tool.get("command") or [], m.planned
+    recorded = _flag_value(command, "--context") or ""  # a pack built before packs recorded what they were fitted to
+    context = context or (planned and planned.context) or (int(recorded) if recorded.isdigit() else None)
+    streams = planned.streams if planned else int(_flag_value(command, "--streams") or 1)
+    model = (m.source.get("base_model") or m.source["arch"]).rsplit("/", 1)[-1]
+    return {"name": f"{model}-EXL3-{m.quantization['bpw']:g}bpw", "repo": "ORG/NAME", "revision": "REV",
+            "context": str(context) if context else "CTX", "streams": str(streams),
+            "tokens": str(launch_context(context) * streams) if context else "CTX",
+            "sparks": given or "N", "engram": (m.plan.get("engram_dir") or {}).get("dir", "")}
+
+
+def _context_text(values: dict[str, str]) -> str:
+    if values["context"] != "CTX":
+        return (f"- context: {int(values['context']):,} tokens x {values['streams']} stream(s), what the build fitted the "
+                "pack for; the fit table below gives the most that fits")
+    return ("- CTX: the context per stream, which the build did not record as a number (it fitted the model's "
+            "max positions, config.json's `max_position_embeddings`, or a `--context` such as 128K): put in a token "
+            "count; the fit table below gives the most that fits")
+
+
+def _runbook(profile: LoaderProfile, given: str | None, values: dict[str, str]) -> list[str]:
+    """The profile's runbook steps with the pack's download among them, filled with `values`: one pass, or one per
+    Spark count where steps differ by topology and the build named none."""
+    steps = profile.card.runbook
+    if not steps:
+        return [f"quantizer knows no launch for `{profile.name}`: its profile names no runbook (`card.runbook` of its "
+                "JSON, docs/loader-profiles.md); the engine's own documentation says how it starts and what it "
+                "reads. The pack itself downloads as below.", "", *_step(DOWNLOAD, values)]
+    ordered = [*(s for s in steps if s.step == "install"), DOWNLOAD, *(s for s in steps if s.step != "install")]
+    counts = sorted({n for s in steps for n in s.sparks})
+    if given and not any(not s.sparks or int(given) in s.sparks for s in steps):
+        return [f"The launch its sources document is for {' or '.join(map(str, counts))} DGX Sparks, none for {given}. "
+                "The pack itself downloads as below.", "", *_step(DOWNLOAD, values)]
+    if given or not counts:
+        return [line for s in ordered if not s.sparks or int(given or 0) in s.sparks for line in _step(s, values)]
+    out: list[str] = []
+    for n in counts:
+        out += [f"### On {n} DGX Sparks", ""]
+        out += [line for s in ordered if not s.sparks or n in s.sparks for line in _step(s, values | {"sparks": str(n)})]
+    return out
+
+
+def _step(step: RunStep, values: dict[str, str]) -> list[str]:
+    say, source, commands = step.lines(values)
+    return [f"**{step.step.capitalize()}.** {say} (from `{source}`)",
+            *(_fenced(*commands, language=step.language) if commands else [""])]
+
+
 def _run_vllm(m: Manifest, profile: LoaderProfile, given: str | None) -> list[str]:
     mixed = _mixed_k_layers(m)
-    env = "VLLM_EXL3_TENSOR_MIXED_K=1 " if mixed else ""
-    tp = given or "N"
+    values = _run_values(m, given)
     return [
-        "Engine: vLLM with the vllm-exl3 plugin (vcruz305/vllm-exl3) in the plugin's DeepSeek-V4.1 vLLM image, on "
-        f"{_sparks_text(profile, given) if given else 'N DGX Sparks'}, one tensor-parallel rank per Spark with expert "
-        "parallelism. From the folder that holds this pack:",
-        *_fenced(f'{env}vllm serve "$PWD" --quantization exl3 --tokenizer-mode deepseek_v41 --tensor-parallel-size {tp} '
-                 f"--enable-expert-parallel{' --enforce-eager' if mixed else ''}"),
-        *([] if given else [f"- N: the Spark count, {_sparks_text(profile, None)}; no vllm-exl3 pack of V4.1-Flash, "
-                            "which stores every routed expert, fits one (docs/loader-profiles.md of quantizer)"]),
-        (f"- routed experts of one layer differ in K in {len(mixed)} layer(s), so the plugin's per-expert path is on: "
-         "`VLLM_EXL3_TENSOR_MIXED_K=1`, `--enforce-eager`, expert parallel, no speculative decoding" if mixed else
+        "Engine: vLLM with the vllm-exl3 plugin (vcruz305/vllm-exl3) on "
+        f"{_sparks_text(profile, given)}, one tensor-parallel rank per Spark with expert "
+        "parallelism, as the plugin author's DGX-Spark recipe runs it (docs/loader-profiles.md of quantizer, "
+        "vllm-exl3).", "",
+        *([] if given else ["- no vllm-exl3 pack of V4.1-Flash, which stores every routed expert, fits one Spark; "
+                            "the recipe's `serve.sh` takes 2 or 4"]),
+        (f"- routed experts of one layer differ in K in {len(mixed)} layer(s): the plugin reads them on its per-expert "
+         "path, which `VLLM_EXL3_TENSOR_MIXED_K=1` in the serving container turns on, eager, with expert parallelism "
+         "and no speculative decoding (the launch below sets `EAGER=1 DSPARK=0`). The recipe's `serve.sh` forwards "
+         "only the variables it lists into the container, and this one is not among them: set it in the containers' "
+         "environment as they start (the recipe's cluster script is not in the repository index, so how it takes one "
+         "more variable is not confirmed here)" if mixed else
          "- every layer's routed experts share one K (config.json's `layer_bits`), so the per-expert path "
          "(`VLLM_EXL3_TENSOR_MIXED_K=1`) is not needed"),
-        "- context: vLLM takes config.json's `max_position_embeddings` unless `--max-model-len` caps it; the fit table "
-        "below gives the most that fits per Spark count",
-        "- the command is the plugin's launch shape (its docs/DEEPSEEK_V41_TP4_EP4.md: pin the image digest and the "
-        "plugin commit) with the run-time settings of docs/loader-profiles.md (vllm-exl3) of quantizer",
+        _context_text(values), "",
+        *_runbook(profile, given, values),
     ]
 
 
 def _run_tensorfold(m: Manifest, profile: LoaderProfile, given: str | None) -> list[str]:
     engram = m.plan.get("engram_dir") or {"dir": "<pack>-Engram", "shards": []}  # absent: a manifest edited by hand
+    values = _run_values(m, given) | {"engram": engram["dir"]}
     return [
         f"Engine: TensorFold's DeepSeek-V4.1 engine (bertholomus/TensorFold, Zig kit) on {_sparks_text(profile, given)}; "
-        "it has no one-Spark path. It reads the model from this folder and the Engram tables from a folder of their "
-        f"own: `quantizer build` wrote `{engram['dir']}/` beside the pack, {len(engram['shards'])} source shard(s) "
-        f"({', '.join(engram['shards'])}) linked from the source. It is not uploaded with the pack: elsewhere, put "
-        "those shards of the source in such a folder. Point TensorFold at it before its launcher starts:",
-        *_fenced(f'export TF_DS_ENGRAM="$PWD/../{engram["dir"]}"'),
-        "- or pass `--engram DIR`; TensorFold's READMEs also find a folder next to the model whose name contains "
-        "`Engram` (docs/loader-profiles.md of quantizer, tensorfold)",
-        "- the launch itself is the TensorFold recipes' two- or four-node lane; quantizer's docs give no command of "
-        "their own for it",
+        "it has no one-Spark path, and its config.zig takes only the full-size V4.1-Flash shapes. It reads the model "
+        "from the pack's folder and the Engram tables from a folder of their own: `quantizer build` wrote "
+        f"`{engram['dir']}/` beside the pack, {len(engram['shards'])} source shard(s) ({', '.join(engram['shards'])}) "
+        "linked from the source. It is not uploaded with the pack: beside the download, put those shards of the "
+        f"source in `$HOME/models/{engram['dir']}`, which the launch below passes (`--engram`, `TF_DS_ENGRAM`).", "",
+        _context_text(values),
+        "- `<...>`: the site's own values (addresses, RDMA devices, network interface, folders), as the recipes leave "
+        "them", "",
+        *_runbook(profile, given, values),
     ]
 
 
 def _run_exllamav3(m: Manifest, profile: LoaderProfile, given: str | None) -> list[str]:
     version = m.tool["exllamav3_target"]
-    v41 = m.source["arch"] == "v41"
+    values = _run_values(m, given)
     return [
-        f"Engine: stock exllamav3 {version} (turboderp-org/exllamav3, `pip install exllamav3=={version}`) on one GPU "
-        "host: one Spark, its tensor parallelism being single-host. It loads this folder as a model directory, as "
-        "quantizer's GPU tests load every pack of this profile (tests/gpu/test_pack_exllamav3.py), run from here:",
-        *_fenced("from exllamav3 import Config, Model", 'model = Model.from_config(Config.from_directory("."))',
-                 "model.load()", language="python"),
+        f"Engine: stock exllamav3 {version} (turboderp-org/exllamav3) on one GPU host: one Spark, its tensor "
+        "parallelism being single-host.", "",
         *([f"- exllamav3 {version} has no DeepSeek-V4.1 architecture: this V4.1 pack is for forks that share its "
-           "kernels (docs/loader-profiles.md of quantizer, exllamav3)"] if v41 else []),
-        "- context: the fit table below gives the most that fits on one Spark",
+           "kernels (docs/loader-profiles.md of quantizer, exllamav3)"] if m.source["arch"] == "v41" else []),
+        _context_text(values), "",
+        *_runbook(profile, given, values),
     ]
 
 
 def _run_one_spark(m: Manifest, profile: LoaderProfile, given: str | None) -> list[str]:
     """Native ExLlamaV3's V4.1 loader serves weights from the mapped file as the pack's launch.env says."""
     launch = m.plan["launch"]
+    values = _run_values(m, given, launch.get("context"))
     cold = (f"{launch['cold_experts']:,} cold routed experts ({launch['cold_share']:.2%} of the calibration's routed "
             "tokens) are left in the page cache with the drafter" if launch["cold_experts"] else
             "every routed expert is copied into GPU memory, the drafter left in the page cache")
@@ -218,17 +280,19 @@ def _run_one_spark(m: Manifest, profile: LoaderProfile, given: str | None) -> li
                "dequantize into GPU memory, so it launches without it (`DRAFT=0`); build with `--overlay` for an "
                "EXL3 drafter served from the mapped file.")
     return [
-        "Engine: native ExLlamaV3's V4.1 loader (vcruz305/exllamav3, branch `feat/gb10-ats-load`; the recipe pins "
-        "commit `954a8ca6e59d`) on one DGX Spark in ATS addressing mode. `launch.env` in this folder sets what the "
+        "Engine: native ExLlamaV3's V4.1 loader (vcruz305/exllamav3, branch `feat/gb10-ats-load` at the commit the "
+        "recipe pins) on one DGX Spark in ATS addressing mode. `launch.env` in the pack's folder sets what the "
         f"engine copies into GPU memory and what it serves from the mapped shards (`EXL3_ATS_MMAP=1`, `EXL3_ATS_COPY`, "
-        f"`DRAFT`): {cold}.{drafter} Load it before the recipe's launcher (vcruz305/DeepSeek-V4.1-Flash-EXL3-DGX-Spark-"
-        "recipe, `one-spark-tp1/scripts/run_tp1.sh`, which keeps variables already set):",
-        *_fenced("set -a; . ./launch.env; set +a", "MODEL_DIR=$PWD one-spark-tp1/scripts/run_tp1.sh"),
+        f"`DRAFT`): {cold}.{drafter}", "",
         (f"- context: `launch.env` sets `CTX={launch['context']}` and `CHUNK={launch['chunk']}`, what the pack was "
          "fitted for (the launcher's own default is 6,144 tokens); the fit table below gives the most that fits on "
          "one Spark" if launch.get("context") else
-         "- context: the fit table below gives the most that fits on one Spark (docs/gb10-memory.md of quantizer, "
-         "one Spark); set `CTX` (a multiple of 256) before the launcher, whose default is 6,144 tokens"),
+         "- context: `launch.env` sets none, so the launcher's 6,144 tokens; set `CTX` (a multiple of 256) before "
+         "the launcher for more: the fit table below gives the most that fits on one Spark (docs/gb10-memory.md "
+         "of quantizer, one Spark)"),
+        *([f"- streams: the build planned {values['streams']}; the recipe's driver serves one"]
+          if values["streams"] != "1" else []), "",
+        *_runbook(profile, given, values),
     ]
 
 
@@ -263,10 +327,8 @@ def _flag_value(command: list[str], flag: str) -> str | None:
 def bits_text(m: Manifest) -> str:
     """The pack's bits in words: per weight of which tensors, and how exllamav3's record rounds them."""
     q = m.quantization
-    groups = m.profile.budgeted_groups
-    which = "the routed experts" if groups == ("routed",) else f"the budgeted tensors ({', '.join(groups)})"
     rounded = "" if q["bits"] == q["bpw"] else f"; exllamav3's record (quantization_config.json) rounds it to bits {q['bits']}"
-    return f"{q['bpw']:g} bits per weight over {which}{rounded}; codebook {m.plan['codebook']}"
+    return f"{q['bpw']:g} {m.profile.bits_measure}{rounded}; codebook {m.plan['codebook']}"
 
 
 def _bits(m: Manifest) -> str:
@@ -277,8 +339,11 @@ def _bits(m: Manifest) -> str:
     return "\n".join([
         "## Bits", "",
         f"{bits_text(m)}. EXL3 linears by K, the bits per weight each stores (16 = fp16): {hist}.", "",
-        "Stored bits per source parameter, by tensor class:", "",
-        "```", table(["class", "tensors", "bytes", "params", "bpw"], rows), "```",
+        *([f"Every stored linear's K (or `source`, kept as the source stores it) is in `{K_MAP_NAME}`.", ""]
+          if K_MAP_NAME in m.files else []),
+        "Stored bits per source parameter, by tensor class: every byte a class stores, its scales and signs "
+        "included, over the source's parameters (so above K, by most on small tensors):", "",
+        "```", table(["class", "tensors", "bytes", "params", "stored bits/param"], rows), "```",
     ])
 
 
@@ -364,30 +429,39 @@ def without_fit(card: str) -> str:
 
 
 def _fit(f: dict | None) -> str:
+    """The fit table at the context the pack was planned for (pack/fit_table.py), then at the model's full context
+    where that is longer; a pack that records no planned context is fitted at the full one, and says so."""
     if not f:
         return f"{FIT_HEADING}\n\nnot computed."
-    rows = []
-    for sparks, engines in f["topologies"].items():
-        for engine, r in engines.items():
-            mapped = r.get("mapped_gib") or [0.0] * len(r["weights_gib"])
-            d = r.get("decode")
-            rows.append([sparks, engine, "yes" if r["fits"] else "no",
-                         " / ".join(f"{w:,.3f}" + (f" (+{g:,.3f} mapped)" if g else "")
-                                    for w, g in zip(r["weights_gib"], mapped)),
-                         " / ".join(f"{g:,.3f}" for g in r["free_gib"]), f"{r['max_context']:,}",
-                         _decode_cell(d)])
+    planned = f.get("planned")
+    note = context_note(f.get("planned_context"), f["context"])
     return "\n".join([
         FIT_HEADING, "",
-        f"At {f['context']:,} tokens x {f['streams']} stream(s), split {f['split']}, Engram {f['engram']}, "
+        f"{note[0].upper()}{note[1:]}; {(planned or f)['streams']} stream(s), split {f['split']}, Engram {f['engram']}, "
         f"drafter {f['drafter']}, vision {f['vision']}, hardware profile {f['hardware']} "
         "(`quantizer fit PACK --sparks N` prints the same per-rank numbers):", "",
-        "```", table(["Sparks", "engine", "fits", "weights GiB per rank", "free GiB per rank", "max context",
-                      "decode tok/s (model)"], rows),
-        "```", "",
+        *_fit_rows(planned or f),
+        *([f"At the model's full context, {f['context']:,} tokens and one stream (`quantizer fit PACK --sparks N "
+           f"--context {f['context']} --streams 1`):", "", *_fit_rows(f)] if planned else []),
         "Decode tok/s is a model, not a measurement (quantizer's docs/decode-speed.md): the bytes a token reads over "
         "GB10's bandwidth and the engine's kernel launches by the dispatch path each layer's expert layout takes, "
         "its constants fitted to published rates; with the drafter in brackets.",
     ])
+
+
+def _fit_rows(f: dict) -> list[str]:
+    """One fenced table: a row per Spark count and engine of fit_table's `topologies`."""
+    rows = []
+    for sparks, engines in f["topologies"].items():
+        for engine, r in engines.items():
+            mapped = r.get("mapped_gib") or [0.0] * len(r["weights_gib"])
+            rows.append([sparks, engine, "yes" if r["fits"] else "no",
+                         " / ".join(f"{w:,.3f}" + (f" (+{g:,.3f} mapped)" if g else "")
+                                    for w, g in zip(r["weights_gib"], mapped)),
+                         " / ".join(f"{g:,.3f}" for g in r["free_gib"]), f"{r['max_context']:,}",
+                         _decode_cell(r.get("decode"))])
+    return ["```", table(["Sparks", "engine", "fits", "weights GiB per rank", "free GiB per rank", "max context",
+                          "decode tok/s (model)"], rows), "```", ""]
 
 
 def _decode_cell(d: dict | None) -> str:
@@ -404,9 +478,11 @@ def _quality(m: Manifest) -> str:
                 "against the source and records it here.")
     rows = [
         ["KL(source || pack), nats/token", f"{q.kl:.5f} ± {q.kl_stderr:.5f}"],
+        ["KL 95th percentile over the tokens, nats", "not recorded" if q.kl_p95 is None else f"{q.kl_p95:.5f}"],
         ["top-1 agreement", f"{q.top1:.2%} ± {q.top1_stderr:.2%}"],
         ["perplexity, pack", f"{q.ppl:.4f}"],
         ["perplexity, source", f"{q.ppl_source:.4f}"],
+        ["perplexity ratio (pack / source)", f"{q.ppl_ratio:.4f}"],
         ["NLL delta (pack - source), nats/token", f"{q.nll_delta:+.5f} ± {q.nll_delta_stderr:.5f}"],
     ]
     e = q.engine

@@ -25,7 +25,7 @@ from quantizer.exl3 import UNQUANTIZED, check_bpw
 from quantizer.fit.launch import LaunchSettings, read_launch
 from quantizer.fit.stored import StoredTensor, stored_from_pack
 from quantizer.model.targets import stored_parts, targets
-from quantizer.pack.manifest import Manifest, is_pack
+from quantizer.pack.manifest import Manifest, Planned, is_pack
 from quantizer.plan.recipe import plan_from_recipe, profile_note, read_recipe
 
 
@@ -39,7 +39,9 @@ class FitInput:
     source: str  # what the report names
     findings: Findings | None  # the rules of `profile` the layout breaks
     plan: Plan  # the K map (a pack's, read from its headers)
-    launch: LaunchSettings | None = None  # a pack's launch.env
+    launch: LaunchSettings | None = None  # a pack's launch.env (its CTX: the context the pack was planned for)
+    packed: bool = False  # a pack quantizer wrote, not a native checkpoint, plan, recipe or bpw
+    planned: Planned | None = None  # the Sparks, context and streams the pack was fitted to at build time
 
 
 def open_fit_input(src: str | None, cfg: ModelConfig | None, asked: LoaderProfile | None, sparks: int,
@@ -70,7 +72,7 @@ def pack_input(path: str | Path, asked: LoaderProfile | None, sparks: int | None
     plan = plan_of_headers(cfg, stored, manifest)
     profile = asked or (plan.profile if is_pack(path) else matching_profile(cfg, plan, sparks)[0])
     return FitInput(cfg, stored, profile, str(path), Findings.of(profile, broken_rules(cfg, plan, profile)), plan,
-                    read_launch(path))
+                    read_launch(path), manifest is not None, manifest and manifest.planned)
 
 
 def plan_input(cfg: ModelConfig, path: str, asked: LoaderProfile | None) -> FitInput:

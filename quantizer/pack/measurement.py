@@ -6,7 +6,7 @@ card reads it, so the quality a card states is always a recorded measurement, ne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,20 @@ class Measurement:
     nll_delta: float  # mean NLL(pack) - NLL(source), nats
     nll_delta_stderr: float
     engine: LogitsEngine
+    kl_p95: float | None = None  # 95th percentile of the per-token KL, nats; None: recorded before it was
+
+    @property
+    def ppl_ratio(self) -> float:
+        """ppl(pack) / ppl(source) over the same tokens, from the two perplexities every record holds."""
+        return self.ppl / self.ppl_source
+
+    def to_dict(self) -> dict:
+        """The record as the manifest writes it; a record made before kl_p95 existed keeps its exact keys, so the
+        digest it was signed with still holds (pack/manifest.py)."""
+        data = asdict(self)
+        if self.kl_p95 is None:
+            del data["kl_p95"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Measurement":

@@ -24,7 +24,7 @@ def plan_summary(cfg: ModelConfig, plan: Plan) -> str:
     rows = [[g, ", ".join(f"{k} x{n:,}" for k, n in sorted(c.items()))] for g, c in by_group.items() if c]
     sizes = plan.expected_bytes
     lines = [
-        f"{plan.made_by}; achieved {plan.achieved_bpw:.4f} bits per weight over the budgeted tensors "
+        f"{plan.made_by}; achieved {plan.achieved_bpw:.4f} {plan.profile.bits_measure} "
         f"(target {plan.target_bpw:g}); loader profile {plan.profile.name}; plan hash {plan.content_hash()[:16]}",
         table(["group", "K (count)"], rows, right=set()),
     ]

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
+from tqdm import tqdm
 
 from quantizer.errors import UserError
 from quantizer.model.streaming import LayerStreamer
@@ -47,12 +48,23 @@ class PplResult:
         return asdict(self)
 
 
-def row_predictions(streamer: LayerStreamer, rows: torch.Tensor) -> Iterator[RowPredictions]:
-    for index, (row, logits) in enumerate(zip(rows, streamer.row_logits(rows))):
-        if not torch.isfinite(logits).all():
-            raise NonFiniteLogits(f"row {index}: the model's logits are not finite (NaN or inf), so its weights "
-                                  "are corrupt")
-        yield RowPredictions(index, torch.log_softmax(logits[:-1], dim=-1), row[1:])
+def row_predictions(streamer: LayerStreamer, rows: torch.Tensor, bar: bool = True) -> Iterator[RowPredictions]:
+    """Each row's predictions; where the streamer shows its progress and `bar`, a bar over the rows (the
+    head), opened once the streamer's bar over layers is done: on a large vocabulary a long row's head
+    takes seconds."""
+    done = None
+    try:
+        for index, (row, logits) in enumerate(zip(rows, streamer.row_logits(rows))):
+            if done is None:
+                done = tqdm(total=rows.shape[0], desc="rows", unit="row", disable=not (bar and streamer.progress))
+            if not torch.isfinite(logits).all():
+                raise NonFiniteLogits(f"row {index}: the model's logits are not finite (NaN or inf), so its weights "
+                                      "are corrupt")
+            yield RowPredictions(index, torch.log_softmax(logits[:-1], dim=-1), row[1:])
+            done.update()
+    finally:
+        if done is not None:
+            done.close()
 
 
 def summarize(nll: torch.Tensor) -> PplResult:

@@ -44,7 +44,7 @@ def ids(tmp_path_factory):
 def tuned(tiny_v4, ids, tmp_path_factory):
     root = tmp_path_factory.mktemp("tuned")
     assert main(["build", str(tiny_v4), "--bpw", "2.5", "--method", "uniform", "--loader", "exllamav3", "--tokens",
-                 str(ids), "--tune", "--tune-steps", "20", "--out", str(root / "pack")]) == 0
+                 str(ids), "--device", "cpu", "--tune", "--tune-steps", "20", "--out", str(root / "pack")]) == 0
     assert Manifest.load(root / "pack").settings["tuning"]["tune_rows"] > 0
     return root / "pack"
 
