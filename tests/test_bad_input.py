@@ -241,6 +241,27 @@ def test_a_margin_or_k_that_is_no_number_of_its_kind_is_refused(argv, needle, ca
     one_line(capsys.readouterr().err, needle)
 
 
+@pytest.mark.parametrize("flags,needle", [
+    (["--head-bits", "5"], "--head-bits 5: the vllm-exl3 engine keeps the head in source form, so it would change nothing"),
+    (["--drafter-bits", "4"], "--drafter-bits 4: the vllm-exl3 engine keeps the drafter in source form"),
+    (["--loader", "exllamav3-v41", "--overlay", "attention", "--head-bits", "8"],
+     "--head-bits 8: the exllamav3-v41 engine keeps the head in source form"),
+])
+def test_head_or_drafter_bits_an_engine_would_not_apply_are_refused(flags, needle, tmp_path, capsys):
+    """On the V4.1 default profile --head-bits and --drafter-bits were taken and changed nothing (issue 60)."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model-config", "deepseek-v4.1-flash", "--bpw", "2.5", *flags, "--out", str(out)]) == 2
+    one_line(capsys.readouterr().err, needle)
+    assert not out.exists()
+
+
+def test_head_bits_an_engine_applies_are_taken(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model-config", "tiny-v41", "--bpw", "2.5", "--loader", "tensorfold", "--head-bits", "5",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["head_bits"] == 5
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["plan", "--model-config", "tiny-v41", "--bpw", "2.5", "--out", "{file}/plan.json"], "is a file, not a directory"),
     (["plan", "--model-config", "tiny-v41", "--bpw", "2.5", "--recipe-out", "{dir}"], "a directory; give the file's path"),

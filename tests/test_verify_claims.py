@@ -136,9 +136,11 @@ def test_an_edited_k_map_is_a_fault_naming_it(copy, capsys):
 
 
 def _refused(pack, built, source, capsys, claim: str) -> None:
-    """`card` and `ppl --record` refuse the pack in one line naming the claim, and change nothing."""
+    """`card`, `fit` and `ppl --record` refuse the pack in one line naming the claim, and change nothing."""
     before = {p.name: p.read_bytes() for p in pack.iterdir()}
     assert main(["card", str(pack)]) == 2
+    one_line(capsys.readouterr().err, f"{pack / MANIFEST_NAME}: {claim}", "rebuild the pack")
+    assert main(["fit", str(pack)]) == 2
     one_line(capsys.readouterr().err, f"{pack / MANIFEST_NAME}: {claim}", "rebuild the pack")
     assert main(["ppl", str(pack), "--against", str(source), "--tokens", str(built / "rows.npy"), "--record"]) == 2
     one_line(capsys.readouterr().err, claim)

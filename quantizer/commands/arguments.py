@@ -41,7 +41,7 @@ from quantizer.exl3.codebook import Codebook
 from quantizer.exl3.k_values import UNQUANTIZED, rate_grid
 from quantizer.fit.memory import MARGIN_GIB, FitTarget
 from quantizer.hub import branch_problem, repo_id_problem
-from quantizer.model.targets import DRAFT
+from quantizer.model.targets import DRAFT, HEAD_GROUP
 from quantizer.plan.allocate import AllocationSettings
 from quantizer.shipped import model_config_path
 from quantizer.workdir import output_problem
@@ -152,9 +152,11 @@ def add_head_drafter_arguments(p: argparse.ArgumentParser) -> None:
     """--head-bits and --drafter-bits: K of the two groups outside the budget, as AllocationSettings
     takes them (`plan`, `fit` and `build` mean the same by them)."""
     p.add_argument("--head-bits", type=_bits, default=AllocationSettings.head_bits,
-                   help=f"K of the LM head (or native; default {AllocationSettings.head_bits:g})")
+                   help=f"K of the LM head (or native; default {AllocationSettings.head_bits:g}); refused where the "
+                        "engine keeps the head in source form")
     p.add_argument("--drafter-bits", type=_bits, default=AllocationSettings.drafter_bits,
-                   help="K of the DSpark drafter (default native, or the engine profile's where it must be EXL3)")
+                   help="K of the DSpark drafter (default native, or the engine profile's where it must be EXL3); "
+                        "refused where the engine keeps the drafter in source form")
 
 
 def add_one_spark_arguments(p: argparse.ArgumentParser) -> None:
@@ -195,6 +197,11 @@ def allocation_of(args: argparse.Namespace, profile: LoaderProfile, codebook: st
     """The plan flags (--head-bits, --drafter-bits, --expert-layout, --half-rates, and plan's --alias options) as
     the allocator's settings for `profile`, with the overlay the flags ask for."""
     aliasing = {k: getattr(args, k) for k in ("alias", "alias_below", "alias_cap") if hasattr(args, k)}
+    for flag, group, k, default in (("--head-bits", HEAD_GROUP, args.head_bits, AllocationSettings.head_bits),
+                                    ("--drafter-bits", DRAFT, args.drafter_bits, AllocationSettings.drafter_bits)):
+        if k is not None and k != default and not profile.takes_fixed_k(group, overlay):
+            raise UserError(f"{flag} {k:g}: the {profile.name} engine keeps the {group} in source form, so it would "
+                            f"change nothing; drop {flag} (or choose a --loader that stores the {group} as EXL3)")
     return AllocationSettings(profile=profile, codebook=codebook, head_bits=args.head_bits, drafter_bits=args.drafter_bits,
                               overlay=overlay, expert_layout=args.expert_layout, half_rates=args.half_rates, **aliasing)
 

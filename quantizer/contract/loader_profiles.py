@@ -277,6 +277,13 @@ class LoaderProfile:
         return (codebook in self.codebooks and self.k_min <= k <= self.k_max
                 and not (half and (codebook not in self.half_rate_codebooks or self.integer_only(t))))
 
+    def takes_fixed_k(self, group: str, overlay: Overlay | None) -> bool:
+        """Whether a K asked for the head or drafter changes the pack: not where the engine keeps the group in
+        source form, nor for an overlay group the overlay leaves out."""
+        if self.layout[group] == OVERLAY:
+            return overlay is not None and group in overlay.groups
+        return self.quantizes(group)
+
     def group_k(self, group: str, wanted: float | None) -> float | None:
         """K for the head or drafter group: None where the engine keeps it in source form, the
         profile's default where it must be EXL3 and none was asked for."""

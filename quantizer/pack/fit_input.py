@@ -25,7 +25,7 @@ from quantizer.exl3 import UNQUANTIZED, check_bpw
 from quantizer.fit.launch import LaunchSettings, read_launch
 from quantizer.fit.stored import StoredTensor, stored_from_pack
 from quantizer.model.targets import stored_parts, targets
-from quantizer.pack.manifest import Manifest, Planned, is_pack
+from quantizer.pack.manifest import MANIFEST_NAME, Manifest, Planned, is_pack
 from quantizer.plan.recipe import plan_from_recipe, profile_note, read_recipe
 
 
@@ -66,8 +66,8 @@ def pack_input(path: str | Path, asked: LoaderProfile | None, sparks: int | None
     """A pack (its manifest's profile unless --loader asks for another) or a native checkpoint (the profile its
     layout meets, else the closest)."""
     manifest = Manifest.load(Path(path)) if is_pack(path) else None
-    if manifest:
-        manifest.require_files(Path(path))  # its launch.env sets the context and what is mapped: as written, or refused
+    if manifest:  # its K records, launch.env and planned context size the fit: as written and true, or refused
+        manifest.require_claims(Path(path) / MANIFEST_NAME)
     cfg, stored = stored_from_pack(path)
     plan = plan_of_headers(cfg, stored, manifest)
     profile = asked or (plan.profile if is_pack(path) else matching_profile(cfg, plan, sparks)[0])

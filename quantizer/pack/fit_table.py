@@ -43,7 +43,6 @@ def pack_fit_table(pack, hardware: Hardware | None = None) -> dict:
     table = at(cfg.max_position_embeddings)
     planned = manifest.planned
     table["planned_context"] = planned and planned.context
-    table["planned_streams"] = planned and planned.streams
     if planned and (planned.context < cfg.max_position_embeddings or planned.streams > 1):
         table["planned"] = at(planned.context, planned.streams)
     return table

@@ -37,7 +37,7 @@ A digest proves only that nobody edited the claims without making it again, and 
 `totals`, each tensor's K and class; `Summary`) and k_map.json (every stored linear -> K, 16 for fp16, or
 "source") are recomputed by `summarise`, the function the pack stage wrote them with, from the plan the
 shards carry (`held_plan`: K from each trellis width, docs/exl3-format.md): verify faults a difference, and
-`require_claims` (`card`, `ppl`, `eval`) refuses it, as it refuses launch.env settings other than the claimed.
+`require_claims` (`card`, `ppl`, `eval`, `fit PACK`) refuses it, as it refuses launch.env settings other than the claimed.
 
 Version 2 manifests (before `files`, and with a digest of tool, source, plan and settings only) are
 refused with one line saying to rebuild: what they claim about the rest cannot be vouched for.
