@@ -20,6 +20,7 @@ from quantizer.fit.memory import Scenario, evaluate
 from quantizer.fit.stored import stored_from_pack
 from quantizer.pack.card import CARD_NAME, render_card
 from quantizer.pack.fit_table import pack_fit_table
+from quantizer.errors import UserError
 from quantizer.pack.manifest import MANIFEST_NAME, FileRecord, Manifest
 from quantizer.shipped import shipped
 
@@ -164,3 +165,14 @@ def test_a_pack_built_for_two_sparks_is_fitted_at_its_sparks_context_and_streams
     assert any(line.startswith("FITS: fits 2 Sparks") for line in out)
     assert any(line.startswith("at the model's full context: FITS") for line in out)
     assert "3 stream(s)" in _fit_section((pack / CARD_NAME).read_text())
+
+
+@pytest.mark.parametrize("record", [{"sparks": 2}, {"sparks": "two", "context": 1, "streams": 1}, "2 Sparks"])
+def test_a_malformed_planned_record_is_one_line(planned, record):
+    """A hand-made manifest (its digest made again) with a planned record no build writes: one line, not a
+    traceback, wherever it is read."""
+    m = Manifest.load(planned[0])
+    m.plan["planned"] = record
+    with pytest.raises(UserError) as e:
+        _ = m.planned
+    assert str(e.value).startswith(f"{MANIFEST_NAME}: plan.planned ") and "rebuild the pack" in str(e.value)

@@ -13,6 +13,7 @@ from quantizer.calibrate.settings import DEFAULT_COLS, DEFAULT_ROWS, Calibration
 from quantizer.checkpoint.config import ModelConfig
 from quantizer.cli import main
 from quantizer.contract.loader_profiles import load_profile
+from quantizer.errors import UserError
 from quantizer.model.block import Block
 from quantizer.model.targets import classified_layout
 from quantizer.orchestrate import price as price_module
@@ -91,3 +92,14 @@ def test_layers_of_one_kind_build_the_same_block():
         assert tuple((k, t.nbytes) for k, t in own.state_dict().items()) == _block_tensors(
             cfg, kinds[layer], CalibrationSettings().dtype)
     assert DEFAULT_ROWS == 250 and DEFAULT_COLS == 2048  # what the price and README's table state
+
+
+@pytest.mark.parametrize("text", ['{"format": "quantizer-build-gpus", "gpus": [{"name": "H1', '{"gpus": []}',
+                                  '{"format": "quantizer-build-gpus", "gpus": [], "calibration": {"gpu": "H200"}}'])
+def test_a_truncated_or_wrong_gpu_table_is_one_line(text, tmp_path, monkeypatch):
+    path = tmp_path / "build_gpus.json"
+    path.write_text(text)
+    monkeypatch.setattr(price_module, "shipped", lambda *parts: path)
+    with pytest.raises(UserError) as e:
+        price_module._build_gpus()
+    assert str(e.value).startswith(f"{path}: not a") and "\n" not in str(e.value)

@@ -280,10 +280,14 @@ class Manifest:
         --streams); for a one-Spark pack written before that was recorded, its launch.env's context. None where
         the build named no Spark count."""
         given = self.plan.get("planned")
-        if given:
-            return Planned(int(given["sparks"]), int(given["context"]), int(given["streams"]))
         launch = self.plan.get("launch") or {}
-        return Planned(1, int(launch["context"]), 1) if launch.get("context") else None
+        try:
+            if given:
+                return Planned(int(given["sparks"]), int(given["context"]), int(given["streams"]))
+            return Planned(1, int(launch["context"]), 1) if launch.get("context") else None
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{MANIFEST_NAME}: plan.planned {given!r} is not the Sparks, context and streams a build "
+                            "records; rebuild the pack, or copy it again from where it was built") from None
 
     def exl3_keys(self) -> dict[str, float | int]:
         """EXL3 linear key -> K, from the `.trellis` tensors the manifest lists."""
